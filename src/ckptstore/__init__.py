@@ -1,0 +1,17 @@
+"""ckptstore: a content-addressed, versioned checkpoint store for PyTorch and TorchRL.
+
+>>> import ckptstore
+>>> store = ckptstore.Store("runs/store")
+>>> info = store.commit({"rb": rb, "policy": policy, "rng": ckptstore.RNGState()}, tag="latest")
+>>> store.checkout("latest", into={"policy": policy2}, partial=["policy"])
+
+See docs/quickstart.md and docs/concepts.md.
+"""
+
+from . import errors
+from .adapters import Adapter, ComponentState, Json, RNGState, register_adapter
+from .store import CommitInfo, IOStats, Store
+
+__version__ = "0.1.0"
+
+__all__ = ["Store", "CommitInfo", "IOStats", "RNGState", "Adapter", "ComponentState", "Json", "register_adapter", "errors", "__version__"]

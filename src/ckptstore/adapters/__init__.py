@@ -1,0 +1,27 @@
+"""Adapters: the built-in ones and the registration API (see :mod:`.base`).
+
+TorchRL's adapters are imported the first time an object or a stored
+component from ``torchrl`` is met, so ``import ckptstore`` does not import TorchRL.
+"""
+
+from . import rng, torch_nn, values  # noqa: F401  (registers the built-in adapters)
+from .base import (
+    REGISTRY,
+    Adapter,
+    ComponentState,
+    Json,
+    LazyTensor,
+    Registry,
+    capture,
+    flatten,
+    join,
+    migrate,
+    register_adapter,
+    unflatten,
+)
+from .rng import RNGState
+
+__all__ = [
+    "REGISTRY", "Adapter", "ComponentState", "Json", "LazyTensor", "Registry", "RNGState",
+    "capture", "flatten", "join", "migrate", "register_adapter", "unflatten",
+]

@@ -1,0 +1,427 @@
+"""The adapter layer: turning live objects into state trees and back.
+
+An adapter handles one kind of object. Leaf adapters turn an object into a
+*component*: a state tree (nested ``dict`` with ``str`` keys whose leaves are
+tensors or JSON values, see :mod:`ckptstore.jsonvalue`) stamped with the
+adapter's name and state version. Container adapters (a ``dict`` of objects,
+a replay buffer) only name their children; each child becomes a component at
+``<container path>/<child name>``.
+
+Register an adapter with the :func:`register_adapter` class decorator::
+
+    @ckptstore.register_adapter
+    class CounterAdapter(ckptstore.Adapter):
+        name = "myproject.counter"
+        version = 2
+        types = (Counter,)
+        migrations = {1: lambda state: {**state, "total": state["count"]}}  # v1 -> v2
+
+        def to_state(self, obj):
+            return {"count": obj.count, "total": obj.total}
+
+        def from_state(self, obj, state):
+            obj.count, obj.total = state.json("count"), state.json("total")
+            return obj
+
+Restoring state written by an older version first runs ``migrations[v]`` for
+each ``v`` from the stored version up (each gets and returns a flat
+``{relative path: value}`` dict, tensors materialised); state from a newer
+version raises :class:`~ckptstore.errors.AdapterVersionError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from .. import jsonvalue
+from ..errors import AdapterError, AdapterVersionError, InvalidNameError, MissingLeafError, ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
+
+_MISSING = object()
+
+
+def join(path: str, name: str) -> str:
+    """Join two state-tree paths with ``/`` (the root path is ``""``)."""
+    if not path:
+        return name
+    if not name:
+        return path
+    return f"{path}/{name}"
+
+
+def check_key(key: Any, path: str) -> str:
+    """Validate one state-tree key. Raises InvalidNameError for bad keys."""
+    if type(key) is not str or not key or "/" in key or key in (".", "..") or "\x00" in key:
+        raise InvalidNameError(f"{path or '<root>'}: key {key!r} is not a valid state-tree key (non-empty str without '/')")
+    return key
+
+
+def is_subtree(value: Any) -> bool:
+    """A ``dict`` that flattens into child leaves (non-empty, all keys valid)."""
+    return (
+        type(value) is dict
+        and bool(value)
+        and all(type(k) is str and k and "/" not in k and k not in (".", "..") and "\x00" not in k for k in value)
+    )
+
+
+class Json:
+    """Marks a value as one JSON leaf, even a ``dict`` that would be a subtree."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+def flatten(tree: Any, path: str = "") -> dict[str, Any]:
+    """Flatten a state tree into ``{path: tensor or JSON value}``.
+
+    A non-empty ``dict`` with valid ``str`` keys is a subtree; a tensor is a
+    tensor leaf; a :class:`Json` or anything else is a JSON value (checked here).
+
+    Raises:
+        UnsupportedTypeError: a value that is neither, naming its path and type.
+    """
+    out: dict[str, Any] = {}
+
+    def walk(node: Any, p: str) -> None:
+        if isinstance(node, Json):
+            node = node.value
+        elif isinstance(node, torch.Tensor):
+            out[p] = node
+            return
+        elif is_subtree(node):
+            for k, v in node.items():
+                walk(v, join(p, k))
+            return
+        if _holds_tensor(node):
+            raise UnsupportedTypeError(f"{p or '<root>'}: tensors inside lists, tuples or non-str-key dicts are not supported")
+        jsonvalue.encode(node, p)  # validates, raises with the path
+        out[p] = node
+
+    walk(tree, path)
+    return out
+
+
+def _holds_tensor(node: Any) -> bool:
+    if isinstance(node, torch.Tensor):
+        return True
+    if isinstance(node, (list, tuple)):
+        return any(_holds_tensor(v) for v in node)
+    if isinstance(node, dict):
+        return any(_holds_tensor(v) for v in node.values())
+    return False
+
+
+def unflatten(flat: Mapping[str, Any]) -> Any:
+    """Inverse of :func:`flatten` (relative paths; ``""`` is the root leaf)."""
+    if "" in flat:
+        return flat[""]
+    root: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = root
+        *parents, last = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return root
+
+
+class LazyTensor:
+    """A stored tensor not read yet: its dtype and shape, and how to read it.
+
+    ``read_into(dest)`` fills a contiguous tensor of the same dtype and shape;
+    ``read()`` returns a new tensor. Both verify every blob hash.
+    """
+
+    def __init__(self, path: str, dtype: torch.dtype, shape: tuple[int, ...], reader: Any, handle: Any):
+        self.path = path
+        self.dtype = dtype
+        self.shape = tuple(shape)
+        self._reader = reader
+        self._handle = handle
+
+    def read_into(self, dest: torch.Tensor) -> None:
+        if dest.dtype != self.dtype or tuple(dest.shape) != self.shape:
+            raise ShapeMismatchError(
+                f"{self.path}: stored {self.dtype} {list(self.shape)}, destination {dest.dtype} {list(dest.shape)}"
+            )
+        self._reader.read_many([(self, dest)])
+
+    def read(self) -> torch.Tensor:
+        out = torch.empty(self.shape, dtype=self.dtype)
+        self._reader.read_many([(self, out)])
+        return out
+
+    def __repr__(self) -> str:
+        return f"LazyTensor({self.path!r}, {self.dtype}, {list(self.shape)})"
+
+
+@dataclass
+class ComponentState:
+    """The stored state of one component, handed to :meth:`Adapter.from_state`.
+
+    Leaves are addressed by their path relative to the component (``""`` when
+    the component is a single leaf). Tensors stay unread until asked for.
+    """
+
+    path: str
+    adapter: str
+    version: int
+    meta: dict
+    leaves: dict[str, Any] = field(default_factory=dict)  # rel path -> LazyTensor | Tensor | JSON value
+
+    def where(self, key: str) -> str:
+        return join(self.path, key) or "<root>"
+
+    def keys(self, prefix: str = "") -> list[str]:
+        """Relative paths of the leaves under ``prefix``, in stored order."""
+        if not prefix:
+            return list(self.leaves)
+        return [k for k in self.leaves if k == prefix or k.startswith(prefix + "/")]
+
+    def has(self, key: str) -> bool:
+        return key in self.leaves
+
+    def _get(self, key: str) -> Any:
+        try:
+            return self.leaves[key]
+        except KeyError:
+            raise MissingLeafError(f"{self.where(key)}: the stored {self.adapter} state has no leaf {key!r}") from None
+
+    def is_tensor(self, key: str) -> bool:
+        return isinstance(self._get(key), (torch.Tensor, LazyTensor))
+
+    def json(self, key: str, default: Any = _MISSING) -> Any:
+        """The JSON value at ``key`` (MissingLeafError if absent and no default)."""
+        if default is not _MISSING and key not in self.leaves:
+            return default
+        value = self._get(key)
+        if isinstance(value, (torch.Tensor, LazyTensor)):
+            raise MissingLeafError(f"{self.where(key)}: expected a JSON value, the store holds a tensor")
+        return value
+
+    def spec(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """``(dtype, shape)`` of the tensor at ``key``, without reading it."""
+        value = self._get(key)
+        if isinstance(value, LazyTensor):
+            return value.dtype, value.shape
+        if isinstance(value, torch.Tensor):
+            return value.dtype, tuple(value.shape)
+        raise MissingLeafError(f"{self.where(key)}: expected a tensor, the store holds a JSON value")
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor at ``key``, read (and hash-verified) on first use."""
+        value = self._get(key)
+        if isinstance(value, LazyTensor):
+            value = self.leaves[key] = value.read()
+        elif not isinstance(value, torch.Tensor):
+            raise MissingLeafError(f"{self.where(key)}: expected a tensor, the store holds a JSON value")
+        return value
+
+    def value(self, key: str) -> Any:
+        """The leaf at ``key``: a tensor (read) or a JSON value."""
+        return self.tensor(key) if self.is_tensor(key) else self._get(key)
+
+    def read_into(self, key: str, dest: torch.Tensor) -> None:
+        """Fill ``dest`` with the tensor at ``key``, straight from the blobs when unread.
+
+        Raises ShapeMismatchError when dtype or shape differ.
+        """
+        value = self._get(key)
+        if isinstance(value, LazyTensor):
+            if dest.is_contiguous() and dest.device.type == "cpu":
+                value.read_into(dest)
+                return
+            value = self.tensor(key)
+        if not isinstance(value, torch.Tensor):
+            raise MissingLeafError(f"{self.where(key)}: expected a tensor, the store holds a JSON value")
+        if value.dtype != dest.dtype or value.shape != dest.shape:
+            raise ShapeMismatchError(f"{self.where(key)}: stored {value.dtype} {list(value.shape)}, target {dest.dtype} {list(dest.shape)}")
+        dest.copy_(value)
+
+    def tree(self, prefix: str = "") -> Any:
+        """The subtree under ``prefix`` as nested dicts, tensors read."""
+        keys = self.keys(prefix)
+        cut = len(prefix) + 1 if prefix else 0
+        return unflatten({k[cut:]: self.value(k) for k in keys})
+
+    def lazy(self) -> list[LazyTensor]:
+        return [v for v in self.leaves.values() if isinstance(v, LazyTensor)]
+
+
+class Adapter:
+    """Base class of adapters; see the module docstring.
+
+    Class attributes:
+        name: unique, stable name stored with each component (``"torch.nn.Module"``).
+        version: the state version this adapter writes (int, from 1).
+        types: the classes it handles; subclasses match too, the most specific wins.
+        migrations: ``{v: fn}`` turning version ``v`` state into ``v + 1``.
+        direct: ``True`` if ``from_state`` reads large tensors straight into the
+            target (``state.read_into``); other components are read and
+            verified in full before any target is touched.
+    """
+
+    name: ClassVar[str] = ""
+    version: ClassVar[int] = 1
+    types: ClassVar[tuple[type, ...]] = ()
+    migrations: ClassVar[dict[int, Callable[[dict], dict]]] = {}
+    direct: ClassVar[bool] = False
+
+    def children(self, obj: Any) -> dict[str, Any] | None:
+        """Child objects of a container (by name), or ``None`` for a leaf adapter."""
+        return None
+
+    def targets(self, obj: Any) -> dict[str, Any] | None:
+        """Child objects to restore into; defaults to :meth:`children`."""
+        return self.children(obj)
+
+    def set_child(self, obj: Any, name: str, value: Any) -> None:
+        """Put a restored child back when it could not be restored in place."""
+        raise TargetMismatchError(f"{type(obj).__name__}: cannot replace child {name!r}")
+
+    def to_state(self, obj: Any) -> Any:
+        """The state tree of ``obj`` (a tensor, a JSON value or a nested dict)."""
+        raise NotImplementedError
+
+    def meta(self, obj: Any) -> dict:
+        """Small JSON dict stored with the component (class name, layout)."""
+        return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        """Validate that ``state`` fits ``obj`` before anything is read or written.
+
+        Raise TargetMismatchError (or a subclass) naming what differs.
+        """
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        """Load ``state`` into ``obj`` in place and return it, or return a new object."""
+        raise NotImplementedError
+
+
+#: Adapter modules imported on first need, by the top-level package they serve.
+LAZY_MODULES = {"torchrl": "ckptstore.adapters.torchrl"}
+
+
+class Registry:
+    """Adapters by name and by type."""
+
+    def __init__(self) -> None:
+        self.by_name: dict[str, Adapter] = {}
+        self.by_type: dict[type, Adapter] = {}
+
+    @staticmethod
+    def _load(package: str) -> bool:
+        module = LAZY_MODULES.get(package)
+        if module is None:
+            return False
+        import importlib
+        import sys
+
+        if module in sys.modules:
+            return False
+        importlib.import_module(module)
+        return True
+
+    def register(self, cls: type[Adapter], replace: bool = False) -> type[Adapter]:
+        if not cls.name or cls.version < 1:
+            raise AdapterError(f"adapter {cls.__qualname__} needs a name and a version >= 1")
+        if cls.name in self.by_name and not replace:
+            raise AdapterError(f"an adapter named {cls.name!r} is already registered (pass replace=True to override)")
+        adapter = cls()
+        self.by_name[cls.name] = adapter
+        for t in cls.types:
+            self.by_type[t] = adapter
+        return cls
+
+    def for_object(self, obj: Any, path: str = "") -> Adapter:
+        for klass in type(obj).__mro__:
+            adapter = self.by_type.get(klass)
+            if adapter is not None:
+                return adapter
+        if any(self._load(k.__module__.split(".")[0]) for k in type(obj).__mro__):
+            return self.for_object(obj, path)
+        t = type(obj)
+        raise UnsupportedTypeError(
+            f"{path or '<root>'}: no adapter for objects of type {t.__module__}.{t.__qualname__}; "
+            "ckptstore never pickles - register one with ckptstore.register_adapter"
+        )
+
+    def named(self, name: str, path: str) -> Adapter:
+        if name not in self.by_name:
+            self._load(name.split(".")[0])
+        try:
+            return self.by_name[name]
+        except KeyError:
+            raise AdapterError(f"{path or '<root>'}: stored by adapter {name!r}, which is not registered here") from None
+
+
+REGISTRY = Registry()
+
+
+def register_adapter(cls: type[Adapter] | None = None, *, replace: bool = False):
+    """Class decorator registering an :class:`Adapter` subclass (see module doc).
+
+    Raises:
+        AdapterError: no name, version < 1, or the name is taken (unless ``replace``).
+    """
+    if cls is None:
+        return lambda c: REGISTRY.register(c, replace=replace)
+    return REGISTRY.register(cls, replace=replace)
+
+
+@dataclass
+class Captured:
+    """One component captured at commit time."""
+
+    path: str
+    adapter: str
+    version: int
+    meta: dict
+    leaves: dict[str, Any]  # absolute path -> tensor | JSON value
+
+
+def capture(obj: Any, registry: Registry = REGISTRY, path: str = "") -> list[Captured]:
+    """Turn ``obj`` into components (depth first, children in their order).
+
+    Raises:
+        UnsupportedTypeError / InvalidNameError: naming the offending path.
+    """
+    adapter = registry.for_object(obj, path)
+    kids = adapter.children(obj)
+    if kids is not None:
+        out: list[Captured] = []
+        for name, child in kids.items():
+            out += capture(child, registry, join(path, check_key(name, path)))
+        return out
+    leaves = flatten(adapter.to_state(obj), path)
+    return [Captured(path, adapter.name, adapter.version, adapter.meta(obj), leaves)]
+
+
+def migrate(adapter: Adapter, state: ComponentState) -> ComponentState:
+    """Bring ``state`` to ``adapter.version`` through its migrations.
+
+    Raises:
+        AdapterVersionError: stored version newer than the adapter's, or a
+            missing migration step.
+    """
+    if state.version == adapter.version:
+        return state
+    where = state.path or "<root>"
+    if state.version > adapter.version:
+        raise AdapterVersionError(
+            f"{where}: stored by {adapter.name} version {state.version}, this ckptstore has version {adapter.version}; "
+            "upgrade to restore it"
+        )
+    flat = {k: state.value(k) for k in state.keys()}
+    for v in range(state.version, adapter.version):
+        step = adapter.migrations.get(v)
+        if step is None:
+            raise AdapterVersionError(f"{where}: no migration of {adapter.name} state from version {v} to {v + 1}")
+        flat = step(dict(flat))
+    return ComponentState(state.path, state.adapter, adapter.version, state.meta, flat)

@@ -1,0 +1,84 @@
+"""The global random number generators: Python, numpy, torch CPU and CUDA."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import MissingLeafError, TargetMismatchError
+from .base import Adapter, ComponentState, register_adapter
+
+
+class RNGState:
+    """Stands for the process-wide random generators in ``commit`` and ``checkout``.
+
+    Committing an ``RNGState()`` captures, without pickle:
+
+    - ``python``: :func:`random.getstate` (version, 625 ints as int64 ``[625]``,
+      cached gauss value);
+    - ``numpy``: the legacy global ``np.random`` MT19937 state (key as int64
+      ``[624]``, position, cached-gaussian flag and value), which TorchRL's
+      ``PrioritizedSampler`` draws from on CPU;
+    - ``torch``: :func:`torch.get_rng_state` (uint8 ``[5056]``);
+    - ``cuda/<i>``: each CUDA device's generator state, when CUDA is initialised.
+
+    ``checkout(ref, into=RNGState())`` (or a dict holding one) sets them all;
+    a missing record raises :class:`~ckptstore.errors.MissingLeafError`.
+    """
+
+    def __repr__(self) -> str:
+        return "RNGState()"
+
+
+@register_adapter
+class RNGStateAdapter(Adapter):
+    name = "rng"
+    types = (RNGState,)
+
+    def to_state(self, obj: RNGState) -> dict:
+        version, internal, gauss = random.getstate()
+        algo, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        state = {
+            "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss_next": gauss},
+            "numpy": {
+                "algorithm": algo, "key": torch.from_numpy(key.astype(np.int64)),
+                "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached),
+            },
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        return state
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if not isinstance(obj, RNGState):
+            raise TargetMismatchError(f"{state.where('')}: stored RNG state, target is {type(obj).__name__}")
+        for key, dtype, shape in (("python/state", torch.int64, (625,)), ("numpy/key", torch.int64, (624,))):
+            if state.spec(key) != (dtype, shape):
+                raise TargetMismatchError(f"{state.where(key)}: expected {dtype} {list(shape)}, stored {state.spec(key)}")
+        for key in ("python/version", "python/gauss_next", "numpy/algorithm", "numpy/pos", "numpy/has_gauss", "numpy/cached_gaussian"):
+            state.json(key)
+        if state.spec("torch")[0] != torch.uint8:
+            raise TargetMismatchError(f"{state.where('torch')}: expected uint8 generator state")
+        cuda = state.keys("cuda")
+        if cuda:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if len(cuda) != count:
+                raise TargetMismatchError(f"{state.where('cuda')}: stored {len(cuda)} CUDA generator states, this process has {count} devices")
+
+    def from_state(self, obj: RNGState, state: ComponentState) -> RNGState:
+        internal = tuple(int(x) for x in state.tensor("python/state").tolist())
+        if state.json("numpy/algorithm") != "MT19937":
+            raise MissingLeafError(f"{state.where('numpy/algorithm')}: unknown numpy generator {state.json('numpy/algorithm')!r}")
+        random.setstate((state.json("python/version"), internal, state.json("python/gauss_next")))
+        np.random.set_state((
+            "MT19937", state.tensor("numpy/key").numpy().astype(np.uint32), state.json("numpy/pos"),
+            state.json("numpy/has_gauss"), state.json("numpy/cached_gaussian"),
+        ))
+        torch.set_rng_state(state.tensor("torch"))
+        for key in state.keys("cuda"):
+            torch.cuda.set_rng_state(state.tensor(key), int(key.split("/")[1]))
+        return obj

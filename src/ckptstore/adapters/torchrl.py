@@ -1,0 +1,338 @@
+"""Adapters for TorchRL replay buffers: the buffer, its storage, writer and sampler.
+
+A replay buffer is a container of three components, ``storage``, ``writer``
+and ``sampler``, restored in that order so that the writer and sampler see
+the restored storage. Checking out into a freshly built, never-written buffer
+initialises its lazy storage from the stored shapes first (TorchRL issue #3056).
+
+Read from TorchRL 0.14's sources (``torchrl/data/replay_buffers``); the state
+layouts below are ckptstore's own, versioned independently of TorchRL's
+``state_dict``/``dumps`` formats.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from tensordict import TensorDict, is_non_tensor, is_tensor_collection
+from torchrl.data.replay_buffers import (
+    PrioritizedSampler,
+    RandomSampler,
+    ReplayBuffer,
+    RoundRobinWriter,
+    SamplerWithoutReplacement,
+    TensorStorage,
+)
+
+from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
+from .base import Adapter, ComponentState, register_adapter
+
+
+@register_adapter
+class ReplayBufferAdapter(Adapter):
+    """Any TorchRL ``ReplayBuffer`` (``TensorDict*`` and prioritized variants)."""
+
+    name = "torchrl.replay_buffer"
+    types = (ReplayBuffer,)
+
+    def children(self, obj: ReplayBuffer) -> dict:
+        return {"storage": obj._storage, "writer": obj._writer, "sampler": obj._sampler}
+
+
+def _expect(obj: Any, cls: type, state: ComponentState) -> None:
+    if not isinstance(obj, cls):
+        raise TargetMismatchError(
+            f"{state.where('')}: stored a {state.meta.get('class', state.adapter)}, target is a {type(obj).__module__}.{type(obj).__qualname__}"
+        )
+
+
+# --- storage ----------------------------------------------------------------------
+
+
+def _storage_leaves(data: Any, path: str) -> dict[str, torch.Tensor]:
+    """``{key path: full-capacity tensor}`` of a storage's backing data."""
+    if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
+        return {"": data}
+    if not is_tensor_collection(data):
+        raise UnsupportedTypeError(f"{path}: storages backed by {type(data).__name__} (pytrees) are not supported")
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(td: Any, prefix: str) -> None:
+        for key in td.keys():
+            value = td._get_str(key, None)
+            p = f"{prefix}/{key}" if prefix else key
+            if is_non_tensor(value):
+                raise UnsupportedTypeError(f"{path}/data/{p}: non-tensor data in a tensor storage is not supported")
+            if is_tensor_collection(value):
+                walk(value, p)
+            else:
+                out[p] = value
+
+    walk(data, "")
+    return out
+
+
+@register_adapter
+class TensorStorageAdapter(Adapter):
+    """``TensorStorage``, ``LazyTensorStorage`` and ``LazyMemmapStorage``.
+
+    Leaves: ``max_size``, ``ndim``, ``len`` (elements), ``initialized`` and
+    ``layout`` (``"tensordict"`` or ``"tensor"``) as JSON; ``data/<key>`` the
+    written rows ``[0, n)`` along dim 0 of each tensor (``data`` for a plain
+    tensor storage). Never-written capacity is not stored: a 1,000,000-row
+    memory-mapped storage holding 24 rows commits 24 rows.
+
+    Checkout needs the same capacity, ``ndim`` and layout, and, when the target
+    is already initialised, the same keys, dtypes and per-row shapes. A lazy
+    target that was never written is initialised from the stored shapes; the
+    stored rows are then read straight into the target's (memory-mapped) tensors.
+    """
+
+    name = "torchrl.storage.tensor"
+    types = (TensorStorage,)
+    direct = True
+
+    def to_state(self, obj: TensorStorage) -> dict:
+        state: dict[str, Any] = {"max_size": int(obj.max_size), "ndim": int(obj.ndim), "len": int(len(obj)), "initialized": bool(obj.initialized)}
+        if obj.initialized:
+            data = obj._storage
+            rows = obj._len_along_dim0
+            leaves = _storage_leaves(data, "storage")
+            state["layout"] = "tensor" if "" in leaves else "tensordict"
+            state["data"] = leaves[""][:rows] if "" in leaves else {k: v[:rows] for k, v in leaves.items()}
+        return state
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, TensorStorage, state)
+        where = state.where("")
+        for key in ("max_size", "ndim"):
+            stored, target = state.json(key), int(getattr(obj, key))
+            if stored != target:
+                what = "capacity (max_size)" if key == "max_size" else key
+                raise TargetMismatchError(f"{where}: {what} differs: stored {stored}, target {target}")
+        if not state.json("initialized") or not obj.initialized:
+            return
+        target = _storage_leaves(obj._storage, where)
+        layout = "tensor" if "" in target else "tensordict"
+        if layout != state.json("layout"):
+            raise TargetMismatchError(f"{where}: layout differs: stored {state.json('layout')}, target {layout}")
+        stored = {k[len("data/"):] if k != "data" else "": k for k in state.keys("data")}
+        missing = sorted(set(target) - set(stored))
+        extra = sorted(set(stored) - set(target))
+        if missing or extra:
+            raise TargetMismatchError(f"{where}: storage keys differ; not in the commit: {missing}, not in the target: {extra}")
+        for key, tensor in target.items():
+            dtype, shape = state.spec(stored[key])
+            if dtype != tensor.dtype or shape[1:] != tuple(tensor.shape[1:]) or shape[0] > tensor.shape[0]:
+                raise ShapeMismatchError(
+                    f"{state.where(stored[key])}: stored {dtype} rows of {list(shape[1:])}, target {tensor.dtype} rows of {list(tensor.shape[1:])}"
+                )
+
+    def _template(self, state: ComponentState) -> Any:
+        """One row of zeros per key: what a lazy storage initialises from."""
+        ndim = state.json("ndim")
+        if state.json("layout") == "tensor":
+            dtype, shape = state.spec("data")
+            return torch.zeros(shape[1:], dtype=dtype)
+        td = None
+        for key in state.keys("data"):
+            dtype, shape = state.spec(key)
+            if td is None:
+                td = TensorDict({}, batch_size=shape[1:ndim])
+            td.set(tuple(key.split("/")[1:]), torch.zeros(shape[1:], dtype=dtype))
+        if td is None:
+            raise TargetMismatchError(f"{state.where('data')}: an initialised storage with no data")
+        return td
+
+    def from_state(self, obj: TensorStorage, state: ComponentState) -> TensorStorage:
+        if not state.json("initialized"):
+            obj._len = 0
+            return obj
+        if not obj.initialized:
+            obj._init(self._template(state))
+        target = _storage_leaves(obj._storage, state.where(""))
+        for key in state.keys("data"):
+            dest = target[key[len("data/"):] if key != "data" else ""]
+            rows = state.spec(key)[1][0]
+            state.read_into(key, dest[:rows])
+        obj._len = state.json("len")
+        if hasattr(obj, "_bump_mutation_revision"):
+            obj._bump_mutation_revision()
+        return obj
+
+
+# --- writers ------------------------------------------------------------------------
+
+
+def _writer_v1_to_v2(flat: dict) -> dict:
+    """Version 1 kept only the cursor (as TorchRL before PR #4030)."""
+    return {**flat, "write_count": None}
+
+
+@register_adapter
+class RoundRobinWriterAdapter(Adapter):
+    """``RoundRobinWriter`` and ``TensorDictRoundRobinWriter``.
+
+    Leaves: ``cursor`` (next row), ``write_count`` (total rows ever written,
+    which drives TorchRL's scheduling), and ``generation`` (int64 per slot)
+    when the writer tracks generations.
+
+    Version 1 state has no write count; it restores as the storage's length
+    (the smallest count consistent with the stored data).
+    """
+
+    name = "torchrl.writer.round_robin"
+    version = 2
+    types = (RoundRobinWriter,)
+    migrations = {1: _writer_v1_to_v2}
+
+    def to_state(self, obj: RoundRobinWriter) -> dict:
+        state = {"cursor": int(obj._cursor), "write_count": int(obj._write_count)}
+        generation = obj._generation if getattr(obj, "_track_generations", False) else None
+        if generation is not None:
+            state["generation"] = generation
+        return state
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, RoundRobinWriter, state)
+        cursor = state.json("cursor")
+        if type(cursor) is not int or cursor < 0:
+            raise TargetMismatchError(f"{state.where('cursor')}: invalid cursor {cursor!r}")
+
+    def from_state(self, obj: RoundRobinWriter, state: ComponentState) -> RoundRobinWriter:
+        obj._cursor = state.json("cursor")
+        count = state.json("write_count")
+        if count is None:
+            count = len(obj._storage) if obj._storage is not None else obj._cursor
+        obj._write_count = count
+        if state.has("generation"):
+            obj._generation = state.tensor("generation").clone()
+        return obj
+
+
+# --- samplers -------------------------------------------------------------------------
+
+
+@register_adapter
+class RandomSamplerAdapter(Adapter):
+    """``RandomSampler``: stateless (it draws from the storage's or torch's generator)."""
+
+    name = "torchrl.sampler.random"
+    types = (RandomSampler,)
+
+    def to_state(self, obj: RandomSampler) -> dict:
+        return {}
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, RandomSampler, state)
+
+    def from_state(self, obj: RandomSampler, state: ComponentState) -> RandomSampler:
+        return obj
+
+
+@register_adapter
+class SamplerWithoutReplacementAdapter(Adapter):
+    """``SamplerWithoutReplacement``: the remaining permutation (``sample_list``,
+    int64, or null before the first sample), ``len_storage``, ``drop_last``,
+    ``shuffle``, ``ran_out`` and ``remaining_batches``."""
+
+    name = "torchrl.sampler.without_replacement"
+    types = (SamplerWithoutReplacement,)
+
+    def to_state(self, obj: SamplerWithoutReplacement) -> dict:
+        return {
+            "sample_list": obj._sample_list,
+            "len_storage": int(obj.len_storage),
+            "drop_last": bool(obj.drop_last),
+            "shuffle": bool(obj.shuffle),
+            "ran_out": bool(obj._ran_out),
+            "remaining_batches": getattr(obj, "_remaining_batches", None),
+        }
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, SamplerWithoutReplacement, state)
+
+    def from_state(self, obj: SamplerWithoutReplacement, state: ComponentState) -> SamplerWithoutReplacement:
+        obj._sample_list = state.tensor("sample_list").clone() if state.is_tensor("sample_list") else None
+        obj.len_storage = state.json("len_storage")
+        obj.drop_last = state.json("drop_last")
+        obj.shuffle = state.json("shuffle")
+        obj._ran_out = state.json("ran_out")
+        remaining = state.json("remaining_batches")
+        if remaining is not None:
+            obj._remaining_batches = remaining
+        return obj
+
+
+def _sampler_v1_to_v2(flat: dict) -> dict:
+    """Version 1 stored the max priority transformed, ``(p + eps) ** alpha``;
+    version 2 stores it raw (as TorchRL does since PR #4014)."""
+    value = flat.get("max_priority/value")
+    alpha, eps = flat["alpha"], flat["eps"]
+    if value is not None and alpha != 0:
+        if isinstance(value, torch.Tensor):
+            flat["max_priority/value"] = (value.double() ** (1.0 / alpha) - eps).clamp_min(0).to(value.dtype)
+        else:
+            flat["max_priority/value"] = max(0.0, float(value) ** (1.0 / alpha) - eps)
+    return flat
+
+
+@register_adapter
+class PrioritizedSamplerAdapter(Adapter):
+    """``PrioritizedSampler`` (Schaul et al. 2015, https://arxiv.org/abs/1511.05952).
+
+    Leaves: ``alpha``, ``beta``, ``eps``, ``max_capacity``, ``dtype`` (JSON);
+    ``sum_tree`` and ``min_tree``: every leaf value of the two segment trees,
+    read as whole tensors (float32 or float64, ``[max_capacity]``), including
+    the empty slots (0 and the dtype's max); ``max_priority/value`` and
+    ``max_priority/index``: the raw max priority and its index (tensors or
+    JSON, null when unset).
+
+    Restoring rewrites every tree leaf; the internal nodes are recomputed from
+    them, so sums, minima and samples are bit-identical.
+    """
+
+    name = "torchrl.sampler.prioritized"
+    version = 2
+    types = (PrioritizedSampler,)
+    migrations = {1: _sampler_v1_to_v2}
+
+    def to_state(self, obj: PrioritizedSampler) -> dict:
+        index = torch.arange(obj._max_capacity, dtype=torch.long)
+        value, at = obj._max_priority
+        return {
+            "alpha": float(obj._alpha), "beta": float(obj._beta), "eps": float(obj._eps),
+            "max_capacity": int(obj._max_capacity), "dtype": str(obj.dtype).removeprefix("torch."),
+            "sum_tree": torch.as_tensor(obj._sum_tree[index]).cpu(),
+            "min_tree": torch.as_tensor(obj._min_tree[index]).cpu(),
+            "max_priority": {"value": _scalar(value), "index": _scalar(at)},
+        }
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, PrioritizedSampler, state)
+        if state.json("max_capacity") != obj._max_capacity:
+            raise TargetMismatchError(
+                f"{state.where('')}: capacity differs: stored {state.json('max_capacity')}, target {obj._max_capacity}"
+            )
+        for key in ("sum_tree", "min_tree"):
+            dtype, shape = state.spec(key)
+            if shape != (obj._max_capacity,) or dtype != obj.dtype:
+                raise ShapeMismatchError(f"{state.where(key)}: stored {dtype} {list(shape)}, target trees are {obj.dtype} [{obj._max_capacity}]")
+
+    def from_state(self, obj: PrioritizedSampler, state: ComponentState) -> PrioritizedSampler:
+        obj._init()
+        obj._alpha, obj._beta, obj._eps = state.json("alpha"), state.json("beta"), state.json("eps")
+        index = torch.arange(obj._max_capacity, dtype=torch.long)
+        obj._sum_tree[index] = state.tensor("sum_tree")
+        obj._min_tree[index] = state.tensor("min_tree")
+        value, at = state.value("max_priority/value"), state.value("max_priority/index")
+        obj._max_priority = None if value is None and at is None else (value, at)
+        return obj
+
+
+def _scalar(x: Any) -> Any:
+    """A max-priority field: tensors stay tensors (dtype kept), numbers stay numbers."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu().clone()
+    return x

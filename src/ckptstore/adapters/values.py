@@ -1,0 +1,191 @@
+"""Adapters for plain values: tensors, JSON values, dicts and TensorDicts."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
+
+from .. import jsonvalue
+from ..errors import ShapeMismatchError, TargetMismatchError
+from .base import REGISTRY, Adapter, ComponentState, Json, register_adapter
+
+
+@register_adapter
+class TensorAdapter(Adapter):
+    """A bare tensor: one leaf at the component's own path.
+
+    Restored in place (``copy_``) into a tensor of the same dtype and shape;
+    into anything else a new tensor is returned.
+    """
+
+    name = "tensor"
+    types = (torch.Tensor,)
+
+    def to_state(self, obj: torch.Tensor) -> torch.Tensor:
+        return obj
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        if isinstance(obj, torch.Tensor):
+            dtype, shape = state.spec("")
+            if (obj.dtype, tuple(obj.shape)) != (dtype, shape):
+                raise ShapeMismatchError(f"{state.where('')}: stored {dtype} {list(shape)}, target {obj.dtype} {list(obj.shape)}")
+            with torch.no_grad():
+                state.read_into("", obj)
+            return obj
+        return state.tensor("")
+
+
+@register_adapter
+class JsonAdapter(Adapter):
+    """A JSON value (None, bool, int, float, str, list, tuple, slice, Ellipsis)."""
+
+    name = "json"
+    types = (type(None), bool, int, float, str, list, tuple, slice, type(Ellipsis))
+
+    def to_state(self, obj: Any) -> Any:
+        return obj
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        return state.json("")
+
+
+def _needs_container(value: Any) -> bool:
+    """Does a dict hold (at any depth) an object that needs its own adapter?"""
+    for v in value.values():
+        if isinstance(v, (dict, OrderedDict)):
+            if _needs_container(v):
+                return True
+        elif not isinstance(v, (torch.Tensor, *JsonAdapter.types)):
+            return True
+    return False
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (dict, OrderedDict)):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
+@register_adapter
+class DictAdapter(Adapter):
+    """A ``dict``: a container when it holds objects with their own adapters
+    (each item becomes a component at ``<path>/<key>``), otherwise one
+    component whose leaves are its nested tensors and JSON values."""
+
+    name = "dict"
+    types = (dict, OrderedDict)
+
+    def children(self, obj: dict) -> dict | None:
+        return obj if _needs_container(obj) else None
+
+    def targets(self, obj: dict) -> dict:
+        return obj
+
+    def set_child(self, obj: dict, name: str, value: Any) -> None:
+        obj[name] = value
+
+    def to_state(self, obj: dict) -> Any:
+        return _plain(obj)
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        value = state.tree()
+        if isinstance(obj, dict) and isinstance(value, dict):
+            obj.clear()
+            obj.update(value)
+            return obj
+        return value
+
+
+@register_adapter
+class TensorDictAdapter(Adapter):
+    """A TensorDict: its tensor leaves by nested key, non-tensor leaves as JSON.
+
+    The batch size and device go in the component's metadata; NonTensorStack
+    leaves are listed there so they come back as stacks. Restored in place into
+    a TensorDict of the same batch size (tensors of the same shape and dtype are
+    overwritten, others replaced); otherwise a new TensorDict is built.
+    """
+
+    name = "tensordict"
+    types = (TensorDictBase,)
+
+    def _walk(self, td: TensorDictBase, prefix: str, out: dict, stacks: list) -> None:
+        for key in td.keys():
+            value = td._get_str(key, None)
+            path = f"{prefix}/{key}" if prefix else key
+            if is_non_tensor(value):
+                if isinstance(value, NonTensorStack):
+                    stacks.append(path)
+                    out[path] = Json(value.tolist())
+                else:
+                    out[path] = Json(value.data)
+            elif is_tensor_collection(value):
+                self._walk(value, path, out, stacks)
+            else:
+                out[path] = value
+
+    def _flat(self, td: TensorDictBase) -> tuple[dict, list]:
+        out: dict = {}
+        stacks: list = []
+        self._walk(td, "", out, stacks)
+        return out, stacks
+
+    def to_state(self, obj: TensorDictBase) -> Any:
+        flat, _ = self._flat(obj)
+        tree: dict = {}
+        for path, value in flat.items():
+            node = tree
+            *parents, last = path.split("/")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[last] = value
+        return tree
+
+    def meta(self, obj: TensorDictBase) -> dict:
+        _, stacks = self._flat(obj)
+        return {
+            **super().meta(obj),
+            "batch_size": list(obj.batch_size),
+            "device": None if obj.device is None else str(obj.device),
+            "stacks": stacks,
+        }
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if isinstance(obj, TensorDictBase) and list(obj.batch_size) != state.meta.get("batch_size"):
+            raise TargetMismatchError(
+                f"{state.where('')}: stored batch size {state.meta.get('batch_size')}, target {list(obj.batch_size)}"
+            )
+
+    def build(self, state: ComponentState) -> TensorDict:
+        """A new TensorDict from the stored state."""
+        td = TensorDict({}, batch_size=state.meta.get("batch_size", []), device=state.meta.get("device"))
+        self._fill(td, state)
+        return td
+
+    def _fill(self, td: TensorDictBase, state: ComponentState) -> None:
+        stacks = set(state.meta.get("stacks", ()))
+        for key in state.keys():
+            nested = tuple(key.split("/")) if key else ()
+            if state.is_tensor(key):
+                current = td.get(nested, None)
+                dtype, shape = state.spec(key)
+                if isinstance(current, torch.Tensor) and not is_tensor_collection(current) and (current.dtype, tuple(current.shape)) == (dtype, shape):
+                    state.read_into(key, current)
+                else:
+                    td.set(nested, state.tensor(key))
+            elif key in stacks:
+                td.set(nested, NonTensorStack(*state.json(key)))
+            else:
+                td.set_non_tensor(nested, state.json(key))
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        if not isinstance(obj, TensorDictBase):
+            return self.build(state)
+        self._fill(obj, state)
+        return obj
+
+
+__all__ = ["TensorAdapter", "JsonAdapter", "DictAdapter", "TensorDictAdapter", "REGISTRY", "NonTensorData"]

@@ -1,0 +1,126 @@
+"""Exceptions raised by ckptstore.
+
+Every error the library raises on purpose derives from :class:`CkptStoreError`,
+so callers can catch one class. Each subclass stands for one kind of failure;
+messages name the store path, ref, leaf path, blob address or file concerned.
+The command line prints ``error: <message>`` on one line and exits non-zero.
+"""
+
+from __future__ import annotations
+
+
+class CkptStoreError(Exception):
+    """Base class of every error raised by ckptstore."""
+
+
+# --- the store and its catalog -------------------------------------------------
+
+
+class NotAStoreError(CkptStoreError):
+    """The folder exists but is not a ckptstore store (no valid catalog)."""
+
+
+class CatalogCorruptError(CkptStoreError):
+    """The catalog file exists but is not a readable SQLite database of ours."""
+
+
+class SchemaVersionError(CkptStoreError):
+    """The catalog's schema version is newer than this library, or unknown."""
+
+
+class CatalogBusyError(CkptStoreError):
+    """The catalog stayed locked by another process after the bounded retries."""
+
+
+class StoreWriteError(CkptStoreError):
+    """Writing blobs or the catalog failed (disk full, permissions, I/O error).
+
+    Nothing already committed is changed: a failed commit leaves at most
+    orphan files that ``ckptstore gc`` removes after the grace period.
+    """
+
+
+# --- refs ----------------------------------------------------------------------
+
+
+class RefError(CkptStoreError):
+    """Base class of errors about refs (tags, commit ids, prefixes)."""
+
+
+class RefNotFoundError(RefError):
+    """No tag, commit id or id prefix matches the ref."""
+
+
+class AmbiguousRefError(RefError):
+    """A commit id prefix matches more than one commit."""
+
+
+class InvalidNameError(RefError):
+    """A tag name or a state-tree key is not allowed (empty, contains '/', ...)."""
+
+
+# --- what is committed ----------------------------------------------------------
+
+
+class UnsupportedTypeError(CkptStoreError):
+    """An object or value cannot be stored without pickle; names the path and type."""
+
+
+class UnsupportedDtypeError(UnsupportedTypeError):
+    """A tensor dtype that has no raw byte representation (quantized dtypes)."""
+
+
+# --- what is checked out ----------------------------------------------------------
+
+
+class PartialPathError(CkptStoreError):
+    """A ``partial`` prefix matches no leaf; the message lists the components."""
+
+
+class TargetMismatchError(CkptStoreError):
+    """The object given to ``checkout(into=...)`` does not fit the stored state.
+
+    Raised before anything is written into the target: wrong capacity, layout,
+    class, missing keys, or a shape or dtype that differs.
+    """
+
+
+class ShapeMismatchError(TargetMismatchError):
+    """A stored tensor's shape or dtype differs from the target's; names the key."""
+
+
+class AdapterError(CkptStoreError):
+    """No adapter for a type, or an adapter was registered twice."""
+
+
+class AdapterVersionError(AdapterError):
+    """Stored state was written by a newer adapter version than this library has."""
+
+
+class MissingLeafError(CkptStoreError):
+    """A component lacks a leaf its adapter needs (e.g. a deleted RNG record)."""
+
+
+# --- integrity ---------------------------------------------------------------------
+
+
+class IntegrityError(CkptStoreError):
+    """Stored bytes do not match the catalog: missing, truncated or corrupt data.
+
+    The message names the leaf path, the blob address and the commit where known.
+    """
+
+
+class BlobMissingError(IntegrityError):
+    """A blob the catalog references is absent (pack file or bytes missing)."""
+
+
+class BlobCorruptError(IntegrityError):
+    """A blob's header, length, codec or content hash is wrong."""
+
+
+# --- containers (export / import) ---------------------------------------------------
+
+
+class ContainerError(CkptStoreError):
+    """An export archive or folder is malformed, unsafe, or of an unknown format."""

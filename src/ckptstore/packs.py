@@ -1,0 +1,297 @@
+"""Blob encoding and pack files.
+
+Blobs live in pack files, as in git and restic, to keep file counts and fsyncs
+down: a commit appends its new blobs to one or more packs in ``tmp/``, fsyncs
+them, renames them to ``blobs/<id[:2]>/<id>.pack`` and fsyncs the folders
+before its catalog transaction (invariant 3). A pack's bytes never change
+after the rename.
+
+Pack layout (all integers little-endian)::
+
+    pack header  16 bytes  b"CKPK", u16 format version (1), u16 0, u64 0
+    blob         40-byte header + payload, repeated
+
+    blob header  b"CKBL", u8 format version (1), u8 codec (0 raw, 1 zstd),
+                 u16 0, u64 raw length, u64 payload length,
+                 16 bytes XXH3-128 of the raw bytes
+
+A blob is zstandard-compressed (RFC 8878) only when a probe of its first
+32 KiB shrinks by more than 10 % and the whole blob then does too.
+
+While a commit is in flight its process holds an exclusive ``flock`` on each
+of its pack files; GC never removes a locked pack, and the lock vanishes with
+the process, so a pack orphaned by a crash becomes collectable.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import struct
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import zstandard
+
+from .errors import BlobCorruptError, BlobMissingError, StoreWriteError
+from .shards import address, digest as xxh3
+
+PACK_MAGIC = b"CKPK"
+PACK_HEADER = struct.Struct("<4sHHQ")
+BLOB_MAGIC = b"CKBL"
+BLOB_HEADER = struct.Struct("<4sBBHQQ16s")
+FORMAT_VERSION = 1
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+CODECS = {CODEC_RAW: "raw", CODEC_ZSTD: "zstd"}
+
+DEFAULT_PACK_BYTES = 256 << 20
+_PROBE_BYTES = 32 << 10
+_PAYS = 0.9  # compress only when it saves more than 10 %
+
+
+@dataclass(frozen=True)
+class BlobLoc:
+    """Where a blob lives and what it must hash to (one catalog ``blobs`` row)."""
+
+    digest: bytes
+    raw_len: int
+    pack: str
+    offset: int
+    stored_len: int
+    codec: int
+
+    @property
+    def address(self) -> str:
+        return address(self.digest, self.raw_len)
+
+
+def pack_path(root: Path, pack_id: str) -> Path:
+    """Final path of pack ``pack_id`` under a store's ``blobs/`` folder."""
+    return root / "blobs" / pack_id[:2] / f"{pack_id}.pack"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_local = threading.local()
+
+
+def encode_blob(raw: memoryview, level: int) -> tuple[int, bytes | memoryview]:
+    """Choose the codec for ``raw`` and return ``(codec, payload)``."""
+    if len(raw) < 64 or level <= 0:
+        return CODEC_RAW, raw
+    cctx = getattr(_local, "cctx", None)
+    if cctx is None or _local.level != level:
+        cctx = _local.cctx = zstandard.ZstdCompressor(level=level)
+        _local.level = level
+    if len(raw) > 2 * _PROBE_BYTES and len(cctx.compress(raw[:_PROBE_BYTES])) > _PAYS * _PROBE_BYTES:
+        return CODEC_RAW, raw
+    packed = cctx.compress(raw)
+    if len(packed) > _PAYS * len(raw):
+        return CODEC_RAW, raw
+    return CODEC_ZSTD, packed
+
+
+class _OpenPack:
+    def __init__(self, root: Path):
+        self.id = uuid.uuid4().hex
+        self.tmp = root / "tmp" / f"{self.id}.pack.tmp"
+        self.final = pack_path(root, self.id)
+        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        os.pwrite(self.fd, PACK_HEADER.pack(PACK_MAGIC, FORMAT_VERSION, 0, 0), 0)
+        self.size = PACK_HEADER.size
+        self.renamed = False
+
+
+class PackWriter:
+    """Appends new blobs of one commit to pack files; thread-safe.
+
+    ``append`` may be called from many threads: offsets are reserved under a
+    lock and the bytes written with ``pwritev`` outside it. ``finish`` makes
+    every pack durable under its final name; ``close`` releases the locks and,
+    if ``finish`` never ran, deletes the temporary files.
+
+    Raises:
+        StoreWriteError: any ``OSError`` while writing (``ENOSPC`` included).
+    """
+
+    def __init__(self, root: Path, level: int = 3, pack_bytes: int = DEFAULT_PACK_BYTES):
+        self.root = root
+        self.level = level
+        self.pack_bytes = pack_bytes
+        self._lock = threading.Lock()
+        self._packs: list[_OpenPack] = []
+        self.stored_bytes = 0
+
+    def append(self, raw: memoryview, digest: bytes | None = None) -> BlobLoc:
+        """Write one blob (``raw`` bytes) and return its location."""
+        digest = xxh3(raw) if digest is None else digest
+        codec, payload = encode_blob(raw, self.level)
+        header = BLOB_HEADER.pack(BLOB_MAGIC, FORMAT_VERSION, codec, 0, len(raw), len(payload), digest)
+        need = len(header) + len(payload)
+        try:
+            with self._lock:
+                pack = self._packs[-1] if self._packs else None
+                if pack is None or (pack.size > PACK_HEADER.size and pack.size + need > self.pack_bytes):
+                    pack = _OpenPack(self.root)
+                    self._packs.append(pack)
+                offset = pack.size
+                pack.size += need
+                self.stored_bytes += need
+            written = os.pwritev(pack.fd, [header, payload], offset)
+            if written != need:
+                raise OSError(errno.EIO, f"short write ({written} of {need} bytes)")
+        except OSError as exc:
+            raise StoreWriteError(f"writing a blob to {self.root / 'tmp'} failed: {exc}") from exc
+        return BlobLoc(digest, len(raw), pack.id, offset, len(payload), codec)
+
+    @property
+    def pack_ids(self) -> list[tuple[str, int]]:
+        """``(pack id, size in bytes)`` of every pack written so far."""
+        return [(p.id, p.size) for p in self._packs]
+
+    def finish(self) -> None:
+        """fsync each pack, rename it into ``blobs/``, fsync the folders."""
+        try:
+            dirs = set()
+            for pack in self._packs:
+                if pack.renamed:
+                    continue
+                os.fsync(pack.fd)
+                pack.final.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(pack.tmp, pack.final)
+                pack.renamed = True
+                dirs.add(pack.final.parent)
+            for d in dirs:
+                fsync_dir(d)
+            if dirs:
+                fsync_dir(self.root / "blobs")
+        except OSError as exc:
+            raise StoreWriteError(f"making packs durable in {self.root / 'blobs'} failed: {exc}") from exc
+
+    def close(self) -> None:
+        """Unlock every pack; remove the ones never renamed."""
+        for pack in self._packs:
+            if not pack.renamed:
+                try:
+                    os.unlink(pack.tmp)
+                except OSError:
+                    pass
+            os.close(pack.fd)
+        self._packs = []
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PackReader:
+    """Reads blobs out of pack files, checking everything before use.
+
+    Each read checks the blob header against the catalog row (magic, version,
+    codec, lengths, digest), decompresses with the raw length as a hard limit,
+    and rehashes the raw bytes (invariants 5 and 6). File descriptors are
+    cached per pack; ``pread`` makes concurrent reads from threads safe.
+    """
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.blobs_read = 0
+        self.bytes_read = 0
+
+    def _fd(self, pack: str, where: str) -> int:
+        with self._lock:
+            fd = self._fds.get(pack)
+            if fd is None:
+                try:
+                    fd = os.open(pack_path(self.root, pack), os.O_RDONLY)
+                except FileNotFoundError:
+                    raise BlobMissingError(f"{where}: pack file {pack}.pack is missing") from None
+                self._fds[pack] = fd
+            return fd
+
+    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True) -> None:
+        """Read blob ``loc`` into ``dest`` (exactly ``loc.raw_len`` bytes).
+
+        ``where`` names the leaf, commit and so on for error messages.
+
+        Raises:
+            BlobMissingError: the pack file is gone.
+            BlobCorruptError: short read, bad header, bad codec payload or hash.
+        """
+        where = f"{where}, blob {loc.address}"
+        if len(dest) != loc.raw_len:
+            raise BlobCorruptError(f"{where}: destination holds {len(dest)} bytes, blob {loc.raw_len}")
+        fd = self._fd(loc.pack, where)
+        header = bytearray(BLOB_HEADER.size)
+        if loc.codec == CODEC_RAW:
+            if loc.stored_len != loc.raw_len:
+                raise BlobCorruptError(f"{where}: raw blob with payload length {loc.stored_len}")
+            got = os.preadv(fd, [header, dest], loc.offset)
+            payload = dest
+        elif loc.codec == CODEC_ZSTD:
+            buf = bytearray(loc.stored_len)
+            got = os.preadv(fd, [header, buf], loc.offset)
+            payload = buf
+        else:
+            raise BlobCorruptError(f"{where}: unknown codec {loc.codec} in the catalog")
+        with self._lock:
+            self.blobs_read += 1
+            self.bytes_read += got
+        if got != BLOB_HEADER.size + loc.stored_len:
+            raise BlobCorruptError(f"{where}: pack {loc.pack}.pack is truncated ({got} of {BLOB_HEADER.size + loc.stored_len} bytes)")
+        check_header(bytes(header), loc, where)
+        if loc.codec == CODEC_ZSTD:
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=loc.raw_len)
+            except zstandard.ZstdError as exc:
+                raise BlobCorruptError(f"{where}: zstd payload does not decode: {exc}") from None
+            if len(raw) != loc.raw_len:
+                raise BlobCorruptError(f"{where}: decodes to {len(raw)} bytes, expected {loc.raw_len}")
+            dest[:] = raw
+        if verify and xxh3(dest) != loc.digest:
+            raise BlobCorruptError(f"{where}: content hash mismatch (corrupt blob)")
+
+    def read(self, loc: BlobLoc, where: str, verify: bool = True) -> bytearray:
+        """Read blob ``loc`` into a new ``bytearray`` (see :meth:`read_into`)."""
+        out = bytearray(loc.raw_len)
+        self.read_into(loc, memoryview(out), where, verify)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+
+def check_header(header: bytes, loc: BlobLoc, where: str) -> None:
+    """Check a 40-byte blob header against the expected location record.
+
+    Raises:
+        BlobCorruptError: any field differs.
+    """
+    magic, version, codec, _, raw_len, stored_len, dig = BLOB_HEADER.unpack(header)
+    if magic != BLOB_MAGIC:
+        raise BlobCorruptError(f"{where}: bad blob header magic {magic!r}")
+    if version != FORMAT_VERSION:
+        raise BlobCorruptError(f"{where}: unknown blob format version {version}")
+    if (codec, raw_len, stored_len, dig) != (loc.codec, loc.raw_len, loc.stored_len, loc.digest):
+        raise BlobCorruptError(
+            f"{where}: blob header (codec {codec}, raw {raw_len} B, stored {stored_len} B) does not match the catalog "
+            f"(codec {loc.codec}, raw {loc.raw_len} B, stored {loc.stored_len} B) or its hash differs"
+        )

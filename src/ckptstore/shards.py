@@ -1,0 +1,133 @@
+"""Cutting tensors into row-aligned shards and addressing them.
+
+A tensor is stored as its C-contiguous, little-endian bytes (the logical
+values; strides are not kept, see docs/design.md). The bytes are cut at fixed
+offsets, a multiple of one row (``shape[1:]`` elements), so that rows which did
+not change keep the same shard boundaries and the same hash from one commit to
+the next. A zero-element tensor has exactly one, empty, shard.
+
+A shard's address is its XXH3-128 digest (16 bytes, from the xxHash
+specification, https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md)
+plus its length in bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .errors import UnsupportedDtypeError, UnsupportedTypeError
+
+DEFAULT_SHARD_BYTES = 1 << 20  # 1 MiB; see docs/performance.md for the measurement
+
+if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+    raise ImportError("ckptstore stores tensors little-endian and needs a little-endian host")
+
+
+def _build_dtypes() -> dict[str, torch.dtype]:
+    table = {}
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype) and not str(value).startswith(("torch.q", "torch.quint")):
+            table[str(value).removeprefix("torch.")] = value
+    return dict(sorted(table.items()))
+
+
+#: Every dtype of the installed torch that has a raw byte form, by name
+#: (``"float32"``, ``"bfloat16"``, ``"float8_e4m3fn"``, ...). Quantized dtypes
+#: are absent: their values need scale and zero point, which are not bytes.
+DTYPES: dict[str, torch.dtype] = _build_dtypes()
+
+
+def dtype_name(dtype: torch.dtype, path: str = "") -> str:
+    """Name of ``dtype`` in :data:`DTYPES`.
+
+    Raises:
+        UnsupportedDtypeError: quantized dtypes, which are never converted.
+    """
+    name = str(dtype).removeprefix("torch.")
+    if DTYPES.get(name) is not dtype:
+        raise UnsupportedDtypeError(f"{path or '<tensor>'}: dtype {dtype} cannot be stored raw")
+    return name
+
+
+def address(digest: bytes, length: int) -> str:
+    """Printable blob address: 32 hex digits of XXH3-128, a dash, the length in bytes."""
+    return f"{digest.hex()}-{length}"
+
+
+def digest(data) -> bytes:
+    """XXH3-128 of a bytes-like object, as 16 big-endian bytes (canonical form)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+EMPTY_DIGEST = digest(b"")
+
+
+def tensor_bytes(t: torch.Tensor, path: str = "") -> memoryview:
+    """The C-contiguous bytes of ``t`` as a flat ``memoryview`` of uint8.
+
+    No copy for a contiguous CPU tensor; a non-contiguous, conjugated or CUDA
+    tensor is first copied to a contiguous CPU tensor.
+
+    Raises:
+        UnsupportedTypeError: sparse, nested, meta or otherwise strided-less tensors.
+        UnsupportedDtypeError: quantized tensors.
+    """
+    dtype_name(t.dtype, path)
+    if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
+        raise UnsupportedTypeError(f"{path or '<tensor>'}: {t.layout} / nested / meta tensors are not supported")
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if type(t) is not torch.Tensor:  # MemoryMappedTensor and other subclasses: plain view, same memory
+        t = t.as_subclass(torch.Tensor)
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Where one tensor is cut: ``nbytes`` total, ``shard_bytes`` per shard."""
+
+    nbytes: int
+    shard_bytes: int
+
+    @property
+    def count(self) -> int:
+        """Number of shards (one, empty, for a zero-byte tensor)."""
+        return max(1, -(-self.nbytes // self.shard_bytes))
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Byte range ``[start, stop)`` of shard ``i``."""
+        start = i * self.shard_bytes
+        return start, min(self.nbytes, start + self.shard_bytes)
+
+
+def plan(shape: tuple[int, ...], dtype: torch.dtype, target: int = DEFAULT_SHARD_BYTES) -> ShardPlan:
+    """Shard boundaries for a tensor of ``shape`` and ``dtype``.
+
+    ``shard_bytes`` is the largest whole number of rows (a row is one index
+    along dim 0) that fits in ``target`` bytes, at least one row. A row larger
+    than ``target`` is cut every ``target`` bytes rounded down to whole
+    elements. 0-d and 1-d tensors count one element as a row.
+    """
+    itemsize = dtype.itemsize
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * itemsize
+    row = itemsize
+    for s in shape[1:]:
+        row *= s
+    if row == 0:
+        return ShardPlan(nbytes, max(itemsize, 1))
+    if row <= target:
+        shard_bytes = row * (target // row)
+    else:
+        shard_bytes = max(itemsize, target - target % itemsize)
+    return ShardPlan(nbytes, shard_bytes)

@@ -1,0 +1,824 @@
+"""The store: commit, checkout, refs and lineage.
+
+A store is one folder::
+
+    catalog.sqlite   the catalog (commits, manifests, lineage, tags, reflog, blobs)
+    blobs/           pack files of content-addressed blobs, fanned out by id prefix
+    tmp/             files being written
+
+Commit protocol (docs/design.md has the details):
+
+1. adapters turn the object into components (state trees);
+2. each tensor is cut into row-aligned shards and hashed (XXH3-128), in threads;
+3. shards the catalog already knows are reused, the others are written to new
+   pack files, which are fsynced and renamed into ``blobs/``;
+4. one ``BEGIN IMMEDIATE`` transaction checks that every reused blob still has
+   its row (a GC may have removed it meanwhile: then it is rewritten and the
+   transaction retried), inserts the blob rows, the commit, its parents,
+   components, leaves and shards, moves the tags and appends to the reflog.
+
+A crash before step 4 commits leaves only orphan pack files, which GC removes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from . import jsonvalue
+from .adapters import REGISTRY, ComponentState, LazyTensor, Registry, capture, join, migrate
+from .adapters.base import Captured
+from .catalog import Catalog
+from .errors import (
+    AmbiguousRefError,
+    CkptStoreError,
+    IntegrityError,
+    InvalidNameError,
+    NotAStoreError,
+    PartialPathError,
+    RefNotFoundError,
+    TargetMismatchError,
+)
+from .packs import DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
+from .shards import DEFAULT_SHARD_BYTES, DTYPES, ShardPlan, address, digest, dtype_name, plan, tensor_bytes
+
+CATALOG = "catalog.sqlite"
+_INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """One commit, as returned by :meth:`Store.commit` and :meth:`Store.log`.
+
+    Attributes:
+        id: 32 hex digits (XXH3-128 of the commit record).
+        tags: tags that pointed to it when returned (for ``commit``: the tags it moved).
+        parents: parent commit ids (lineage), first parent first.
+        created_at: seconds since the epoch.
+        logical_bytes: bytes of all tensors in the state.
+        new_bytes: raw bytes of shards the store did not hold before.
+        stored_bytes: bytes written to pack files (after compression, with headers).
+        shards_total: shard references in the manifest.
+        shards_new: blobs written by this commit.
+        seconds: wall time of the commit call.
+    """
+
+    id: str
+    tags: tuple[str, ...]
+    parents: tuple[str, ...]
+    created_at: float
+    message: str
+    metadata: dict
+    logical_bytes: int
+    new_bytes: int
+    stored_bytes: int
+    shards_total: int
+    shards_new: int
+    seconds: float
+
+    @property
+    def tag(self) -> str | None:
+        """The first tag, or ``None``."""
+        return self.tags[0] if self.tags else None
+
+    @property
+    def dedup_ratio(self) -> float:
+        """``logical_bytes / new_bytes`` (``inf`` when nothing was new)."""
+        return self.logical_bytes / self.new_bytes if self.new_bytes else float("inf")
+
+
+@dataclass
+class IOStats:
+    """Cumulative read counters of a :class:`Store` (blobs and bytes read from packs)."""
+
+    blobs_read: int = 0
+    bytes_read: int = 0
+
+
+@dataclass
+class LeafRecord:
+    """One manifest row: a tensor (dtype, shape, shards) or a JSON value."""
+
+    path: str
+    component: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    nbytes: int
+    shard_bytes: int | None
+    value: Any = None
+    shards: list[BlobLoc] = field(default_factory=list)
+
+
+class _ReusedBlobsGone(Exception):
+    def __init__(self, keys: list[tuple[bytes, int]]):
+        self.keys = keys
+
+
+def _check_tag(name: Any) -> str:
+    if type(name) is not str or not name or len(name) > 255 or name != name.strip() or any(c in name for c in "\x00\n\r\t"):
+        raise InvalidNameError(f"invalid tag name {name!r}: a non-empty string without control characters or edge spaces")
+    return name
+
+
+def _under(path: str, prefix: str) -> bool:
+    return not prefix or path == prefix or path.startswith(prefix + "/")
+
+
+class Store:
+    """A content-addressed, versioned checkpoint store in one folder.
+
+    Args:
+        path: the store folder; created (with its catalog) when missing or empty.
+        create: if false, a missing store raises NotAStoreError.
+        shard_bytes: target shard size in bytes for new commits (default 1 MiB);
+            saved in the catalog when the store is created, overridden per
+            session when given.
+        compression_level: zstandard level for compressible shards (0 disables).
+        pack_bytes: pack files roll over past this size in bytes.
+        workers: threads for hashing, compression and I/O (default: CPU count).
+        registry: the adapter registry (default: the global one).
+
+    Raises:
+        NotAStoreError: the folder holds other files and no catalog.
+        CatalogCorruptError: the catalog is not a ckptstore SQLite catalog.
+        SchemaVersionError: the catalog is newer than this library.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        create: bool = True,
+        shard_bytes: int | None = None,
+        compression_level: int | None = None,
+        pack_bytes: int = DEFAULT_PACK_BYTES,
+        workers: int | None = None,
+        registry: Registry = REGISTRY,
+    ):
+        self.root = Path(path)
+        catalog = self.root / CATALOG
+        if self.root.exists() and not self.root.is_dir():
+            raise NotAStoreError(f"{self.root} is a file, not a ckptstore store")
+        if not catalog.exists():
+            if self.root.exists() and any(self.root.iterdir()):
+                raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG}) and is not empty")
+            if not create:
+                raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise NotAStoreError(f"cannot create a store at {self.root}: {exc}") from None
+        self.catalog = Catalog(catalog, create=True)
+        (self.root / "blobs").mkdir(exist_ok=True)
+        (self.root / "tmp").mkdir(exist_ok=True)
+        settings = self._settings({"shard_bytes": DEFAULT_SHARD_BYTES, "compression_level": 3})
+        self.shard_bytes = int(shard_bytes if shard_bytes is not None else settings["shard_bytes"])
+        self.compression_level = int(compression_level if compression_level is not None else settings["compression_level"])
+        if self.shard_bytes < 1:
+            raise ValueError("shard_bytes must be >= 1")
+        self.pack_bytes = pack_bytes
+        self.workers = workers or os.cpu_count() or 1
+        self.registry = registry
+        self.io = IOStats()
+        self._pool: ThreadPoolExecutor | None = None
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    def _settings(self, defaults: dict) -> dict:
+        rows = {r["key"]: jsonvalue.loads(r["value"]) for r in self.catalog.rows("SELECT key, value FROM settings")}
+        missing = {k: v for k, v in defaults.items() if k not in rows}
+        if missing:
+            with self.catalog.write() as db:
+                db["settings"].insert_all(({"key": k, "value": jsonvalue.dumps(v)} for k, v in missing.items()), ignore=True)
+            rows.update(missing)
+        return rows
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ckptstore")
+        return self._pool
+
+    def close(self) -> None:
+        """Release the thread pool and the catalog connection."""
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self.catalog.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.root)!r})"
+
+    # --- commit ----------------------------------------------------------------------
+
+    def commit(
+        self,
+        obj: Any,
+        tag: str | Sequence[str] | None = None,
+        message: str = "",
+        metadata: dict | None = None,
+        parents: Sequence[str] | None = None,
+    ) -> CommitInfo:
+        """Commit ``obj`` and move ``tag`` (one name or several) to the new commit.
+
+        ``obj`` is anything with an adapter: a TorchRL replay buffer, module,
+        optimizer, :class:`~ckptstore.RNGState`, TensorDict, tensor, JSON value,
+        or a dict of them. Parents default to the commits the tags pointed to
+        (read inside the commit transaction); pass ``parents`` (refs) to override.
+
+        Returns:
+            CommitInfo with byte counts (bytes) and ``seconds``.
+
+        Raises:
+            UnsupportedTypeError: a value that cannot be stored without pickle
+                (names its path and type).
+            InvalidNameError: a bad tag name or state-tree key.
+            RefNotFoundError: a ``parents`` ref that does not exist.
+            StoreWriteError: writing failed (disk full...); nothing committed changes.
+            CatalogBusyError: the catalog stayed locked.
+        """
+        t0 = time.perf_counter()
+        tags = [] if tag is None else [tag] if isinstance(tag, str) else list(tag)
+        tags = list(dict.fromkeys(_check_tag(t) for t in tags))
+        if type(message) is not str:
+            raise InvalidNameError(f"message must be a str, got {type(message).__name__}")
+        metadata = {} if metadata is None else metadata
+        if type(metadata) is not dict:
+            raise InvalidNameError(f"metadata must be a dict, got {type(metadata).__name__}")
+        meta_json = jsonvalue.dumps(metadata, "metadata")
+        explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
+
+        with torch.no_grad():
+            components = capture(obj, self.registry)
+        leaves, views = self._leaves(components)
+        keys = [(d, len(mv)) for rec, shard_views in zip(leaves, views) for d, mv in shard_views]
+        unique: dict[tuple[bytes, int], memoryview] = {}
+        for rec, shard_views in zip(leaves, views):
+            for d, mv in shard_views:
+                unique.setdefault((d, len(mv)), mv)
+        known = self._lookup(list(unique))
+
+        with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
+            written: dict[tuple[bytes, int], BlobLoc] = {}
+            todo = [k for k in unique if k not in known]
+            while True:
+                for key, loc in zip(todo, self._map(lambda k: writer.append(unique[k], k[0]), todo)):
+                    written[key] = loc
+                writer.finish()
+                try:
+                    created_at = time.time()
+                    cid, parent_ids, ids = self._commit_txn(
+                        components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0
+                    )
+                    break
+                except _ReusedBlobsGone as gone:
+                    todo = gone.keys
+                    for k in todo:
+                        known.pop(k, None)
+        logical = sum(r.nbytes for r in leaves if r.kind == "tensor")
+        return CommitInfo(
+            id=cid,
+            tags=tuple(tags),
+            parents=tuple(parent_ids),
+            created_at=created_at,
+            message=message,
+            metadata=metadata,
+            logical_bytes=logical,
+            new_bytes=ids["new_bytes"],
+            stored_bytes=writer.stored_bytes,
+            shards_total=len(keys),
+            shards_new=len(written),
+            seconds=ids["seconds"],
+        )
+
+    def _leaves(self, components: list[Captured]) -> tuple[list[LeafRecord], list[list[tuple[bytes, memoryview]]]]:
+        """Manifest records, and for each tensor leaf its shards' (digest, bytes)."""
+        records: list[LeafRecord] = []
+        pending: list[tuple[int, memoryview, ShardPlan]] = []
+        for comp in components:
+            for path, value in comp.leaves.items():
+                if isinstance(value, torch.Tensor):
+                    shape = tuple(value.shape)
+                    p = plan(shape, value.dtype, self.shard_bytes)
+                    rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), shape, p.nbytes, p.shard_bytes)
+                    pending.append((len(records), tensor_bytes(value, path), p))
+                else:
+                    rec = LeafRecord(path, comp.path, "json", None, None, 0, None, jsonvalue.dumps(value, path))
+                records.append(rec)
+        slices = [(i, mv[slice(*p.bounds(s))]) for i, mv, p in pending for s in range(p.count)]
+        total = sum(len(mv) for _, mv in slices)
+        digests = self._map(digest, [mv for _, mv in slices]) if total > _INLINE_HASH_BYTES else [digest(mv) for _, mv in slices]
+        views: list[list[tuple[bytes, memoryview]]] = [[] for _ in records]
+        for (i, mv), d in zip(slices, digests):
+            views[i].append((d, mv))
+        return records, views
+
+    def _map(self, fn, items: list) -> list:
+        if len(items) <= 1 or self.workers == 1:
+            return [fn(x) for x in items]
+        return list(self.pool.map(fn, items))
+
+    def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
+        """Blob ids of the addresses the catalog already holds."""
+        wanted = set(keys)
+        rows = self.catalog.chunked("SELECT id, hash, raw_len FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}))
+        return {(bytes(r["hash"]), r["raw_len"]): r["id"] for r in rows if (bytes(r["hash"]), r["raw_len"]) in wanted}
+
+    def _commit_txn(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0):
+        with self.catalog.write() as db:
+            if known:
+                alive = {r["id"] for r in self.catalog.chunked("SELECT id FROM blobs WHERE id IN ({})", list(set(known.values())))}
+                gone = [k for k, i in known.items() if i not in alive]
+                if gone:
+                    raise _ReusedBlobsGone(gone)
+            db["packs"].insert_all(({"id": pid, "size": size, "created_at": created_at} for pid, size in writer.pack_ids), ignore=True)
+            db["blobs"].insert_all(
+                (
+                    {"hash": loc.digest, "raw_len": loc.raw_len, "pack": loc.pack, "offset": loc.offset,
+                     "stored_len": loc.stored_len, "codec": loc.codec, "created_at": created_at}
+                    for loc in written.values()
+                ),
+                ignore=True,
+            )
+            ids = dict(known)
+            ids.update(self._lookup(list(written)))
+            if explicit_parents is not None:
+                parents = explicit_parents
+            else:
+                current = {r["name"]: r["commit_id"] for r in self.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
+                parents = list(dict.fromkeys(current[t] for t in tags if t in current))
+            manifest = [
+                [r.path, r.component, r.kind, r.dtype, list(r.shape) if r.shape is not None else None, r.value,
+                 [address(d, n) for d, n in keys_of] if r.kind == "tensor" else None]
+                for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys))
+            ]
+            record = jsonvalue.dumps(
+                [parents, created_at, message, meta_json, [[c.path, c.adapter, c.version, c.meta] for c in components], manifest]
+            )
+            cid = digest(record.encode()).hex()
+            seconds = time.perf_counter() - t0
+            new_bytes = sum(n for _, n in written)
+            db["commits"].insert({
+                "id": cid, "created_at": created_at, "message": message, "metadata": meta_json,
+                "logical_bytes": sum(r.nbytes for r in leaves if r.kind == "tensor"), "new_bytes": new_bytes,
+                "stored_bytes": writer.stored_bytes, "shards_total": len(keys), "shards_new": len(written), "seconds": seconds,
+            })
+            db["parents"].insert_all({"commit_id": cid, "position": i, "parent_id": p} for i, p in enumerate(parents))
+            db["components"].insert_all(
+                {"commit_id": cid, "path": c.path, "adapter": c.adapter, "version": c.version, "meta": jsonvalue.dumps(c.meta, c.path)}
+                for c in components
+            )
+            db["leaves"].insert_all(
+                {"commit_id": cid, "path": r.path, "component": r.component, "kind": r.kind, "dtype": r.dtype,
+                 "shape": None if r.shape is None else jsonvalue.dumps(list(r.shape)), "nbytes": r.nbytes,
+                 "shard_bytes": r.shard_bytes, "value": r.value}
+                for r in leaves
+            )
+            db["shards"].insert_all(
+                {"commit_id": cid, "path": r.path, "seq": s, "blob_id": ids[k]}
+                for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys))
+                for s, k in enumerate(keys_of)
+            )
+            for t in tags:
+                self._move_tag(t, cid, "commit", created_at)
+        return cid, parents, {"new_bytes": new_bytes, "seconds": seconds}
+
+    @staticmethod
+    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
+        out, i = [], 0
+        for r in leaves:
+            n = ShardPlan(r.nbytes, r.shard_bytes).count if r.kind == "tensor" else 0
+            out.append(keys[i : i + n])
+            i += n
+        return out
+
+    def _move_tag(self, name: str, cid: str | None, action: str, at: float) -> None:
+        """Point tag ``name`` at ``cid`` (None deletes it) and log it; inside a write."""
+        old = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
+        old_id = old[0]["commit_id"] if old else None
+        if cid is None:
+            self.catalog.conn.execute("DELETE FROM tags WHERE name = ?", (name,))
+        else:
+            self.catalog.conn.execute(
+                "INSERT INTO tags(name, commit_id, updated_at) VALUES (?, ?, ?) "
+                "ON CONFLICT(name) DO UPDATE SET commit_id = excluded.commit_id, updated_at = excluded.updated_at",
+                (name, cid, at),
+            )
+        self.catalog.db["reflog"].insert({"tag": name, "old_commit": old_id, "new_commit": cid, "at": at, "action": action})
+
+    # --- refs ------------------------------------------------------------------------
+
+    def resolve(self, ref: str) -> str:
+        """The commit id a ref names: a tag, a full commit id, or a unique id prefix.
+
+        Raises:
+            RefNotFoundError: nothing matches.
+            AmbiguousRefError: a prefix matches several commits (they are listed).
+        """
+        if type(ref) is not str or not ref:
+            raise RefNotFoundError(f"invalid ref {ref!r}")
+        rows = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (ref,))
+        if rows:
+            return rows[0]["commit_id"]
+        ref_l = ref.lower()
+        if all(c in "0123456789abcdef" for c in ref_l):
+            rows = self.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
+            if len(rows) == 1:
+                return rows[0]["id"]
+            if len(rows) > 1:
+                ids = ", ".join(r["id"][:12] for r in rows)
+                raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix: matches {ids}")
+        raise RefNotFoundError(f"no tag or commit named {ref!r} in {self.root}")
+
+    def tags(self) -> dict[str, str]:
+        """``{tag name: commit id}``, sorted by name."""
+        return {r["name"]: r["commit_id"] for r in self.catalog.rows("SELECT name, commit_id FROM tags ORDER BY name")}
+
+    def tag(self, name: str, ref: str) -> str:
+        """Create or move tag ``name`` to the commit ``ref`` names; returns its id.
+
+        Atomic: one transaction moves the tag and appends a reflog row.
+        """
+        _check_tag(name)
+        with self.catalog.write():
+            cid = self.resolve(ref)
+            self._move_tag(name, cid, "tag", time.time())
+        return cid
+
+    def delete_tag(self, name: str) -> str:
+        """Delete tag ``name`` (its commits stay until GC); returns the commit it named.
+
+        Raises:
+            RefNotFoundError: no such tag.
+        """
+        with self.catalog.write():
+            rows = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
+            if not rows:
+                raise RefNotFoundError(f"no tag named {name!r} in {self.root}")
+            self._move_tag(name, None, "delete", time.time())
+        return rows[0]["commit_id"]
+
+    def reflog(self, tag: str | None = None) -> list[dict]:
+        """Every tag move, newest first: ``{tag, old_commit, new_commit, at, action}``."""
+        sql = "SELECT tag, old_commit, new_commit, at, action FROM reflog"
+        rows = self.catalog.rows(sql + (" WHERE tag = ?" if tag else "") + " ORDER BY id DESC", (tag,) if tag else ())
+        return [dict(r) for r in rows]
+
+    def info(self, ref: str) -> CommitInfo:
+        """The :class:`CommitInfo` of one commit."""
+        cid = self.resolve(ref)
+        return self._infos([cid])[cid]
+
+    def _infos(self, ids: list[str]) -> dict[str, CommitInfo]:
+        rows = self.catalog.chunked("SELECT * FROM commits WHERE id IN ({})", ids)
+        parents: dict[str, list[str]] = {}
+        for r in self.catalog.chunked("SELECT commit_id, parent_id FROM parents WHERE commit_id IN ({}) ORDER BY position", ids):
+            parents.setdefault(r["commit_id"], []).append(r["parent_id"])
+        tags: dict[str, list[str]] = {}
+        for r in self.catalog.chunked("SELECT name, commit_id FROM tags WHERE commit_id IN ({}) ORDER BY name", ids):
+            tags.setdefault(r["commit_id"], []).append(r["name"])
+        return {
+            r["id"]: CommitInfo(
+                id=r["id"], tags=tuple(tags.get(r["id"], ())), parents=tuple(parents.get(r["id"], ())),
+                created_at=r["created_at"], message=r["message"], metadata=jsonvalue.loads(r["metadata"]),
+                logical_bytes=r["logical_bytes"], new_bytes=r["new_bytes"], stored_bytes=r["stored_bytes"],
+                shards_total=r["shards_total"], shards_new=r["shards_new"], seconds=r["seconds"],
+            )
+            for r in rows
+        }
+
+    def log(self, ref: str | None = None, limit: int | None = None) -> list[CommitInfo]:
+        """Lineage of ``ref`` (itself and all its ancestors), newest first.
+
+        Without ``ref``, every commit in the store, newest first.
+        """
+        if ref is None:
+            ids = [r["id"] for r in self.catalog.rows("SELECT id FROM commits ORDER BY created_at DESC, id")]
+        else:
+            seen: list[str] = []
+            frontier = [self.resolve(ref)]
+            known: set[str] = set()
+            while frontier:
+                known.update(frontier)
+                seen += frontier
+                rows = self.catalog.chunked("SELECT parent_id FROM parents WHERE commit_id IN ({})", frontier)
+                frontier = list(dict.fromkeys(r["parent_id"] for r in rows if r["parent_id"] not in known))
+            ids = seen
+        infos = self._infos(ids)
+        out = sorted((infos[i] for i in ids if i in infos), key=lambda c: (-c.created_at, c.id))
+        return out[:limit] if limit else out
+
+    # --- checkout ----------------------------------------------------------------------
+
+    def components(self, ref: str) -> dict[str, dict]:
+        """``{component path: {"adapter", "version", "meta"}}`` of a commit."""
+        cid = self.resolve(ref)
+        rows = self.catalog.rows("SELECT path, adapter, version, meta FROM components WHERE commit_id = ? ORDER BY rowid", (cid,))
+        return {r["path"]: {"adapter": r["adapter"], "version": r["version"], "meta": jsonvalue.loads(r["meta"])} for r in rows}
+
+    def _manifest(self, cid: str, prefixes: list[str] | None) -> list[LeafRecord]:
+        """Leaf records of commit ``cid`` under ``prefixes``, shards resolved; selected in SQL."""
+        where, params = "", []
+        if prefixes:
+            terms = []
+            for p in prefixes:
+                terms.append("(l.path = ? OR substr(l.path, 1, ?) = ?)")
+                params += [p, len(p) + 1, p + "/"]
+            where = " AND (" + " OR ".join(terms) + ")"
+        rows = self.catalog.rows(
+            f"SELECT l.* FROM leaves l WHERE l.commit_id = ?{where} ORDER BY l.rowid", (cid, *params)
+        )
+        records = {
+            r["path"]: LeafRecord(
+                r["path"], r["component"], r["kind"], r["dtype"],
+                None if r["shape"] is None else tuple(jsonvalue.loads(r["shape"])),
+                r["nbytes"], r["shard_bytes"], None if r["value"] is None else jsonvalue.loads(r["value"]),
+            )
+            for r in rows
+        }
+        shard_rows = self.catalog.rows(
+            "SELECT s.path, s.seq, b.hash, b.raw_len, b.pack, b.offset, b.stored_len, b.codec, s.blob_id AS blob_id, b.id AS present "
+            f"FROM shards s LEFT JOIN blobs b ON b.id = s.blob_id JOIN leaves l ON l.commit_id = s.commit_id AND l.path = s.path "
+            f"WHERE s.commit_id = ?{where} ORDER BY s.path, s.seq",
+            (cid, *params),
+        )
+        for r in shard_rows:
+            rec = records.get(r["path"])
+            if rec is None:
+                continue
+            if r["present"] is None:
+                raise IntegrityError(f"commit {cid}, leaf {r['path']}: shard {r['seq']} references blob row {r['blob_id']}, which is gone")
+            rec.shards.append(BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"]))
+        return list(records.values())
+
+    def _select(self, cid: str, partial: Iterable[str] | None, comps: dict[str, dict]) -> list[str] | None:
+        """Normalise ``partial`` prefixes and check each matches something."""
+        if partial is None:
+            return None
+        if isinstance(partial, str):
+            partial = [partial]
+        prefixes = []
+        leaf_paths = None
+        for p in partial:
+            if type(p) is not str:
+                raise PartialPathError(f"partial prefixes must be strings, got {p!r}")
+            p = p.strip("/")
+            if not p:
+                return None
+            hit = any(_under(c, p) or _under(p, c) for c in comps)
+            if not hit:
+                if leaf_paths is None:
+                    leaf_paths = [r["path"] for r in self.catalog.rows("SELECT path FROM leaves WHERE commit_id = ?", (cid,))]
+                hit = any(_under(lp, p) for lp in leaf_paths)
+            if not hit:
+                names = ", ".join(c or "<root>" for c in comps) or "(none)"
+                raise PartialPathError(f"partial path {p!r} matches nothing in commit {cid[:12]}; components: {names}")
+            prefixes.append(p)
+        return prefixes
+
+    def _states(self, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: _Reader) -> dict[str, ComponentState]:
+        states: dict[str, ComponentState] = {}
+        for c, row in comps.items():
+            if prefixes is None or any(_under(c, p) or _under(p, c) for p in prefixes):
+                states[c] = ComponentState(c, row["adapter"], row["version"], row["meta"])
+        for rec in self._manifest(cid, prefixes):
+            state = states.get(rec.component)
+            if state is None:
+                raise IntegrityError(f"commit {cid}, leaf {rec.path}: its component {rec.component!r} is not in the catalog")
+            rel = rec.path[len(rec.component) + 1 :] if rec.component else rec.path
+            if rec.path == rec.component:
+                rel = ""
+            if rec.kind == "tensor":
+                state.leaves[rel] = reader.lazy(rec)
+            elif rec.kind == "json":
+                state.leaves[rel] = rec.value
+            else:
+                raise IntegrityError(f"commit {cid}, leaf {rec.path}: unknown leaf kind {rec.kind!r}")
+        return states
+
+    def checkout(self, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True) -> Any:
+        """Read a commit back, whole or in part.
+
+        Args:
+            ref: a tag, a full commit id or a unique id prefix.
+            partial: path prefixes (``"sampler"``, ``"rb/storage/data/obs"``);
+                only their leaves' blobs are read.
+            into: an object, or a dict of objects, to load in place (a replay
+                buffer, module, optimizer, RNGState, TensorDict...). Only the
+                components under its structure are read.
+            verify: rehash every blob read (on by default).
+
+        Returns:
+            Without ``into``: a TensorDict (batch size ``[]``) of the selected
+            leaves at their paths; tensors as tensors, JSON values as non-tensor
+            data (a commit of a single bare value returns that value). With
+            ``into``: ``into`` itself (or its replacement, for an immutable value).
+
+        Raises:
+            RefNotFoundError / AmbiguousRefError: bad ref.
+            PartialPathError: a prefix that matches nothing (lists the components).
+            TargetMismatchError: ``into`` does not fit (capacity, layout, shape,
+                class); raised before ``into`` is modified.
+            IntegrityError: a missing or corrupt blob (names leaf, blob, commit).
+            AdapterVersionError: state written by a newer adapter version.
+        """
+        with self.catalog.read():
+            cid = self.resolve(ref)
+            comps = self.components(cid)
+            prefixes = self._select(cid, partial, comps)
+            reader = _Reader(self, cid, verify)
+            if into is None:
+                states = self._states(cid, prefixes, comps, reader)
+            else:
+                steps = _plan_restore(into, comps, prefixes, self.registry, cid)
+                if not steps:
+                    return into
+                states = self._states(cid, [s.path for s in steps], comps, reader)
+        try:
+            if into is None:
+                return self._as_tensordict(states, reader)
+            return _restore(into, steps, states, self.registry, reader)
+        finally:
+            reader.close()
+
+    def _as_tensordict(self, states: dict[str, ComponentState], reader: _Reader) -> Any:
+        reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))
+        if len(states) == 1 and "" in states:
+            only = states[""]
+            if only.adapter == "tensordict":
+                return self.registry.named("tensordict", "").build(only)
+            if list(only.leaves) == [""]:
+                return only.value("")
+        out = TensorDict({}, batch_size=[])
+        for state in states.values():
+            if state.adapter == "tensordict" and state.path:
+                out.set(tuple(state.path.split("/")), self.registry.named("tensordict", state.path).build(state))
+                continue
+            for rel, value in state.leaves.items():
+                key = tuple(join(state.path, rel).split("/"))
+                if isinstance(value, torch.Tensor):
+                    out.set(key, value)
+                else:
+                    out.set_non_tensor(key, value)
+        return out
+
+
+class _Reader:
+    """Reads tensor leaves of one commit for one checkout, in threads."""
+
+    def __init__(self, store: Store, cid: str, verify: bool):
+        self.store = store
+        self.cid = cid
+        self.verify = verify
+        self.packs = PackReader(store.root)
+
+    def lazy(self, rec: LeafRecord) -> LazyTensor:
+        where = f"commit {self.cid[:12]}, leaf {rec.path}"
+        dtype = DTYPES.get(rec.dtype or "")
+        if dtype is None:
+            raise IntegrityError(f"{where}: unknown dtype {rec.dtype!r}")
+        shape = rec.shape
+        if shape is None or any(type(s) is not int or s < 0 for s in shape):
+            raise IntegrityError(f"{where}: invalid shape {shape!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes != rec.nbytes or not rec.shard_bytes or rec.shard_bytes < 1:
+            raise IntegrityError(f"{where}: shape {list(shape)} x {rec.dtype} is {nbytes} bytes, the manifest says {rec.nbytes}")
+        expected = ShardPlan(rec.nbytes, rec.shard_bytes)
+        if len(rec.shards) != expected.count:
+            raise IntegrityError(f"{where}: {len(rec.shards)} shards in the catalog, {expected.count} expected")
+        for i, loc in enumerate(rec.shards):
+            a, b = expected.bounds(i)
+            if loc.raw_len != b - a:
+                raise IntegrityError(f"{where}: shard {i} (blob {loc.address}) holds {loc.raw_len} bytes, {b - a} expected")
+        return LazyTensor(rec.path, dtype, tuple(shape), self, (rec, expected))
+
+    def read_many(self, pairs: list[tuple[LazyTensor, torch.Tensor | None]], states: list[ComponentState] | None = None) -> None:
+        """Read each lazy tensor into its destination (a new tensor when ``None``).
+
+        With ``states``, lazy leaves are replaced by the tensors read.
+        """
+        tasks, results = [], []
+        for lazy, dest in pairs:
+            if dest is None:
+                try:
+                    dest = torch.empty(lazy.shape, dtype=lazy.dtype)
+                except RuntimeError as exc:
+                    raise IntegrityError(f"commit {self.cid}, leaf {lazy.path}: cannot allocate {list(lazy.shape)}: {exc}") from None
+            elif not dest.is_contiguous() or dest.device.type != "cpu":
+                raise ValueError(f"{lazy.path}: read destination must be a contiguous CPU tensor")
+            results.append((lazy, dest))
+            rec, expected = lazy._handle
+            flat = dest.as_subclass(torch.Tensor).reshape(-1).view(torch.uint8)
+            view = memoryview(flat.numpy()) if dest.numel() else memoryview(bytearray(0))
+            for i, loc in enumerate(rec.shards):
+                a, b = expected.bounds(i)
+                tasks.append((loc, view[a:b], f"commit {self.cid}, leaf {rec.path}, shard {i}"))
+        big = sum(loc.raw_len for loc, _, _ in tasks) > _INLINE_HASH_BYTES
+        run = (lambda t: self.packs.read_into(t[0], t[1], t[2], self.verify))
+        if big and self.store.workers > 1 and len(tasks) > 1:
+            list(self.store.pool.map(run, tasks))
+        else:
+            for t in tasks:
+                run(t)
+        if states:
+            done = {id(lazy): dest for lazy, dest in results}
+            for state in states:
+                for k, v in state.leaves.items():
+                    if isinstance(v, LazyTensor) and id(v) in done:
+                        state.leaves[k] = done[id(v)]
+
+    def close(self) -> None:
+        self.store.io.blobs_read += self.packs.blobs_read
+        self.store.io.bytes_read += self.packs.bytes_read
+        self.packs.close()
+
+
+# --- restoring into live objects ---------------------------------------------------------
+
+
+@dataclass
+class _Step:
+    obj: Any
+    path: str
+    parent: tuple[Any, Any, str] | None  # (container adapter, container, child name)
+
+
+def _plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, registry: Registry, cid: str):
+    """Match ``into``'s structure to the commit's components.
+
+    Returns the restore steps, one per component to load.
+    Raises TargetMismatchError for structure that does not match.
+    """
+    steps: list[_Step] = []
+
+    def selected(path: str) -> bool:
+        return prefixes is None or any(_under(path, p) or _under(p, path) for p in prefixes)
+
+    def walk(obj: Any, path: str, parent) -> None:
+        if path in comps:
+            if selected(path):
+                steps.append(_Step(obj, path, parent))
+            return
+        under = [c for c in comps if _under(c, path)]
+        if not under:
+            names = ", ".join(c or "<root>" for c in comps)
+            raise TargetMismatchError(f"{path or '<root>'}: commit {cid[:12]} has no component here; components: {names}")
+        adapter = registry.for_object(obj, path)
+        kids = adapter.targets(obj)
+        if kids is None:
+            raise TargetMismatchError(
+                f"{path or '<root>'}: the commit holds components {', '.join(under)} here, "
+                f"but the target {type(obj).__name__} is not a container of them"
+            )
+        for name, child in kids.items():
+            walk(child, join(path, name), (adapter, obj, name))
+
+    walk(into, "", None)
+    if prefixes is not None:
+        for p in prefixes:
+            if not any(_under(s.path, p) or _under(p, s.path) for s in steps):
+                raise TargetMismatchError(f"partial path {p!r} selects components that the target given as into does not contain")
+    return steps
+
+
+def _restore(into: Any, steps: list[_Step], states: dict[str, ComponentState], registry: Registry, reader: _Reader) -> Any:
+    """Check every component, read the small ones, then load them all."""
+    plans = []
+    for step in steps:
+        state = states[step.path]
+        adapter = registry.named(state.adapter, step.path)
+        state = migrate(adapter, state)
+        adapter.check(step.obj, state)
+        plans.append((step, adapter, state))
+    prefetch = [s for _, a, s in plans if not a.direct]
+    reader.read_many([(lt, None) for s in prefetch for lt in s.lazy()], states=prefetch)
+    result = into
+    with torch.no_grad():
+        for step, adapter, state in plans:
+            new = adapter.from_state(step.obj, state)
+            if new is not step.obj:
+                if step.parent is None:
+                    result = new
+                else:
+                    parent_adapter, container, name = step.parent
+                    parent_adapter.set_child(container, name, new)
+    return result
+
+
+__all__ = ["Store", "CommitInfo", "IOStats", "CkptStoreError"]
