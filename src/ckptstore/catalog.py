@@ -80,7 +80,7 @@ def _v1(db: sqlite_utils.Database) -> None:
     db["leaves"].create(
         {
             "commit_id": str, "path": str, "component": str, "kind": str,
-            "dtype": str, "shape": str, "nbytes": int, "shard_bytes": int, "value": str,
+            "dtype": str, "shape": str, "stride": str, "nbytes": int, "shard_bytes": int, "value": str,
         },
         pk=("commit_id", "path"),
         foreign_keys=[("commit_id", "commits", "id")],

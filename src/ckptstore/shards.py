@@ -1,7 +1,9 @@
 """Cutting tensors into row-aligned shards and addressing them.
 
-A tensor is stored as its C-contiguous, little-endian bytes (the logical
-values; strides are not kept, see docs/design.md). The bytes are cut at fixed
+A tensor is stored as its little-endian bytes in memory order: C-contiguous,
+or, for a dense permuted layout (a transpose, ``channels_last``), in that
+layout, with its strides recorded so checkout rebuilds it. Views with gaps
+are stored C-contiguous (see docs/design.md). The bytes are cut at fixed
 offsets, a multiple of one row (``shape[1:]`` elements), so that rows which did
 not change keep the same shard boundaries and the same hash from one commit to
 the next. A zero-element tensor has exactly one, empty, shard.
@@ -66,11 +68,44 @@ def digest(data) -> bytes:
 EMPTY_DIGEST = digest(b"")
 
 
-def tensor_bytes(t: torch.Tensor, path: str = "") -> memoryview:
-    """The C-contiguous bytes of ``t`` as a flat ``memoryview`` of uint8.
+def dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int] | None:
+    """Dims from outermost to innermost in memory, if ``(shape, stride)`` is dense.
 
-    No copy for a contiguous CPU tensor; a non-contiguous, conjugated or CUDA
-    tensor is first copied to a contiguous CPU tensor.
+    Dense means non-overlapping with no gaps: a permutation of a C-contiguous
+    layout, such as a transpose or ``channels_last``. ``None`` otherwise.
+    """
+    if len(stride) != len(shape):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: -stride[d])
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return order
+
+
+def physical(t: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """``t`` in memory order and its strides to record.
+
+    A C-contiguous tensor comes back as is, with ``None``. A dense permuted
+    layout (transpose, ``channels_last``) comes back permuted to memory order,
+    which is contiguous without a copy, with ``t.stride()`` to restore it.
+    Anything else (views with gaps) is copied C-contiguous, strides not kept.
+    """
+    if t.is_contiguous() or t.numel() == 0:
+        return t, None
+    order = dense_order(tuple(t.shape), t.stride())
+    if order is None:
+        return t.contiguous(), None
+    return t.permute(order), list(t.stride())
+
+
+def tensor_bytes(t: torch.Tensor, path: str = "") -> memoryview:
+    """The bytes of a tensor that :func:`physical` returned, as a flat uint8 ``memoryview``.
+
+    No copy for a contiguous CPU tensor; a conjugated or CUDA tensor is first
+    copied to a contiguous CPU tensor.
 
     Raises:
         UnsupportedTypeError: sparse, nested, meta or otherwise strided-less tensors.
@@ -85,9 +120,17 @@ def tensor_bytes(t: torch.Tensor, path: str = "") -> memoryview:
     t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()
+    return byte_view(t)
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Writable flat uint8 ``memoryview`` of a contiguous CPU tensor's memory (no copy)."""
+    if t.numel() == 0:
+        return memoryview(bytearray(0))
     if type(t) is not torch.Tensor:  # MemoryMappedTensor and other subclasses: plain view, same memory
         t = t.as_subclass(torch.Tensor)
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # as_strided, not reshape: a contiguous tensor may carry odd strides on size-1 dims
+    return memoryview(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from . import jsonvalue
 from .adapters import REGISTRY, ComponentState, LazyTensor, Registry, capture, join, migrate
 from .adapters.base import Captured
 from .catalog import Catalog
+from .container import export_commit, import_commit
 from .errors import (
     AmbiguousRefError,
     CkptStoreError,
@@ -48,8 +49,8 @@ from .errors import (
     RefNotFoundError,
     TargetMismatchError,
 )
-from .packs import DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
-from .shards import DEFAULT_SHARD_BYTES, DTYPES, ShardPlan, address, digest, dtype_name, plan, tensor_bytes
+from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
+from .shards import DEFAULT_SHARD_BYTES, DTYPES, ShardPlan, address, byte_view, dense_order, digest, dtype_name, physical, plan, tensor_bytes
 
 CATALOG = "catalog.sqlite"
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
@@ -106,7 +107,10 @@ class IOStats:
 
 @dataclass
 class LeafRecord:
-    """One manifest row: a tensor (dtype, shape, shards) or a JSON value."""
+    """One manifest row: a tensor (dtype, shape, shards) or a JSON value.
+
+    ``value`` is the JSON text when committing, the decoded value when read back.
+    """
 
     path: str
     component: str
@@ -116,6 +120,7 @@ class LeafRecord:
     nbytes: int
     shard_bytes: int | None
     value: Any = None
+    stride: tuple[int, ...] | None = None  # recorded for dense non-contiguous layouts
     shards: list[BlobLoc] = field(default_factory=list)
 
 
@@ -261,37 +266,40 @@ class Store:
         metadata = {} if metadata is None else metadata
         if type(metadata) is not dict:
             raise InvalidNameError(f"metadata must be a dict, got {type(metadata).__name__}")
-        meta_json = jsonvalue.dumps(metadata, "metadata")
+        jsonvalue.encode(metadata, "metadata")
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
 
         with torch.no_grad():
             components = capture(obj, self.registry)
         leaves, views = self._leaves(components)
-        keys = [(d, len(mv)) for rec, shard_views in zip(leaves, views) for d, mv in shard_views]
+        keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
-        for rec, shard_views in zip(leaves, views):
+        for shard_views in views:
             for d, mv in shard_views:
                 unique.setdefault((d, len(mv)), mv)
-        known = self._lookup(list(unique))
+        return self._commit(components, leaves, keys, unique.__getitem__, tags, message, metadata, explicit_parents, t0)
 
+    def _commit(self, components, leaves, keys, source, tags, message, metadata, explicit_parents, t0) -> CommitInfo:
+        """Steps 3 and 4 of the commit protocol; ``source(key)`` gives a shard's bytes."""
+        meta_json = jsonvalue.dumps(metadata, "metadata")
+        known = self._lookup(list(dict.fromkeys(keys)))
         with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
             written: dict[tuple[bytes, int], BlobLoc] = {}
-            todo = [k for k in unique if k not in known]
+            todo = [k for k in dict.fromkeys(keys) if k not in known]
             while True:
-                for key, loc in zip(todo, self._map(lambda k: writer.append(unique[k], k[0]), todo)):
+                for key, loc in zip(todo, self._map(lambda k: writer.append(source(k), k[0]), todo)):
                     written[key] = loc
                 writer.finish()
                 try:
                     created_at = time.time()
-                    cid, parent_ids, ids = self._commit_txn(
+                    cid, parent_ids, seconds = self._commit_txn(
                         components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0
                     )
                     break
-                except _ReusedBlobsGone as gone:
+                except _ReusedBlobsGone as gone:  # a GC removed them meanwhile: write them again
                     todo = gone.keys
                     for k in todo:
                         known.pop(k, None)
-        logical = sum(r.nbytes for r in leaves if r.kind == "tensor")
         return CommitInfo(
             id=cid,
             tags=tuple(tags),
@@ -299,12 +307,12 @@ class Store:
             created_at=created_at,
             message=message,
             metadata=metadata,
-            logical_bytes=logical,
-            new_bytes=ids["new_bytes"],
+            logical_bytes=sum(r.nbytes for r in leaves if r.kind == "tensor"),
+            new_bytes=sum(n for _, n in written),
             stored_bytes=writer.stored_bytes,
             shards_total=len(keys),
             shards_new=len(written),
-            seconds=ids["seconds"],
+            seconds=seconds,
         )
 
     def _leaves(self, components: list[Captured]) -> tuple[list[LeafRecord], list[list[tuple[bytes, memoryview]]]]:
@@ -314,10 +322,10 @@ class Store:
         for comp in components:
             for path, value in comp.leaves.items():
                 if isinstance(value, torch.Tensor):
-                    shape = tuple(value.shape)
-                    p = plan(shape, value.dtype, self.shard_bytes)
-                    rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), shape, p.nbytes, p.shard_bytes)
-                    pending.append((len(records), tensor_bytes(value, path), p))
+                    phys, stride = physical(value)
+                    p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+                    rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
+                    pending.append((len(records), tensor_bytes(phys, path), p))
                 else:
                     rec = LeafRecord(path, comp.path, "json", None, None, 0, None, jsonvalue.dumps(value, path))
                 records.append(rec)
@@ -364,7 +372,7 @@ class Store:
                 current = {r["name"]: r["commit_id"] for r in self.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
                 parents = list(dict.fromkeys(current[t] for t in tags if t in current))
             manifest = [
-                [r.path, r.component, r.kind, r.dtype, list(r.shape) if r.shape is not None else None, r.value,
+                [r.path, r.component, r.kind, r.dtype, list(r.shape) if r.shape is not None else None, r.stride, r.value,
                  [address(d, n) for d, n in keys_of] if r.kind == "tensor" else None]
                 for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys))
             ]
@@ -386,7 +394,8 @@ class Store:
             )
             db["leaves"].insert_all(
                 {"commit_id": cid, "path": r.path, "component": r.component, "kind": r.kind, "dtype": r.dtype,
-                 "shape": None if r.shape is None else jsonvalue.dumps(list(r.shape)), "nbytes": r.nbytes,
+                 "shape": None if r.shape is None else jsonvalue.dumps(list(r.shape)),
+                 "stride": None if r.stride is None else jsonvalue.dumps(list(r.stride)), "nbytes": r.nbytes,
                  "shard_bytes": r.shard_bytes, "value": r.value}
                 for r in leaves
             )
@@ -397,7 +406,7 @@ class Store:
             )
             for t in tags:
                 self._move_tag(t, cid, "commit", created_at)
-        return cid, parents, {"new_bytes": new_bytes, "seconds": seconds}
+        return cid, parents, seconds
 
     @staticmethod
     def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
@@ -524,6 +533,81 @@ class Store:
         out = sorted((infos[i] for i in ids if i in infos), key=lambda c: (-c.created_at, c.id))
         return out[:limit] if limit else out
 
+    # --- inspection --------------------------------------------------------------------
+
+    def show(self, ref: str) -> dict:
+        """What one commit holds, for ``ckptstore show``.
+
+        Returns ``{"commit": CommitInfo, "components": {path: {...}}, "leaves": [...]}``
+        where each leaf has ``path``, ``component``, ``kind``, ``dtype``, ``shape``,
+        ``logical_bytes``, ``stored_bytes`` (its blobs in packs, headers included),
+        ``shards`` and ``shared_with_parent`` (shards whose blob the first parent
+        also references).
+        """
+        info = self.info(ref)
+        parent = info.parents[0] if info.parents else ""
+        stats = {
+            r["path"]: r
+            for r in self.catalog.rows(
+                "SELECT s.path, COUNT(*) AS shards, SUM(b.stored_len + ?) AS stored, "
+                "SUM(s.blob_id IN (SELECT blob_id FROM shards WHERE commit_id = ?)) AS shared "
+                "FROM shards s JOIN blobs b ON b.id = s.blob_id WHERE s.commit_id = ? GROUP BY s.path",
+                (BLOB_HEADER.size, parent, info.id),
+            )
+        }
+        leaves = []
+        for r in self.catalog.rows("SELECT * FROM leaves WHERE commit_id = ? ORDER BY rowid", (info.id,)):
+            st = stats.get(r["path"])
+            leaves.append({
+                "path": r["path"], "component": r["component"], "kind": r["kind"], "dtype": r["dtype"],
+                "shape": None if r["shape"] is None else jsonvalue.loads(r["shape"]),
+                "logical_bytes": r["nbytes"], "stored_bytes": st["stored"] if st else 0,
+                "shards": st["shards"] if st else 0, "shared_with_parent": st["shared"] if st else 0,
+            })
+        return {"commit": info, "components": self.components(info.id), "leaves": leaves}
+
+    def du(self) -> dict:
+        """Space accounting in bytes, for ``ckptstore du``.
+
+        ``logical_bytes``: tensor bytes summed over all commits (what saving
+        each commit in full would write); ``unique_bytes``: raw bytes of distinct
+        blobs; ``stored_bytes``: bytes of live blobs in packs; ``pack_bytes``:
+        pack file sizes on disk (dead blobs included, until GC repacks);
+        ``catalog_bytes``; ``dedup_ratio`` = logical / unique;
+        ``compression_ratio`` = unique / stored.
+        """
+        c = self.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(logical_bytes), 0) AS logical FROM commits")[0]
+        b = self.catalog.rows(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(raw_len), 0) AS raw, COALESCE(SUM(stored_len + ?), 0) AS stored FROM blobs",
+            (BLOB_HEADER.size,),
+        )[0]
+        p = self.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(size), 0) AS size FROM packs")[0]
+        catalog = sum(f.stat().st_size for f in self.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak"))
+        return {
+            "commits": c["n"], "tags": len(self.tags()), "blobs": b["n"], "packs": p["n"],
+            "logical_bytes": c["logical"], "unique_bytes": b["raw"], "stored_bytes": b["stored"],
+            "pack_bytes": p["size"], "catalog_bytes": catalog,
+            "dedup_ratio": c["logical"] / b["raw"] if b["raw"] else None,
+            "compression_ratio": b["raw"] / b["stored"] if b["stored"] else None,
+        }
+
+    # --- containers --------------------------------------------------------------------
+
+    def export(self, ref: str, dest: str | os.PathLike) -> Path:
+        """Export commit ``ref`` to a ZIP archive (``dest`` ends in ``.zip``) or a folder.
+
+        See :func:`ckptstore.container.export_commit`.
+        """
+        return export_commit(self, ref, dest)
+
+    def import_from(self, src: str | os.PathLike, tag: str | None = None) -> CommitInfo:
+        """Import an export (ZIP archive or folder) as a new commit; moves ``tag``.
+
+        Every entry is validated before anything is written; see
+        :func:`ckptstore.container.import_commit`. Raises ContainerError.
+        """
+        return import_commit(self, src, tag)
+
     # --- checkout ----------------------------------------------------------------------
 
     def components(self, ref: str) -> dict[str, dict]:
@@ -549,6 +633,7 @@ class Store:
                 r["path"], r["component"], r["kind"], r["dtype"],
                 None if r["shape"] is None else tuple(jsonvalue.loads(r["shape"])),
                 r["nbytes"], r["shard_bytes"], None if r["value"] is None else jsonvalue.loads(r["value"]),
+                None if r["stride"] is None else tuple(jsonvalue.loads(r["stride"])),
             )
             for r in rows
         }
@@ -593,6 +678,8 @@ class Store:
         return prefixes
 
     def _states(self, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: _Reader) -> dict[str, ComponentState]:
+        if prefixes is not None and "" in prefixes:
+            prefixes = None
         states: dict[str, ComponentState] = {}
         for c, row in comps.items():
             if prefixes is None or any(_under(c, p) or _under(p, c) for p in prefixes):
@@ -696,6 +783,10 @@ class _Reader:
         shape = rec.shape
         if shape is None or any(type(s) is not int or s < 0 for s in shape):
             raise IntegrityError(f"{where}: invalid shape {shape!r}")
+        if rec.stride is not None and (
+            any(type(x) is not int or x < 0 for x in rec.stride) or dense_order(tuple(shape), tuple(rec.stride)) is None
+        ):
+            raise IntegrityError(f"{where}: strides {rec.stride!r} are not a dense layout of shape {list(shape)}")
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes != rec.nbytes or not rec.shard_bytes or rec.shard_bytes < 1:
             raise IntegrityError(f"{where}: shape {list(shape)} x {rec.dtype} is {nbytes} bytes, the manifest says {rec.nbytes}")
@@ -706,7 +797,7 @@ class _Reader:
             a, b = expected.bounds(i)
             if loc.raw_len != b - a:
                 raise IntegrityError(f"{where}: shard {i} (blob {loc.address}) holds {loc.raw_len} bytes, {b - a} expected")
-        return LazyTensor(rec.path, dtype, tuple(shape), self, (rec, expected))
+        return LazyTensor(rec.path, dtype, tuple(shape), rec.stride, self, (rec, expected))
 
     def read_many(self, pairs: list[tuple[LazyTensor, torch.Tensor | None]], states: list[ComponentState] | None = None) -> None:
         """Read each lazy tensor into its destination (a new tensor when ``None``).
@@ -717,15 +808,15 @@ class _Reader:
         for lazy, dest in pairs:
             if dest is None:
                 try:
-                    dest = torch.empty(lazy.shape, dtype=lazy.dtype)
+                    dest = lazy.empty()
                 except RuntimeError as exc:
                     raise IntegrityError(f"commit {self.cid}, leaf {lazy.path}: cannot allocate {list(lazy.shape)}: {exc}") from None
-            elif not dest.is_contiguous() or dest.device.type != "cpu":
-                raise ValueError(f"{lazy.path}: read destination must be a contiguous CPU tensor")
+            elif not lazy.fits(dest):
+                raise ValueError(f"{lazy.path}: read destination must be a CPU tensor in the stored layout")
             results.append((lazy, dest))
             rec, expected = lazy._handle
-            flat = dest.as_subclass(torch.Tensor).reshape(-1).view(torch.uint8)
-            view = memoryview(flat.numpy()) if dest.numel() else memoryview(bytearray(0))
+            order = None if lazy.stride is None else dense_order(lazy.shape, lazy.stride)
+            view = byte_view(dest if order is None else dest.permute(order))
             for i, loc in enumerate(rec.shards):
                 a, b = expected.bounds(i)
                 tasks.append((loc, view[a:b], f"commit {self.cid}, leaf {rec.path}, shard {i}"))

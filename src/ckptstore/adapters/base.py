@@ -132,28 +132,45 @@ def unflatten(flat: Mapping[str, Any]) -> Any:
 
 
 class LazyTensor:
-    """A stored tensor not read yet: its dtype and shape, and how to read it.
+    """A stored tensor not read yet: its dtype, shape, strides, and how to read it.
 
-    ``read_into(dest)`` fills a contiguous tensor of the same dtype and shape;
-    ``read()`` returns a new tensor. Both verify every blob hash.
+    ``stride`` is ``None`` for a C-contiguous tensor, else the dense layout it
+    was committed in. ``read()`` returns a new tensor in that layout;
+    ``read_into(dest)`` fills ``dest`` (any layout). Both verify every blob hash.
     """
 
-    def __init__(self, path: str, dtype: torch.dtype, shape: tuple[int, ...], reader: Any, handle: Any):
+    def __init__(self, path: str, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...] | None, reader: Any, handle: Any):
         self.path = path
         self.dtype = dtype
         self.shape = tuple(shape)
+        self.stride = None if stride is None else tuple(stride)
         self._reader = reader
         self._handle = handle
+
+    def empty(self) -> torch.Tensor:
+        """An uninitialised tensor of the stored dtype, shape and layout."""
+        if self.stride is None:
+            return torch.empty(self.shape, dtype=self.dtype)
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype)
+
+    def fits(self, dest: torch.Tensor) -> bool:
+        """Can blobs be read straight into ``dest`` (CPU, stored layout)?"""
+        if dest.device.type != "cpu" or dest.dtype != self.dtype or tuple(dest.shape) != self.shape:
+            return False
+        return dest.is_contiguous() if self.stride is None else (dest.numel() == 0 or dest.stride() == self.stride)
 
     def read_into(self, dest: torch.Tensor) -> None:
         if dest.dtype != self.dtype or tuple(dest.shape) != self.shape:
             raise ShapeMismatchError(
                 f"{self.path}: stored {self.dtype} {list(self.shape)}, destination {dest.dtype} {list(dest.shape)}"
             )
-        self._reader.read_many([(self, dest)])
+        if self.fits(dest):
+            self._reader.read_many([(self, dest)])
+        else:
+            dest.copy_(self.read())
 
     def read(self) -> torch.Tensor:
-        out = torch.empty(self.shape, dtype=self.dtype)
+        out = self.empty()
         self._reader.read_many([(self, out)])
         return out
 
@@ -234,10 +251,8 @@ class ComponentState:
         """
         value = self._get(key)
         if isinstance(value, LazyTensor):
-            if dest.is_contiguous() and dest.device.type == "cpu":
-                value.read_into(dest)
-                return
-            value = self.tensor(key)
+            value.read_into(dest)
+            return
         if not isinstance(value, torch.Tensor):
             raise MissingLeafError(f"{self.where(key)}: expected a tensor, the store holds a JSON value")
         if value.dtype != dest.dtype or value.shape != dest.shape:

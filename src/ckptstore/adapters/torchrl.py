@@ -26,7 +26,7 @@ from torchrl.data.replay_buffers import (
 )
 
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import Adapter, ComponentState, register_adapter
+from .base import Adapter, ComponentState, register_adapter, unflatten
 
 
 @register_adapter
@@ -73,6 +73,16 @@ def _storage_leaves(data: Any, path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _stored_keys(state: ComponentState) -> dict[str, str]:
+    """``{storage key: leaf path}`` (the key is ``""`` for a plain tensor storage)."""
+    return {k[len("data/"):] if k != "data" else "": k for k in state.keys("data")}
+
+
+def _can_add_keys(storage: TensorStorage) -> bool:
+    data = storage._storage
+    return is_tensor_collection(data) and not data.is_locked and not data.is_memmap()
+
+
 @register_adapter
 class TensorStorageAdapter(Adapter):
     """``TensorStorage``, ``LazyTensorStorage`` and ``LazyMemmapStorage``.
@@ -84,7 +94,8 @@ class TensorStorageAdapter(Adapter):
     memory-mapped storage holding 24 rows commits 24 rows.
 
     Checkout needs the same capacity, ``ndim`` and layout, and, when the target
-    is already initialised, the same keys, dtypes and per-row shapes. A lazy
+    is already initialised, the same keys, dtypes and per-row shapes (keys the
+    commit has and an in-memory, unlocked target lacks are added). A lazy
     target that was never written is initialised from the stored shapes; the
     stored rows are then read straight into the target's (memory-mapped) tensors.
     """
@@ -100,7 +111,7 @@ class TensorStorageAdapter(Adapter):
             rows = obj._len_along_dim0
             leaves = _storage_leaves(data, "storage")
             state["layout"] = "tensor" if "" in leaves else "tensordict"
-            state["data"] = leaves[""][:rows] if "" in leaves else {k: v[:rows] for k, v in leaves.items()}
+            state["data"] = leaves[""][:rows] if "" in leaves else unflatten({k: v[:rows] for k, v in leaves.items()})
         return state
 
     def check(self, obj: Any, state: ComponentState) -> None:
@@ -117,10 +128,10 @@ class TensorStorageAdapter(Adapter):
         layout = "tensor" if "" in target else "tensordict"
         if layout != state.json("layout"):
             raise TargetMismatchError(f"{where}: layout differs: stored {state.json('layout')}, target {layout}")
-        stored = {k[len("data/"):] if k != "data" else "": k for k in state.keys("data")}
+        stored = _stored_keys(state)
         missing = sorted(set(target) - set(stored))
         extra = sorted(set(stored) - set(target))
-        if missing or extra:
+        if missing or (extra and not _can_add_keys(obj)):
             raise TargetMismatchError(f"{where}: storage keys differ; not in the commit: {missing}, not in the target: {extra}")
         for key, tensor in target.items():
             dtype, shape = state.spec(stored[key])
@@ -152,10 +163,12 @@ class TensorStorageAdapter(Adapter):
         if not obj.initialized:
             obj._init(self._template(state))
         target = _storage_leaves(obj._storage, state.where(""))
-        for key in state.keys("data"):
-            dest = target[key[len("data/"):] if key != "data" else ""]
-            rows = state.spec(key)[1][0]
-            state.read_into(key, dest[:rows])
+        for key, leaf in _stored_keys(state).items():
+            dtype, shape = state.spec(leaf)
+            if key not in target:  # a key the buffer added on write (TorchRL's "index"): add it as TorchRL would
+                target[key] = torch.zeros((obj._storage.shape[0], *shape[1:]), dtype=dtype)
+                obj._storage.set(tuple(key.split("/")), target[key])
+            state.read_into(leaf, target[key][: shape[0]])
         obj._len = state.json("len")
         if hasattr(obj, "_bump_mutation_revision"):
             obj._bump_mutation_revision()

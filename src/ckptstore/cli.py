@@ -1,0 +1,234 @@
+"""The ``ckptstore`` command line (typer + rich).
+
+Every command takes ``--store PATH`` (or the ``CKPTSTORE_PATH`` environment
+variable) and ``--json`` for machine-readable output. Errors print one line,
+``error: <message>``, on stderr and exit with status 1; usage errors exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import CkptStoreError
+from .store import CommitInfo, Store
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Content-addressed, versioned checkpoints for PyTorch and TorchRL training state.",
+)
+console = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+StorePath = Annotated[Path, typer.Option("--store", "-s", envvar="CKPTSTORE_PATH", help="Store folder (or $CKPTSTORE_PATH).")]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes as a short human string (binary units)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_time(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else ("inf" if x == float("inf") else f"{x:.1f}x")
+
+
+def open_store(path: Path) -> Store:
+    return Store(path, create=False)
+
+
+def emit_json(data: Any) -> None:
+    def default(o: Any) -> Any:
+        if dataclasses.is_dataclass(o):
+            return dataclasses.asdict(o)
+        if isinstance(o, (tuple, set)):
+            return list(o)
+        return str(o)
+
+    sys.stdout.write(json.dumps(data, default=default, indent=2) + "\n")
+
+
+def commit_table(infos: list[CommitInfo], title: str | None = None) -> Table:
+    """A rich table of commits: id, tags, parents, time, bytes, seconds."""
+    table = Table(title=title)
+    for col in ("commit", "tags", "parents", "time", "message", "logical", "new", "stored", "dedup", "seconds"):
+        table.add_column(col, justify="right" if col in ("logical", "new", "stored", "dedup", "seconds") else "left")
+    for c in infos:
+        table.add_row(
+            c.id[:12], ", ".join(c.tags), ", ".join(p[:12] for p in c.parents), fmt_time(c.created_at), c.message,
+            fmt_bytes(c.logical_bytes), fmt_bytes(c.new_bytes), fmt_bytes(c.stored_bytes), ratio(c.dedup_ratio), f"{c.seconds:.3f}",
+        )
+    return table
+
+
+@app.command()
+def log(
+    ref: Annotated[Optional[str], typer.Argument(help="Tag or commit; all commits when omitted.")] = None,
+    store: StorePath = Path("."),
+    limit: Annotated[Optional[int], typer.Option(help="Show at most this many commits.")] = None,
+    as_json: AsJson = False,
+) -> None:
+    """Lineage of REF (the commit and its ancestors), newest first."""
+    with open_store(store) as s:
+        infos = s.log(ref, limit=limit)
+    if as_json:
+        emit_json(infos)
+    else:
+        console.print(commit_table(infos))
+
+
+@app.command()
+def tags(store: StorePath = Path("."), as_json: AsJson = False) -> None:
+    """Tags and the commits they point to."""
+    with open_store(store) as s:
+        named = s.tags()
+        infos = s._infos(list(set(named.values())))
+    if as_json:
+        emit_json({name: cid for name, cid in named.items()})
+        return
+    table = Table()
+    for col in ("tag", "commit", "time", "message"):
+        table.add_column(col)
+    for name, cid in named.items():
+        table.add_row(name, cid[:12], fmt_time(infos[cid].created_at), infos[cid].message)
+    console.print(table)
+
+
+@app.command()
+def reflog(tag: Annotated[Optional[str], typer.Argument(help="Only this tag.")] = None, store: StorePath = Path("."), as_json: AsJson = False) -> None:
+    """Every tag move (commit, tag, delete), newest first."""
+    with open_store(store) as s:
+        rows = s.reflog(tag)
+    if as_json:
+        emit_json(rows)
+        return
+    table = Table()
+    for col in ("time", "tag", "action", "from", "to"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(fmt_time(r["at"]), r["tag"], r["action"], (r["old_commit"] or "-")[:12], (r["new_commit"] or "-")[:12])
+    console.print(table)
+
+
+@app.command()
+def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix.")], store: StorePath = Path("."), as_json: AsJson = False) -> None:
+    """Components and leaves of a commit: dtypes, shapes, logical vs stored bytes, shards shared with the parent."""
+    with open_store(store) as s:
+        detail = s.show(ref)
+    if as_json:
+        emit_json(detail)
+        return
+    info: CommitInfo = detail["commit"]
+    console.print(commit_table([info], title=f"commit {info.id}"))
+    if info.metadata:
+        console.print(f"metadata: {json.dumps(info.metadata, default=str)}")
+    comps = Table(title="components")
+    for col in ("component", "adapter", "version", "class"):
+        comps.add_column(col)
+    for path, c in detail["components"].items():
+        comps.add_row(path or "<root>", c["adapter"], str(c["version"]), str(c["meta"].get("class", "")))
+    console.print(comps)
+    leaves = Table(title="leaves")
+    for col in ("leaf", "kind", "dtype", "shape", "logical", "stored", "shards", "shared w/ parent"):
+        leaves.add_column(col, justify="right" if col in ("logical", "stored", "shards", "shared w/ parent") else "left")
+    for leaf in detail["leaves"]:
+        leaves.add_row(
+            leaf["path"] or "<root>", leaf["kind"], leaf["dtype"] or "", "" if leaf["shape"] is None else str(leaf["shape"]),
+            fmt_bytes(leaf["logical_bytes"]), fmt_bytes(leaf["stored_bytes"]), str(leaf["shards"]), str(leaf["shared_with_parent"]),
+        )
+    console.print(leaves)
+
+
+@app.command()
+def du(store: StorePath = Path("."), as_json: AsJson = False) -> None:
+    """Logical vs physical bytes and the dedup ratio."""
+    with open_store(store) as s:
+        usage = s.du()
+    if as_json:
+        emit_json(usage)
+        return
+    table = Table(show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    for key in ("commits", "tags", "blobs", "packs"):
+        table.add_row(key, str(usage[key]))
+    for key in ("logical_bytes", "unique_bytes", "stored_bytes", "pack_bytes", "catalog_bytes"):
+        table.add_row(key.replace("_", " "), fmt_bytes(usage[key]))
+    table.add_row("dedup ratio (logical / unique)", ratio(usage["dedup_ratio"]))
+    table.add_row("compression ratio (unique / stored)", ratio(usage["compression_ratio"]))
+    console.print(table)
+
+
+@app.command("export")
+def export_cmd(
+    ref: Annotated[str, typer.Argument(help="Tag or commit.")],
+    dest: Annotated[Path, typer.Argument(help="A .zip file or a new folder.")],
+    store: StorePath = Path("."),
+    as_json: AsJson = False,
+) -> None:
+    """Export one commit to a ZIP archive or a folder."""
+    with open_store(store) as s:
+        out = s.export(ref, dest)
+    emit_json({"exported": str(out)}) if as_json else console.print(f"exported {ref} to {out}")
+
+
+@app.command("import")
+def import_cmd(
+    src: Annotated[Path, typer.Argument(help="A .zip archive or folder made by export.")],
+    tag: Annotated[Optional[str], typer.Option(help="Tag to point at the imported commit.")] = None,
+    store: StorePath = Path("."),
+    as_json: AsJson = False,
+) -> None:
+    """Import an exported commit; every entry is verified before anything is written."""
+    with Store(store) as s:
+        info = s.import_from(src, tag=tag)
+    emit_json(info) if as_json else console.print(commit_table([info], title="imported"))
+
+
+@app.command()
+def demo(
+    store: StorePath = Path("runs/demo-store"),
+    frames: Annotated[int, typer.Option(help="Environment frames to collect.")] = 3000,
+    every: Annotated[int, typer.Option(help="Commit every this many frames.")] = 500,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """The main job: collect CartPole with TorchRL, train DQN, commit every N frames, restore and check."""
+    from .demo import run
+
+    run(store, frames=frames, every=every, seed=seed, console=console)
+
+
+def main() -> None:
+    """Entry point: one-line errors, non-zero exit."""
+    try:
+        app()
+    except CkptStoreError as exc:
+        err.print(f"error: {exc}", soft_wrap=True)
+        raise SystemExit(1) from None
+    except OSError as exc:
+        err.print(f"error: {exc}", soft_wrap=True)
+        raise SystemExit(1) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,406 @@
+"""Export a commit to a ZIP archive or a folder, and import one into a store.
+
+Layout (both forms)::
+
+    blobs/<address>         one file per blob: the 40-byte blob header and
+                            payload, exactly as in a pack (see ckptstore.packs)
+    ckptstore-export.json   the manifest, written last: its presence marks a
+                            complete export
+
+Manifest: ``{"format": "ckptstore-export", "version": 1, "commit": {...},
+"components": [...], "leaves": [...]}``; a leaf lists its shards' addresses.
+
+Import trusts nothing: the manifest must match the schema exactly (no
+duplicate keys, known dtypes, shapes whose byte size matches the shards,
+valid paths, registered adapters), entry names are built from validated
+addresses (never taken from the archive), sizes are checked before reading,
+and every blob's header and hash are verified before anything is written to
+the store. Nothing is unpickled or imported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import stat
+import tempfile
+import time
+import zipfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zstandard
+
+from . import jsonvalue
+from .adapters.base import check_key
+from .errors import CkptStoreError, ContainerError
+from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
+from .shards import DTYPES, ShardPlan, address, dense_order, digest
+
+FORMAT = "ckptstore-export"
+VERSION = 1
+MANIFEST = "ckptstore-export.json"
+MAX_MANIFEST_BYTES = 64 << 20
+_ADDRESS = re.compile(r"^([0-9a-f]{32})-(0|[1-9][0-9]{0,15})$")
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    path: str
+    component: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    stride: tuple[int, ...] | None
+    nbytes: int
+    shard_bytes: int | None
+    value: str | None
+    shards: tuple[str, ...]
+
+
+# --- export ----------------------------------------------------------------------------
+
+
+def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
+    """Write commit ``ref`` to ``dest``: a ZIP archive if it ends in ``.zip``, else a folder.
+
+    Blobs are copied as stored (compressed ones stay compressed) after their
+    hashes are verified. The archive or folder appears complete or not at all.
+
+    Raises:
+        ContainerError: ``dest`` exists (a non-empty folder or any file).
+        IntegrityError: a blob of the commit is missing or corrupt.
+    """
+    dest = Path(dest)
+    if dest.exists() and (dest.is_file() or any(dest.iterdir())):
+        raise ContainerError(f"{dest} already exists")
+    cid = store.resolve(ref)
+    info = store.info(cid)
+    comps = store.components(cid)
+    leaves = store._manifest(cid, None)
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "commit": {
+            "id": cid, "parents": list(info.parents), "created_at": info.created_at,
+            "message": info.message, "metadata": jsonvalue.dumps(info.metadata),
+        },
+        "components": [
+            {"path": p, "adapter": c["adapter"], "version": c["version"], "meta": jsonvalue.dumps(c["meta"])} for p, c in comps.items()
+        ],
+        "leaves": [
+            {
+                "path": r.path, "component": r.component, "kind": r.kind, "dtype": r.dtype,
+                "shape": None if r.shape is None else list(r.shape), "stride": None if r.stride is None else list(r.stride),
+                "nbytes": r.nbytes, "shard_bytes": r.shard_bytes,
+                "value": None if r.kind != "json" else jsonvalue.dumps(r.value), "shards": [loc.address for loc in r.shards],
+            }
+            for r in leaves
+        ],
+    }
+    blobs: dict[str, BlobLoc] = {loc.address: loc for r in leaves for loc in r.shards}
+    reader = PackReader(store.root)
+
+    def blob_bytes(loc: BlobLoc) -> bytes:
+        reader.read(loc, f"commit {cid}, export")  # verifies header and hash
+        fd = os.open(Path(store.root, "blobs", loc.pack[:2], f"{loc.pack}.pack"), os.O_RDONLY)
+        try:
+            return os.pread(fd, BLOB_HEADER.size + loc.stored_len, loc.offset)
+        finally:
+            os.close(fd)
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        if dest.suffix == ".zip":
+            tmp = staging / dest.name
+            with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
+                for addr, loc in blobs.items():
+                    zf.writestr(f"blobs/{addr}", blob_bytes(loc))
+                zf.writestr(MANIFEST, json.dumps(manifest))
+            _fsync(tmp)
+            os.replace(tmp, dest)
+        else:
+            (staging / "blobs").mkdir()
+            for addr, loc in blobs.items():
+                (staging / "blobs" / addr).write_bytes(blob_bytes(loc))
+            (staging / MANIFEST).write_text(json.dumps(manifest))
+            for f in (staging / "blobs").iterdir():
+                _fsync(f)
+            _fsync(staging / MANIFEST)
+            if dest.exists():
+                dest.rmdir()
+            os.replace(staging, dest)
+    finally:
+        reader.close()
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- import -----------------------------------------------------------------------------
+
+
+class _Source:
+    """Reads named entries of a ZIP archive or a folder, with size limits."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.zip: zipfile.ZipFile | None = None
+        if path.is_dir():
+            return
+        if not path.is_file():
+            raise ContainerError(f"{path}: no such export archive or folder")
+        try:
+            self.zip = zipfile.ZipFile(path)
+        except (zipfile.BadZipFile, OSError) as exc:
+            raise ContainerError(f"{path}: not a readable ZIP archive, it is probably truncated or corrupt ({exc})") from None
+        names = [i.filename for i in self.zip.infolist()]
+        if len(names) != len(set(names)):
+            raise ContainerError(f"{path}: the archive holds duplicate entry names")
+
+    def size(self, name: str) -> int | None:
+        if self.zip is not None:
+            try:
+                return self.zip.getinfo(name).file_size
+            except KeyError:
+                return None
+        try:
+            st = os.lstat(self.path / name)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISREG(st.st_mode):
+            raise ContainerError(f"{self.path / name}: not a regular file")
+        return st.st_size
+
+    def read(self, name: str, limit: int) -> bytes:
+        try:
+            if self.zip is not None:
+                with self.zip.open(name) as f:
+                    data = f.read(limit + 1)
+            else:
+                fd = os.open(self.path / name, os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd, "rb") as f:
+                    data = f.read(limit + 1)
+        except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
+            raise ContainerError(f"{self.path}: entry {name} cannot be read ({exc})") from None
+        if len(data) > limit:
+            raise ContainerError(f"{self.path}: entry {name} is larger than its declared {limit} bytes")
+        return data
+
+    def close(self) -> None:
+        if self.zip is not None:
+            self.zip.close()
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        raise ContainerError(f"manifest: duplicate key(s) {dup}")
+    return dict(pairs)
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise ContainerError(f"manifest: {what}")
+
+
+def _is_int(x: Any) -> bool:
+    return type(x) is int and x >= 0
+
+
+def _path(p: Any, what: str, allow_root: bool = True) -> str:
+    _need(type(p) is str, f"{what} must be a string")
+    if p == "" and allow_root:
+        return p
+    try:
+        for part in p.split("/"):
+            check_key(part, p)
+    except CkptStoreError as exc:
+        raise ContainerError(f"manifest: unsafe or invalid {what} {p!r} ({exc})") from None
+    return p
+
+
+def _parse(text: bytes, registry) -> tuple[dict, list[dict], list[_Leaf]]:
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_duplicates)
+    except ContainerError:
+        raise
+    except (ValueError, RecursionError) as exc:
+        raise ContainerError(f"manifest: not valid JSON ({exc})") from None
+    _need(isinstance(doc, dict) and set(doc) == {"format", "version", "commit", "components", "leaves"}, "unexpected top-level keys")
+    _need(doc["format"] == FORMAT, f"unknown format {doc['format']!r}")
+    _need(doc["version"] == VERSION, f"unsupported export format version {doc['version']!r}")
+    commit = doc["commit"]
+    _need(isinstance(commit, dict) and set(commit) == {"id", "parents", "created_at", "message", "metadata"}, "bad commit record")
+    _need(type(commit["message"]) is str and type(commit["created_at"]) in (int, float), "bad commit message or time")
+    try:
+        metadata = jsonvalue.loads(commit["metadata"]) if type(commit["metadata"]) is str else None
+    except CkptStoreError as exc:
+        raise ContainerError(f"manifest: bad commit metadata ({exc})") from None
+    _need(type(metadata) is dict, "commit metadata must be a JSON object")
+    comps = []
+    _need(type(doc["components"]) is list, "components must be a list")
+    seen = set()
+    for c in doc["components"]:
+        _need(isinstance(c, dict) and set(c) == {"path", "adapter", "version", "meta"}, "bad component record")
+        path = _path(c["path"], "component path")
+        _need(path not in seen, f"duplicate component {path!r}")
+        seen.add(path)
+        _need(type(c["adapter"]) is str and re.fullmatch(r"[A-Za-z0-9_.]{1,100}", c["adapter"]) is not None, f"bad adapter name {c['adapter']!r}")
+        if c["adapter"] not in registry.by_name:
+            registry._load(c["adapter"].split(".")[0])
+        _need(c["adapter"] in registry.by_name, f"component {path!r}: unknown adapter {c['adapter']!r}")
+        _need(_is_int(c["version"]) and c["version"] >= 1, f"component {path!r}: bad version")
+        try:
+            meta = jsonvalue.loads(c["meta"]) if type(c["meta"]) is str else None
+        except CkptStoreError as exc:
+            raise ContainerError(f"manifest: component {path!r}: bad meta ({exc})") from None
+        _need(type(meta) is dict, f"component {path!r}: meta must be a JSON object")
+        comps.append({"path": path, "adapter": c["adapter"], "version": c["version"], "meta": meta})
+    leaves = []
+    _need(type(doc["leaves"]) is list, "leaves must be a list")
+    paths = set()
+    for r in doc["leaves"]:
+        _need(isinstance(r, dict) and set(r) == {"path", "component", "kind", "dtype", "shape", "stride", "nbytes", "shard_bytes", "value", "shards"}, "bad leaf record")
+        path = _path(r["path"], "leaf path")
+        _need(path not in paths, f"duplicate leaf {path!r}")
+        paths.add(path)
+        comp = r["component"]
+        _need(comp in seen and (comp == "" or path == comp or path.startswith(comp + "/")), f"leaf {path!r}: bad component {comp!r}")
+        if r["kind"] == "json":
+            _need(
+                type(r["value"]) is str and r["shards"] == [] and r["dtype"] is None and r["shape"] is None and r["stride"] is None,
+                f"leaf {path!r}: bad JSON leaf",
+            )
+            try:
+                jsonvalue.loads(r["value"])
+            except CkptStoreError as exc:
+                raise ContainerError(f"manifest: leaf {path!r}: {exc}") from None
+            leaves.append(_Leaf(path, comp, "json", None, None, None, 0, None, r["value"], ()))
+            continue
+        _need(r["kind"] == "tensor", f"leaf {path!r}: unknown kind {r['kind']!r}")
+        dtype = DTYPES.get(r["dtype"]) if type(r["dtype"]) is str else None
+        _need(dtype is not None, f"leaf {path!r}: unknown dtype {r['dtype']!r}")
+        shape = r["shape"]
+        _need(type(shape) is list and len(shape) <= 64 and all(_is_int(s) for s in shape), f"leaf {path!r}: bad shape")
+        stride = r["stride"]
+        _need(
+            stride is None or (type(stride) is list and all(_is_int(x) for x in stride) and dense_order(tuple(shape), tuple(stride)) is not None),
+            f"leaf {path!r}: strides {stride!r} are not a dense layout of shape {shape}",
+        )
+        nbytes = math.prod(shape) * dtype.itemsize
+        _need(r["nbytes"] == nbytes, f"leaf {path!r}: shape {shape} x {r['dtype']} is {nbytes} bytes, the manifest says {r['nbytes']}")
+        _need(_is_int(r["shard_bytes"]) and r["shard_bytes"] >= 1, f"leaf {path!r}: bad shard size")
+        plan = ShardPlan(nbytes, r["shard_bytes"])
+        shards = r["shards"]
+        _need(type(shards) is list and len(shards) == plan.count, f"leaf {path!r}: {len(shards) if type(shards) is list else '?'} shards, {plan.count} expected")
+        for i, addr in enumerate(shards):
+            m = _ADDRESS.match(addr) if type(addr) is str else None
+            _need(m is not None, f"leaf {path!r}: bad shard address {addr!r}")
+            a, b = plan.bounds(i)
+            _need(int(m.group(2)) == b - a, f"leaf {path!r}: shard {i} ({addr}) should hold {b - a} bytes")
+        leaves.append(_Leaf(path, comp, "tensor", r["dtype"], tuple(shape), None if stride is None else tuple(stride), nbytes, r["shard_bytes"], None, tuple(shards)))
+    commit["metadata"] = metadata
+    return commit, comps, leaves
+
+
+def _decode_blob(data: bytes, addr: str, where: str) -> bytes:
+    """Check one exported blob (header, sizes, codec, hash); return its raw bytes."""
+    m = _ADDRESS.match(addr)
+    want_digest, raw_len = bytes.fromhex(m.group(1)), int(m.group(2))
+    if len(data) < BLOB_HEADER.size:
+        raise ContainerError(f"{where}: blob {addr} is truncated ({len(data)} bytes)")
+    magic, version, codec, _, hdr_raw, stored, dig = BLOB_HEADER.unpack(data[: BLOB_HEADER.size])
+    payload = data[BLOB_HEADER.size :]
+    if magic != BLOB_MAGIC or version != FORMAT_VERSION:
+        raise ContainerError(f"{where}: blob {addr} is not a ckptstore blob (bad header)")
+    if hdr_raw != raw_len or dig != want_digest or stored != len(payload):
+        raise ContainerError(f"{where}: blob {addr} header does not match its address or size (truncated?)")
+    if codec == CODEC_RAW:
+        raw = payload
+    elif codec == CODEC_ZSTD:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
+        except zstandard.ZstdError as exc:
+            raise ContainerError(f"{where}: blob {addr} does not decompress ({exc})") from None
+    else:
+        raise ContainerError(f"{where}: blob {addr} has unknown codec {codec}")
+    if len(raw) != raw_len or digest(raw) != want_digest:
+        raise ContainerError(f"{where}: blob {addr} content hash mismatch (corrupt)")
+    return raw
+
+
+def import_commit(store, src: str | os.PathLike, tag: str | None = None, message: str | None = None):
+    """Import an export (ZIP archive or folder) as a new commit of ``store``.
+
+    The new commit keeps the exported message and metadata; its parents are
+    the commit ``tag`` pointed to, as for any commit.
+
+    Returns:
+        CommitInfo of the new commit.
+
+    Raises:
+        ContainerError: malformed, truncated, unsafe or unknown content, naming
+            the entry (and the leaf that uses it); the store is unchanged.
+    """
+    from .store import LeafRecord, _check_tag  # noqa: PLC0415 - store imports this module
+
+    t0 = time.perf_counter()
+    tags = [] if tag is None else [_check_tag(tag)]
+    src = Path(src)
+    source = _Source(src)
+    try:
+        size = source.size(MANIFEST)
+        if size is None:
+            raise ContainerError(f"{src}: no {MANIFEST}; not a complete ckptstore export")
+        if size > MAX_MANIFEST_BYTES:
+            raise ContainerError(f"{src}: {MANIFEST} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+        commit, comps, leaves = _parse(source.read(MANIFEST, MAX_MANIFEST_BYTES), store.registry)
+        users: dict[str, str] = {}
+        for leaf in leaves:
+            for i, addr in enumerate(leaf.shards):
+                users.setdefault(addr, f"{src}: leaf {leaf.path!r} shard {i}")
+
+        def fetch(addr: str) -> bytes:
+            raw_len = int(addr.rsplit("-", 1)[1])
+            name = f"blobs/{addr}"
+            size = source.size(name)
+            if size is None:
+                raise ContainerError(f"{users[addr]}: blob {addr} is missing from the export")
+            if size > BLOB_HEADER.size + raw_len:
+                raise ContainerError(f"{users[addr]}: blob {addr} entry is {size} bytes, more than its {raw_len} raw bytes allow")
+            return _decode_blob(source.read(name, BLOB_HEADER.size + raw_len), addr, users[addr])
+
+        for addr in users:  # verify everything before writing anything
+            fetch(addr)
+        components = [_Comp(c["path"], c["adapter"], c["version"], c["meta"]) for c in comps]
+        records = [LeafRecord(r.path, r.component, r.kind, r.dtype, r.shape, r.nbytes, r.shard_bytes, r.value, r.stride) for r in leaves]
+        keys = [(bytes.fromhex(a[:32]), int(a[33:])) for r in leaves for a in r.shards]
+        return store._commit(
+            components, records, keys, lambda k: memoryview(fetch(address(*k))), tags,
+            commit["message"] if message is None else message, commit["metadata"], None, t0,
+        )
+    finally:
+        source.close()
+
+
+@dataclass(frozen=True)
+class _Comp:
+    path: str
+    adapter: str
+    version: int
+    meta: dict

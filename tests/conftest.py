@@ -1,0 +1,60 @@
+"""Shared fixtures and helpers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptstore
+
+
+
+@pytest.fixture(autouse=True)
+def _quiet_torchrl():
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> ckptstore.Store:
+    s = ckptstore.Store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of a contiguous copy: exact for NaN payloads, -0.0, bool, complex, float8."""
+    t = t.detach().cpu().contiguous()
+    start = t.storage_offset() * t.element_size()
+    return bytes(t.untyped_storage())[start : start + t.numel() * t.element_size()]
+
+
+def assert_bit_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Same dtype, same shape, same bytes (the acceptance cases' "bit-equal")."""
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert raw_bytes(a) == raw_bytes(b)
+
+
+def run_fresh(code: str, *args: str, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """Run ``code`` in a new Python interpreter (nothing left in memory)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True, env=env, timeout=300
+    )
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"fresh process failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def row_count(s: ckptstore.Store) -> dict[str, int]:
+    """Rows per catalog table: proves a failed call changed nothing."""
+    tables = ("commits", "parents", "components", "leaves", "shards", "blobs", "packs", "tags", "reflog")
+    return {t: s.catalog.rows(f"SELECT COUNT(*) AS n FROM {t}")[0]["n"] for t in tables}
