@@ -33,7 +33,8 @@ def raw_bytes(t: torch.Tensor) -> bytes:
     """The bytes of a contiguous copy: exact for NaN payloads, -0.0, bool, complex, float8."""
     t = t.detach().cpu().contiguous()
     start = t.storage_offset() * t.element_size()
-    return bytes(t.untyped_storage())[start : start + t.numel() * t.element_size()]
+    storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+    return storage[start : start + t.numel() * t.element_size()].numpy().tobytes()
 
 
 def assert_bit_equal(a: torch.Tensor, b: torch.Tensor) -> None:

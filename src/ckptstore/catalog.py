@@ -198,9 +198,9 @@ class Catalog:
         for attempt in range(BUSY_RETRIES):
             try:
                 return fn()
-            except sqlite3.OperationalError as exc:
+            except sqlite3.DatabaseError as exc:
                 if not is_busy(exc):
-                    raise
+                    raise CatalogCorruptError(f"{self.path}: {exc}") from exc
                 if attempt == BUSY_RETRIES - 1:
                     raise CatalogBusyError(
                         f"{self.path}: the catalog stayed locked by another process for "
@@ -219,9 +219,11 @@ class Catalog:
             self._retry(lambda: self.conn.execute("BEGIN IMMEDIATE"))
             try:
                 yield self.db
-            except BaseException:
+            except BaseException as exc:
                 if self.conn.in_transaction:
                     self.conn.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.DatabaseError):
+                    raise CatalogCorruptError(f"{self.path}: {exc}") from exc
                 raise
             try:
                 self._retry(lambda: self.conn.execute("COMMIT"))

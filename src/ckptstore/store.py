@@ -186,7 +186,10 @@ class Store:
         self.catalog = Catalog(catalog, create=True)
         (self.root / "blobs").mkdir(exist_ok=True)
         (self.root / "tmp").mkdir(exist_ok=True)
-        settings = self._settings({"shard_bytes": DEFAULT_SHARD_BYTES, "compression_level": 3})
+        settings = self._settings({  # first open saves them; later opens read them
+            "shard_bytes": DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes,
+            "compression_level": 3 if compression_level is None else compression_level,
+        })
         self.shard_bytes = int(shard_bytes if shard_bytes is not None else settings["shard_bytes"])
         self.compression_level = int(compression_level if compression_level is not None else settings["compression_level"])
         if self.shard_bytes < 1:
@@ -259,7 +262,7 @@ class Store:
             CatalogBusyError: the catalog stayed locked.
         """
         t0 = time.perf_counter()
-        tags = [] if tag is None else [tag] if isinstance(tag, str) else list(tag)
+        tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
         tags = list(dict.fromkeys(_check_tag(t) for t in tags))
         if type(message) is not str:
             raise InvalidNameError(f"message must be a str, got {type(message).__name__}")

@@ -1,0 +1,86 @@
+"""The command line: JSON output for scripts, tables, one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rich.console import Console
+
+import ckptstore
+from ckptstore import cli as cli_module
+from ckptstore.cli import main
+
+
+def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    monkeypatch.setattr("sys.argv", ["ckptstore", *args])
+    monkeypatch.setattr(cli_module, "console", Console(width=300, highlight=False))  # no wrapping in captured output
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def filled(tmp_path):
+    with ckptstore.Store(tmp_path / "s", shard_bytes=4096) as s:
+        a = s.commit({"w": torch.zeros(4096), "n": 1}, tag="t", message="one")
+        b = s.commit({"w": torch.cat([torch.zeros(2048), torch.ones(2048)]), "n": 2}, tag="t", message="two")
+    return tmp_path / "s", a, b
+
+
+def test_log_tags_show_du_json(filled, monkeypatch, capsys):
+    path, a, b = filled
+    code, out, _ = cli(monkeypatch, capsys, "log", "t", "--store", str(path), "--json")
+    assert code == 0
+    log = json.loads(out)
+    assert [c["id"] for c in log] == [b.id, a.id] and log[0]["parents"] == [a.id]
+    code, out, _ = cli(monkeypatch, capsys, "tags", "--store", str(path), "--json")
+    assert json.loads(out) == {"t": b.id}
+    code, out, _ = cli(monkeypatch, capsys, "show", "t", "--store", str(path), "--json")
+    detail = json.loads(out)
+    w = next(leaf for leaf in detail["leaves"] if leaf["path"] == "w")
+    assert (w["dtype"], w["shape"], w["logical_bytes"], w["shards"]) == ("float32", [4096], 16384, 4)
+    assert w["shared_with_parent"] == 2  # the first half of w did not change
+    assert detail["components"][""]["adapter"] == "dict"  # a dict of plain values is one component
+    code, out, _ = cli(monkeypatch, capsys, "du", "--store", str(path), "--json")
+    usage = json.loads(out)
+    assert usage["commits"] == 2 and usage["logical_bytes"] == 2 * 16384
+    assert usage["unique_bytes"] == 4096 * 2  # zeros shard and ones shard, each 4096 bytes
+    assert usage["dedup_ratio"] == 4.0
+
+
+def test_tables_and_env_var(filled, monkeypatch, capsys):
+    path, a, b = filled
+    monkeypatch.setenv("CKPTSTORE_PATH", str(path))
+    for args in (("log",), ("tags",), ("show", b.id[:10]), ("du",), ("reflog", "t")):
+        code, out, err = cli(monkeypatch, capsys, *args)
+        assert code == 0, err
+        assert b.id[:12] in out or args[0] == "du"
+
+
+def test_errors_are_one_line_and_non_zero(tmp_path, filled, monkeypatch, capsys):
+    path, _, _ = filled
+    for args in (("log", "--store", str(tmp_path / "nowhere")), ("show", "nope", "--store", str(path)),
+                 ("export", "t", str(path), "--store", str(path))):
+        code, out, err = cli(monkeypatch, capsys, *args)
+        assert code == 1 and out == ""
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+    code, _, err = cli(monkeypatch, capsys, "show", "--store", str(path))
+    assert code == 2  # usage error
+
+
+def test_export_import_commands(filled, tmp_path, monkeypatch, capsys):
+    path, _, b = filled
+    code, _, err = cli(monkeypatch, capsys, "export", "t", str(tmp_path / "e.zip"), "--store", str(path))
+    assert code == 0, err
+    code, out, err = cli(monkeypatch, capsys, "import", str(tmp_path / "e.zip"), "--tag", "back", "--store", str(tmp_path / "other"), "--json")
+    assert code == 0, err
+    with ckptstore.Store(tmp_path / "other") as other:
+        assert other.tags() == {"back": json.loads(out)["id"]}
+        assert torch.equal(other.checkout("back")["w"], torch.cat([torch.zeros(2048), torch.ones(2048)]))

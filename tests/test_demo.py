@@ -1,0 +1,20 @@
+"""The main job: the demo collects CartPole with TorchRL, trains, commits and restores."""
+
+from __future__ import annotations
+
+import ckptstore
+
+from .test_cli import cli
+
+
+def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
+    code, out, err = cli(monkeypatch, capsys, "demo", "--store", str(tmp_path / "s"), "--frames", "1000", "--every", "500")
+    assert code == 0, err
+    assert "identical indices, weights and data" in out and "parameters bit-identical" in out
+    with ckptstore.Store(tmp_path / "s") as s:
+        assert set(s.tags()) == {"step-500", "step-1000", "latest"}
+        log = s.log("latest")
+        assert [c.metadata["frames"] for c in log] == [1000, 500]
+        assert log[0].parents == (log[1].id,)
+        assert log[0].new_bytes < log[0].logical_bytes / 1.5  # the second commit reuses most shards
+        assert list(s.components("latest")) == ["rb/storage", "rb/writer", "rb/sampler", "policy", "optim", "rng", "progress"]

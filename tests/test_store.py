@@ -1,0 +1,160 @@
+"""Refs, tags, lineage, reflog, store folders and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import (
+    AmbiguousRefError,
+    InvalidNameError,
+    NotAStoreError,
+    PartialPathError,
+    RefNotFoundError,
+    TargetMismatchError,
+)
+
+from .conftest import assert_bit_equal, row_count
+
+
+def test_refs_tags_prefixes_and_lineage(store):
+    a = store.commit({"x": torch.zeros(3)}, tag="t", message="first", metadata={"step": 1})
+    b = store.commit({"x": torch.ones(3)}, tag="t", message="second", metadata={"step": 2})
+    assert b.parents == (a.id,) and a.parents == ()
+    assert store.resolve("t") == b.id == store.resolve(b.id) == store.resolve(b.id[:8]) == store.resolve(b.id[:8].upper())
+    assert store.tags() == {"t": b.id}
+    assert [c.id for c in store.log("t")] == [b.id, a.id]
+    assert store.log("t")[0].tags == ("t",) and store.log("t")[1].tags == ()
+    assert store.info(a.id).metadata == {"step": 1} and store.info(a.id).message == "first"
+    assert_bit_equal(store.checkout(a.id)["x"], torch.zeros(3))  # the old commit stays readable
+    moves = store.reflog("t")
+    assert [(m["old_commit"], m["new_commit"], m["action"]) for m in moves] == [(a.id, b.id, "commit"), (None, a.id, "commit")]
+
+
+def test_several_tags_move_in_one_commit_and_tag_api(store):
+    a = store.commit({"x": torch.zeros(1)}, tag=["step-1", "latest"])
+    b = store.commit({"x": torch.ones(1)}, tag=["step-2", "latest"])
+    assert b.parents == (a.id,)
+    assert store.tags() == {"latest": b.id, "step-1": a.id, "step-2": b.id}
+    assert store.tag("best", "step-1") == a.id
+    assert store.delete_tag("best") == a.id
+    assert "best" not in store.tags()
+    assert store.reflog("best")[0]["action"] == "delete"
+    with pytest.raises(RefNotFoundError):
+        store.delete_tag("best")
+
+
+def test_ref_errors(store):
+    with pytest.raises(RefNotFoundError, match="nope"):
+        store.checkout("nope")
+    ids = set()
+    i = 0
+    while True:  # find two commits sharing a first hex digit
+        cid = store.commit({"i": i}).id
+        i += 1
+        if cid[0] in ids:
+            break
+        ids.add(cid[0])
+    with pytest.raises(AmbiguousRefError, match="ambiguous"):
+        store.resolve(cid[0])
+    for bad in ("", " x", "a\nb", 3):
+        with pytest.raises(InvalidNameError):
+            store.commit({"i": 0}, tag=bad)
+
+
+def test_partial_errors_list_components(store):
+    store.commit({"policy": torch.nn.Linear(2, 2), "opt": {"lr": 0.1}}, tag="t")
+    before = row_count(store)
+    with pytest.raises(PartialPathError, match="policy, opt"):
+        store.checkout("t", partial=["sampler"])
+    with pytest.raises(TargetMismatchError, match="no component"):
+        store.checkout("t", into={"sampler": torch.nn.Linear(2, 2)})
+    assert row_count(store) == before
+
+
+def test_json_values_and_plain_dicts_round_trip(store):
+    state = {"progress": {"step": 10, "frames": 2560, "best": 1.5, "history": [(0, 0.5), (1, 1.0)]}, "tag": "run-a", "net": torch.nn.Linear(2, 1)}
+    store.commit(state, tag="p")
+    back = store.checkout("p")
+    assert back["progress", "history"] == [(0, 0.5), (1, 1.0)]
+    assert back["tag"] == "run-a"
+    target = {"progress": {}, "tag": None, "net": torch.nn.Linear(2, 1)}
+    store.checkout("p", into=target)
+    assert target["progress"] == state["progress"] and target["tag"] == "run-a"
+
+
+def test_bare_values_as_the_whole_commit(store):
+    store.commit(torch.arange(5), tag="tensor")
+    store.commit(42, tag="int")
+    assert_bit_equal(store.checkout("tensor"), torch.arange(5))
+    assert store.checkout("int") == 42
+    target = torch.zeros(5, dtype=torch.int64)
+    assert store.checkout("tensor", into=target) is target
+    assert_bit_equal(target, torch.arange(5))
+
+
+def test_store_folder_checks(tmp_path):
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "file.txt").write_text("hello")
+    with pytest.raises(NotAStoreError, match="not a ckptstore store"):
+        ckptstore.Store(tmp_path / "junk")
+    assert sorted(p.name for p in (tmp_path / "junk").iterdir()) == ["file.txt"]  # untouched
+    with pytest.raises(NotAStoreError):
+        ckptstore.Store(tmp_path / "missing", create=False)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(NotAStoreError):
+        ckptstore.Store(tmp_path / "afile")
+    s = ckptstore.Store(tmp_path / "new", shard_bytes=4096)
+    s.close()
+    with ckptstore.Store(tmp_path / "new") as again:
+        assert again.shard_bytes == 4096  # saved with the store
+
+
+def test_custom_adapter_registration_and_versions(store):
+    class Counter:
+        def __init__(self, n=0):
+            self.n = n
+
+    @ckptstore.register_adapter
+    class CounterAdapter(ckptstore.Adapter):
+        name = "tests.counter"
+        version = 1
+        types = (Counter,)
+
+        def to_state(self, obj):
+            return {"n": obj.n}
+
+        def from_state(self, obj, state):
+            obj.n = state.json("n")
+            return obj
+
+    try:
+        store.commit({"c": Counter(5)}, tag="c")
+        c = Counter()
+        store.checkout("c", into={"c": c})
+        assert c.n == 5
+
+        @ckptstore.register_adapter(replace=True)
+        class CounterV2(CounterAdapter):
+            version = 2
+            migrations = {1: lambda flat: {"n": flat["n"] * 10}}
+
+        store.checkout("c", into={"c": c})
+        assert c.n == 50  # migrated v1 -> v2
+
+        @ckptstore.register_adapter(replace=True)
+        class CounterOld(CounterAdapter):
+            version = 1
+
+        store.commit({"c": Counter(1)}, tag="c")
+        cid = store.resolve("c")
+        with store.catalog.write():
+            store.catalog.conn.execute("UPDATE components SET version = 9 WHERE commit_id = ?", (cid,))
+        with pytest.raises(ckptstore.errors.AdapterVersionError, match="version 9.*version 1"):
+            store.checkout("c", into={"c": c})
+    finally:
+        from ckptstore.adapters import REGISTRY
+
+        del REGISTRY.by_name["tests.counter"]
+        del REGISTRY.by_type[Counter]
