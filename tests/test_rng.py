@@ -1,0 +1,68 @@
+"""RNGState: Python, numpy and torch generators round-trip without pickle."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.errors import MissingLeafError
+
+from .conftest import run_fresh
+
+
+def draws() -> dict:
+    return {
+        "python": [random.random() for _ in range(10)],
+        "numpy": [float(np.random.rand()) for _ in range(5)] + [float(np.random.randn()) for _ in range(5)],
+        "torch": torch.rand(10).tolist(),
+    }
+
+
+def seed_and_advance() -> None:
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
+    for _ in range(5):
+        random.random()
+    for _ in range(3):
+        np.random.rand()
+    np.random.randn()  # leaves a cached gaussian behind
+    torch.rand(5)
+
+
+def test_rng_state_round_trip_in_a_fresh_process(tmp_path):
+    seed_and_advance()
+    with ckptstore.Store(tmp_path / "s") as s:
+        s.commit({"rng": ckptstore.RNGState()}, tag="rng")
+    reference = draws()
+    proc = run_fresh(
+        """
+import json, random, sys
+import numpy as np, torch, ckptstore
+store = ckptstore.Store(sys.argv[1], create=False)
+store.checkout("rng", into={"rng": ckptstore.RNGState()})
+out = {"python": [random.random() for _ in range(10)],
+       "numpy": [float(np.random.rand()) for _ in range(5)] + [float(np.random.randn()) for _ in range(5)],
+       "torch": torch.rand(10).tolist()}
+print(json.dumps(out))
+""",
+        str(tmp_path / "s"),
+    )
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == reference
+
+
+def test_missing_numpy_record_is_an_error_not_a_silent_skip(store):
+    store.commit({"rng": ckptstore.RNGState()}, tag="rng")
+    cid = store.resolve("rng")
+    with store.catalog.write():
+        store.catalog.conn.execute("DELETE FROM shards WHERE commit_id = ? AND path = 'rng/numpy/key'", (cid,))
+        store.catalog.conn.execute("DELETE FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key'", (cid,))
+    state_before = torch.get_rng_state()
+    with pytest.raises(MissingLeafError, match="rng/numpy/key"):
+        store.checkout("rng", into={"rng": ckptstore.RNGState()})
+    assert torch.equal(torch.get_rng_state(), state_before)  # nothing was applied
