@@ -26,7 +26,7 @@ from pathlib import Path
 
 import sqlite_utils
 
-from .errors import CatalogBusyError, CatalogCorruptError, SchemaVersionError
+from .errors import CatalogBusyError, CatalogCorruptError, SchemaVersionError, StoreWriteError
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 10_000
@@ -118,6 +118,13 @@ def is_busy(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
 
 
+def translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
+    """The ckptstore error for an SQLite error that is not a busy lock."""
+    if "disk is full" in str(exc) or "I/O error" in str(exc):
+        return StoreWriteError(f"{path}: writing the catalog failed: {exc}")
+    return CatalogCorruptError(f"{path}: {exc}")
+
+
 class Catalog:
     """One connection to a store's catalog.
 
@@ -155,7 +162,7 @@ class Catalog:
         except sqlite3.DatabaseError as exc:
             if is_busy(exc):
                 raise CatalogBusyError(f"{path}: the catalog stayed locked: {exc}") from None
-            raise CatalogCorruptError(f"{path} cannot be read as a catalog: {exc}") from None
+            raise translate(path, exc) from None
 
     # --- versions -----------------------------------------------------------------
 
@@ -200,7 +207,7 @@ class Catalog:
                 return fn()
             except sqlite3.DatabaseError as exc:
                 if not is_busy(exc):
-                    raise CatalogCorruptError(f"{self.path}: {exc}") from exc
+                    raise translate(self.path, exc) from exc
                 if attempt == BUSY_RETRIES - 1:
                     raise CatalogBusyError(
                         f"{self.path}: the catalog stayed locked by another process for "
@@ -223,7 +230,7 @@ class Catalog:
                 if self.conn.in_transaction:
                     self.conn.execute("ROLLBACK")
                 if isinstance(exc, sqlite3.DatabaseError):
-                    raise CatalogCorruptError(f"{self.path}: {exc}") from exc
+                    raise translate(self.path, exc) from exc
                 raise
             try:
                 self._retry(lambda: self.conn.execute("COMMIT"))

@@ -2,7 +2,9 @@
 
 Every command takes ``--store PATH`` (or the ``CKPTSTORE_PATH`` environment
 variable) and ``--json`` for machine-readable output. Errors print one line,
-``error: <message>``, on stderr and exit with status 1; usage errors exit 2.
+``error: <message>``, on stderr and exit with status 1; usage errors exit 2;
+``gc`` exits 3 when another GC holds the store; ``fsck`` and ``verify`` exit 1
+when they find a problem.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from .errors import CkptStoreError
+from .errors import CkptStoreError, GCLockedError
 from .store import CommitInfo, Store
 
 app = typer.Typer(
@@ -179,6 +181,72 @@ def du(store: StorePath = Path("."), as_json: AsJson = False) -> None:
     console.print(table)
 
 
+@app.command()
+def gc(
+    store: StorePath = Path("."),
+    keep_last: Annotated[int, typer.Option(help="Keep the N newest commits of each tag's lineage (the tagged commit counts).")] = 1,
+    keep_tag: Annotated[Optional[list[str]], typer.Option(help="Keep the whole lineage of tags matching this glob (repeatable).")] = None,
+    keep_within: Annotated[Optional[str], typer.Option(help="Keep commits younger than this (30m, 12h, 7d).")] = None,
+    grace: Annotated[str, typer.Option(help="Never free blobs, packs or files younger than this.")] = "1h",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be freed; change nothing.")] = False,
+    as_json: AsJson = False,
+) -> None:
+    """Free what no tag or retained commit needs. Exit 0 done, 1 error, 3 another GC holds the store."""
+    with open_store(store) as s:
+        report = s.gc(keep_last=keep_last, keep_tags=keep_tag or (), keep_within=keep_within, grace=grace, dry_run=dry_run)
+    if as_json:
+        emit_json(report)
+        return
+    verb = "would free" if report.dry_run else "freed"
+    console.print(
+        f"gc {verb}: {report.commits_dropped} commits, {report.blobs_deleted} blobs ({fmt_bytes(report.blob_bytes)} in packs), "
+        f"{report.packs_deleted} packs deleted, {report.packs_repacked} repacked, {report.orphans_removed} orphan packs, "
+        f"{report.tmp_removed} tmp files; {fmt_bytes(report.bytes_freed)} freed on disk, {fmt_bytes(report.bytes_pending)} "
+        "pending the grace period"
+    )
+    console.print("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in report.seconds.items()))
+
+
+def _print_fsck(report, as_json: bool) -> None:
+    if as_json:
+        emit_json({**dataclasses.asdict(report), "ok": report.ok})
+    else:
+        for problem in report.problems:
+            console.print(f"[red]problem[/red]: {problem}")
+        if report.damaged_commits:
+            console.print(f"damaged commits: {', '.join(c[:12] for c in report.damaged_commits)}")
+        if report.damaged_tags:
+            console.print(f"damaged tags: {', '.join(report.damaged_tags)}")
+        console.print(
+            f"{'ok' if report.ok else 'NOT OK'}: {report.commits} commits, {report.blobs_checked} blobs rehashed "
+            f"({fmt_bytes(report.bytes_checked)}); orphans: {len(report.orphan_packs)} packs, "
+            f"{report.unreferenced_blobs} unreferenced blobs, {report.tmp_files} tmp files"
+        )
+    if not report.ok:
+        raise SystemExit(1)
+
+
+@app.command()
+def fsck(
+    store: StorePath = Path("."),
+    deep: Annotated[bool, typer.Option("--deep", help="Reread blobs and check their hashes.")] = False,
+    sample: Annotated[float, typer.Option(help="With --deep, the fraction of blobs to reread.")] = 1.0,
+    as_json: AsJson = False,
+) -> None:
+    """Check the catalog and the blobs; exit 1 when anything is wrong (orphans are reported, not errors)."""
+    with open_store(store) as s:
+        report = s.fsck(deep=deep, sample=sample)
+    _print_fsck(report, as_json)
+
+
+@app.command()
+def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: StorePath = Path("."), as_json: AsJson = False) -> None:
+    """Reread and rehash every blob of one commit; exit 1 when one is missing or corrupt."""
+    with open_store(store) as s:
+        report = s.verify(ref)
+    _print_fsck(report, as_json)
+
+
 @app.command("export")
 def export_cmd(
     ref: Annotated[str, typer.Argument(help="Tag or commit.")],
@@ -222,6 +290,9 @@ def main() -> None:
     """Entry point: one-line errors, non-zero exit."""
     try:
         app()
+    except GCLockedError as exc:
+        err.print(f"error: {exc}", soft_wrap=True)
+        raise SystemExit(3) from None
     except CkptStoreError as exc:
         err.print(f"error: {exc}", soft_wrap=True)
         raise SystemExit(1) from None

@@ -32,6 +32,14 @@ class CatalogBusyError(CkptStoreError):
     """The catalog stayed locked by another process after the bounded retries."""
 
 
+class GCLockedError(CkptStoreError):
+    """Another GC holds the store's GC lock; this one did nothing (CLI exit code 3)."""
+
+
+class InvalidArgumentError(CkptStoreError):
+    """An argument that does not parse: a duration, a glob, a fraction."""
+
+
 class StoreWriteError(CkptStoreError):
     """Writing blobs or the catalog failed (disk full, permissions, I/O error).
 

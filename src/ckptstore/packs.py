@@ -113,6 +113,21 @@ class _OpenPack:
         self.renamed = False
 
 
+def _pwrite_all(fd: int, parts: list, offset: int) -> None:
+    """``pwritev`` until every byte is written; a full disk then raises ENOSPC."""
+    parts = [memoryview(p).cast("B") for p in parts]
+    while parts:
+        n = os.pwritev(fd, parts, offset)
+        if n == 0:
+            raise OSError(errno.ENOSPC, "no progress writing")
+        offset += n
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts.pop(0)
+        if parts:
+            parts[0] = parts[0][n:]
+
+
 class PackWriter:
     """Appends new blobs of one commit to pack files; thread-safe.
 
@@ -148,9 +163,7 @@ class PackWriter:
                 offset = pack.size
                 pack.size += need
                 self.stored_bytes += need
-            written = os.pwritev(pack.fd, [header, payload], offset)
-            if written != need:
-                raise OSError(errno.EIO, f"short write ({written} of {need} bytes)")
+            _pwrite_all(pack.fd, [header, payload], offset)
         except OSError as exc:
             raise StoreWriteError(f"writing a blob to {self.root / 'tmp'} failed: {exc}") from exc
         return BlobLoc(digest, len(raw), pack.id, offset, len(payload), codec)

@@ -39,6 +39,8 @@ from .adapters import REGISTRY, ComponentState, LazyTensor, Registry, capture, j
 from .adapters.base import Captured
 from .catalog import Catalog
 from .container import export_commit, import_commit
+from .fsck import FsckReport, check
+from .gc import DEFAULT_GRACE, GCReport, collect
 from .errors import (
     AmbiguousRefError,
     CkptStoreError,
@@ -593,6 +595,41 @@ class Store:
             "dedup_ratio": c["logical"] / b["raw"] if b["raw"] else None,
             "compression_ratio": b["raw"] / b["stored"] if b["stored"] else None,
         }
+
+    # --- maintenance ---------------------------------------------------------------------
+
+    def gc(
+        self,
+        *,
+        keep_last: int = 1,
+        keep_tags: Sequence[str] = (),
+        keep_within: str | float | None = None,
+        grace: str | float = DEFAULT_GRACE,
+        dry_run: bool = False,
+    ) -> GCReport:
+        """Drop commits outside the roots, then free unreferenced blobs and packs.
+
+        Every tag is kept. Of each tag's lineage the ``keep_last`` newest commits
+        are kept (the whole lineage for tags matching a ``keep_tags`` glob), and
+        commits younger than ``keep_within`` or than the grace period. Blobs no
+        kept commit references are deleted once older than ``grace`` (seconds or
+        ``"30m"``, ``"1h"``, ``"7d"``; default 1 hour), safely beside running
+        commits. See :mod:`ckptstore.gc`.
+
+        Raises:
+            GCLockedError: another GC is running on this store.
+            InvalidArgumentError: a duration, glob or count that does not parse.
+        """
+        return collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run)
+
+    def fsck(self, deep: bool = False, sample: float = 1.0) -> FsckReport:
+        """Check the catalog and the blobs; ``deep`` rereads and rehashes blobs
+        (a ``sample`` fraction of them). See :mod:`ckptstore.fsck`."""
+        return check(self, deep=deep, sample=sample)
+
+    def verify(self, ref: str) -> FsckReport:
+        """Reread and rehash every blob of one commit; ``report.ok`` tells."""
+        return check(self, deep=True, commit=self.resolve(ref))
 
     # --- containers --------------------------------------------------------------------
 

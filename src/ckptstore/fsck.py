@@ -1,0 +1,162 @@
+"""Integrity checks of a store (``ckptstore fsck`` and ``ckptstore verify``).
+
+Problems (non-zero exit): a catalog that fails SQLite's integrity or foreign-key
+check; a tag naming a missing commit; a manifest row inconsistent with its
+shards; a pack file missing or shorter than its blobs; with ``deep``, a blob
+whose header or content hash is wrong. Each bad blob is mapped to the commits
+and tags it hurts.
+
+Orphans are reported but are not problems: pack files without a catalog row
+(left by a crashed commit), blob rows no commit references yet, files in
+``tmp/``. GC removes them after the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field
+
+from .errors import CkptStoreError, InvalidArgumentError
+from .packs import BLOB_HEADER, BlobLoc, PackReader, pack_path
+from .shards import DTYPES, ShardPlan, address
+
+
+@dataclass
+class FsckReport:
+    """Result of :func:`check`. ``ok`` is false when ``problems`` is not empty."""
+
+    problems: list[str] = field(default_factory=list)
+    missing_blobs: list[str] = field(default_factory=list)
+    corrupt_blobs: list[str] = field(default_factory=list)
+    damaged_commits: list[str] = field(default_factory=list)
+    damaged_tags: list[str] = field(default_factory=list)
+    orphan_packs: list[str] = field(default_factory=list)
+    unreferenced_blobs: int = 0
+    tmp_files: int = 0
+    commits: int = 0
+    blobs_checked: int = 0
+    bytes_checked: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _loc(r) -> BlobLoc:
+    return BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
+
+
+def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None) -> FsckReport:
+    """Check ``store`` (or only commit id ``commit``, for ``verify``).
+
+    Args:
+        deep: reread blobs and check headers and hashes.
+        sample: with ``deep``, the fraction of blobs to reread (0 < sample <= 1).
+        commit: restrict every check to one commit's blobs and rows.
+
+    Raises:
+        InvalidArgumentError: ``sample`` outside (0, 1].
+    """
+    if not 0 < sample <= 1:
+        raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
+    cat = store.catalog
+    rep = FsckReport()
+    where, params = ("WHERE commit_id = ?", (commit,)) if commit else ("", ())
+    with cat.read():
+        if commit is None:
+            status = [r[0] for r in cat.rows("PRAGMA integrity_check")]
+            if status != ["ok"]:
+                rep.problems += [f"catalog: {s}" for s in status[:20]]
+            for r in cat.rows("PRAGMA foreign_key_check"):
+                rep.problems.append(f"catalog: row {r[1]} of table {r[0]} references a missing {r[2]} row")
+            for r in cat.rows("SELECT name, commit_id FROM tags WHERE commit_id NOT IN (SELECT id FROM commits)"):
+                rep.problems.append(f"tag {r['name']} names commit {r['commit_id']}, which does not exist")
+                rep.damaged_tags.append(r["name"])
+        rep.commits = 1 if commit else cat.rows("SELECT COUNT(*) FROM commits")[0][0]
+        leaves = cat.rows(f"SELECT commit_id, path, dtype, shape, nbytes, shard_bytes, kind FROM leaves {where}", params)
+        shards: dict[tuple[str, str], list] = {}
+        for r in cat.rows(
+            f"SELECT s.commit_id, s.path, s.seq, b.* FROM shards s JOIN blobs b ON b.id = s.blob_id {where.replace('commit_id', 's.commit_id')} "
+            "ORDER BY s.commit_id, s.path, s.seq",
+            params,
+        ):
+            shards.setdefault((r["commit_id"], r["path"]), []).append(r)
+        blob_rows = (
+            cat.rows("SELECT * FROM blobs WHERE id IN (SELECT blob_id FROM shards WHERE commit_id = ?)", params)
+            if commit else cat.rows("SELECT * FROM blobs")
+        )
+        packs = {r["id"]: r for r in cat.rows("SELECT * FROM packs")}
+        if commit is None:
+            rep.unreferenced_blobs = cat.rows("SELECT COUNT(*) FROM blobs b WHERE NOT EXISTS (SELECT 1 FROM shards s WHERE s.blob_id = b.id)")[0][0]
+
+    bad_commits: set[str] = set()
+    for r in leaves:
+        if r["kind"] != "tensor":
+            continue
+        got = shards.get((r["commit_id"], r["path"]), [])
+        dtype = DTYPES.get(r["dtype"] or "")
+        try:
+            nbytes = math.prod(json.loads(r["shape"])) * dtype.itemsize
+            plan = ShardPlan(r["nbytes"], r["shard_bytes"])
+            lengths_ok = nbytes == r["nbytes"] and len(got) == plan.count and all(
+                s["raw_len"] == plan.bounds(i)[1] - plan.bounds(i)[0] for i, s in enumerate(got)
+            )
+        except (TypeError, ValueError, AttributeError):
+            lengths_ok = False
+        if not lengths_ok:
+            rep.problems.append(f"commit {r['commit_id']}, leaf {r['path']}: manifest and shard rows disagree (shape, dtype, sizes or count)")
+            bad_commits.add(r["commit_id"])
+
+    bad_blobs: set[int] = set()
+    sizes: dict[str, int | None] = {}
+    for r in blob_rows:
+        pack = r["pack"]
+        if pack not in sizes:
+            try:
+                sizes[pack] = pack_path(store.root, pack).stat().st_size
+            except FileNotFoundError:
+                sizes[pack] = None
+        size = sizes[pack]
+        end = r["offset"] + BLOB_HEADER.size + r["stored_len"]
+        if size is None or end > size or pack not in packs:
+            rep.missing_blobs.append(address(bytes(r["hash"]), r["raw_len"]))
+            bad_blobs.add(r["id"])
+    missing_packs = sorted(p for p, s in sizes.items() if s is None)
+    for p in missing_packs:
+        rep.problems.append(f"pack {p}.pack is missing")
+    if rep.missing_blobs:
+        rep.problems.append(f"{len(rep.missing_blobs)} blob(s) missing or truncated: {', '.join(rep.missing_blobs[:5])}")
+
+    if deep:
+        rng = random.Random(seed)
+        reader = PackReader(store.root)
+        for r in blob_rows:
+            if r["id"] in bad_blobs or (sample < 1 and rng.random() >= sample):
+                continue
+            try:
+                reader.read(_loc(r), "fsck")
+            except CkptStoreError:
+                rep.corrupt_blobs.append(address(bytes(r["hash"]), r["raw_len"]))
+                bad_blobs.add(r["id"])
+            rep.blobs_checked += 1
+            rep.bytes_checked += r["raw_len"]
+        reader.close()
+        if rep.corrupt_blobs:
+            rep.problems.append(f"{len(rep.corrupt_blobs)} corrupt blob(s): {', '.join(rep.corrupt_blobs[:5])}")
+
+    if bad_blobs:
+        for (cid, _), rows in shards.items():
+            if any(s["id"] in bad_blobs for s in rows):
+                bad_commits.add(cid)
+    rep.damaged_commits = sorted(bad_commits)
+    if bad_commits:
+        rep.damaged_tags = sorted(set(rep.damaged_tags) | {
+            r["name"] for r in cat.chunked("SELECT name FROM tags WHERE commit_id IN ({})", rep.damaged_commits)
+        })
+    if commit is None:
+        blobs_dir = store.root / "blobs"
+        rep.orphan_packs = sorted(f.stem for f in blobs_dir.glob("*/*.pack") if f.stem not in packs)
+        rep.tmp_files = sum(1 for f in (store.root / "tmp").iterdir() if f.is_file())
+    return rep

@@ -1,0 +1,326 @@
+"""Garbage collection: retention, then blobs, packs and temporary files.
+
+Protocol (``shared/design/ARCHITECTURE.md``, GC section), as built:
+
+1. **Lock.** An exclusive ``flock`` on ``<store>/gc.lock``; a second GC fails at
+   once with :class:`~ckptstore.errors.GCLockedError`.
+2. **Commits.** Roots are every tag, plus what retention keeps: the ``keep_last``
+   newest commits of each tag's lineage, the whole lineage of tags matching a
+   ``keep_tags`` glob, commits younger than ``keep_within`` and, always, commits
+   younger than the grace period. Other commits are dropped from the catalog in
+   batches; each batch recomputes the roots inside its own write transaction, so a
+   tag moved meanwhile is honoured.
+3. **Blobs.** Rows no remaining manifest references and created before the grace
+   period are deleted in batches, each in one write transaction. A commit's final
+   transaction holds the same write lock and re-checks every blob it reuses, so
+   the two cannot interleave (invariant 4).
+4. **Packs.** A pack with no live blob is retired; a pack whose live fraction is
+   below ``repack_below`` has its live blobs copied (verified) into a new durable
+   pack, the rows repointed in one transaction, and is retired. A retired pack
+   file is unlinked only once it has been retired for the grace period, so a
+   reader that looked a blob up just before still finds it.
+5. **Leftovers.** Pack files without a catalog row (a crashed commit) and files in
+   ``tmp/`` are removed when older than the grace period and not locked by a
+   running commit (commits hold a ``flock`` on their packs until they return).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import fnmatch
+import os
+import re
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import GCLockedError, InvalidArgumentError
+from .packs import BLOB_HEADER, BlobLoc, PackReader, PackWriter, fsync_dir, pack_path
+
+DEFAULT_GRACE = 3600.0
+REPACK_BELOW = 0.5
+_BATCH_COMMITS = 50
+_BATCH_BLOBS = 2000
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Seconds from ``"90s"``, ``"15m"``, ``"1h"``, ``"2d"``, ``"1w"``, ``"0"`` or a number.
+
+    Raises:
+        InvalidArgumentError: anything else, or a negative value.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text < 0:
+            raise InvalidArgumentError(f"invalid duration {text!r}: must not be negative")
+        return float(text)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", str(text))
+    if not m:
+        raise InvalidArgumentError(f"invalid duration {text!r}: use a number with s, m, h, d or w (e.g. 30m, 1h, 7d)")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+def check_glob(pattern: str) -> str:
+    """Validate a tag glob (fnmatch syntax). Raises InvalidArgumentError."""
+    if type(pattern) is not str or not pattern.strip() or any(c in pattern for c in "\x00\n\r"):
+        raise InvalidArgumentError(f"invalid tag glob {pattern!r}")
+    if pattern.count("[") != pattern.count("]"):
+        raise InvalidArgumentError(f"invalid tag glob {pattern!r}: unbalanced brackets")
+    return pattern
+
+
+@dataclass
+class GCReport:
+    """What a GC run freed (or, with ``dry_run``, would free).
+
+    Byte counts are bytes on disk: ``bytes_freed`` counts pack and temporary files
+    unlinked in this run; ``bytes_pending`` counts retired packs whose grace
+    period has not passed yet (a later run unlinks them).
+    """
+
+    dry_run: bool
+    commits_dropped: int = 0
+    blobs_deleted: int = 0
+    blob_bytes: int = 0  # stored bytes (headers included) of the deleted blob rows
+    packs_repacked: int = 0
+    packs_deleted: int = 0
+    orphans_removed: int = 0
+    tmp_removed: int = 0
+    bytes_freed: int = 0
+    bytes_pending: int = 0
+    dropped: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+@contextmanager
+def gc_lock(root: Path):
+    """Hold ``<store>/gc.lock``; raise GCLockedError if another GC has it."""
+    fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise GCLockedError(f"{root}: another GC is running on this store") from None
+            raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def _unlocked(path: Path) -> int | None:
+    """An fd holding an exclusive lock on ``path``, or None if a running commit holds it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+class Collector:
+    """One GC run over ``store`` (see the module docstring)."""
+
+    def __init__(self, store, keep_last: int, keep_tags: list[str], keep_within: float | None, grace: float, repack_below: float):
+        if type(keep_last) is not int or keep_last < 0:
+            raise InvalidArgumentError(f"invalid keep-last {keep_last!r}: must be a whole number >= 0")
+        if not 0 <= repack_below <= 1:
+            raise InvalidArgumentError(f"invalid repack threshold {repack_below!r}: must be within [0, 1]")
+        self.store = store
+        self.cat = store.catalog
+        self.keep_last = max(keep_last, 1)
+        self.keep_tags = [check_glob(g) for g in keep_tags]
+        self.keep_within = 0.0 if keep_within is None else parse_duration(keep_within)
+        self.grace = parse_duration(grace)
+        self.repack_below = repack_below
+        self.now = time.time()
+
+    # --- commits -----------------------------------------------------------------------
+
+    def retained(self) -> set[str]:
+        """Commit ids the roots and the retention policy keep (run inside a transaction)."""
+        created = {r["id"]: r["created_at"] for r in self.cat.rows("SELECT id, created_at FROM commits")}
+        parents: dict[str, list[str]] = {}
+        for r in self.cat.rows("SELECT commit_id, parent_id FROM parents ORDER BY position"):
+            parents.setdefault(r["commit_id"], []).append(r["parent_id"])
+        keep: set[str] = set()
+        for r in self.cat.rows("SELECT name, commit_id FROM tags"):
+            lineage, frontier = [], [r["commit_id"]]
+            seen: set[str] = set()
+            while frontier:
+                c = frontier.pop()
+                if c in seen or c not in created:
+                    continue
+                seen.add(c)
+                lineage.append(c)
+                frontier += parents.get(c, [])
+            lineage.sort(key=lambda c: -created[c])
+            whole = any(fnmatch.fnmatchcase(r["name"], g) for g in self.keep_tags)
+            keep.add(r["commit_id"])
+            keep.update(lineage if whole else lineage[: self.keep_last])
+        young = self.now - max(self.keep_within, self.grace)
+        keep.update(c for c, t in created.items() if t > young)
+        return keep
+
+    def drop_commits(self, report: GCReport) -> None:
+        while True:
+            with self.cat.read() if report.dry_run else self.cat.write():
+                keep = self.retained()
+                ids = [r["id"] for r in self.cat.rows("SELECT id FROM commits ORDER BY created_at")]
+                victims = [c for c in ids if c not in keep and c not in report.dropped]
+                if report.dry_run:
+                    report.dropped += victims
+                    break
+                batch = victims[:_BATCH_COMMITS]
+                for table in ("shards", "leaves", "components", "parents"):
+                    self.cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", batch)
+                self.cat.chunked("DELETE FROM commits WHERE id IN ({})", batch)
+                report.dropped += batch
+            if len(victims) <= _BATCH_COMMITS:
+                break
+        report.commits_dropped = len(report.dropped)
+
+    # --- blobs ---------------------------------------------------------------------------
+
+    def delete_blobs(self, report: GCReport) -> None:
+        cutoff = self.now - self.grace
+        if report.dry_run:
+            with self.cat.read():
+                self.cat.conn.execute("CREATE TEMP TABLE IF NOT EXISTS gc_dropped (id TEXT PRIMARY KEY)")
+                self.cat.conn.execute("DELETE FROM gc_dropped")
+                self.cat.conn.executemany("INSERT INTO gc_dropped VALUES (?)", [(c,) for c in report.dropped])
+                row = self.cat.rows(
+                    "SELECT COUNT(*) AS n, COALESCE(SUM(stored_len + ?), 0) AS bytes FROM blobs b WHERE created_at < ? AND NOT EXISTS "
+                    "(SELECT 1 FROM shards s WHERE s.blob_id = b.id AND s.commit_id NOT IN (SELECT id FROM gc_dropped))",
+                    (BLOB_HEADER.size, cutoff),
+                )[0]
+            report.blobs_deleted, report.blob_bytes = row["n"], row["bytes"]
+            return
+        while True:
+            with self.cat.write():
+                rows = self.cat.rows(
+                    "SELECT id, stored_len FROM blobs b WHERE created_at < ? AND NOT EXISTS "
+                    "(SELECT 1 FROM shards s WHERE s.blob_id = b.id) LIMIT ?",
+                    (cutoff, _BATCH_BLOBS),
+                )
+                self.cat.chunked("DELETE FROM blobs WHERE id IN ({})", [r["id"] for r in rows])
+            report.blobs_deleted += len(rows)
+            report.blob_bytes += sum(r["stored_len"] + BLOB_HEADER.size for r in rows)
+            if len(rows) < _BATCH_BLOBS:
+                break
+
+    # --- packs -----------------------------------------------------------------------------
+
+    def pack_stats(self) -> list:
+        return self.cat.rows(
+            "SELECT p.id, p.size, p.created_at, p.retired_at, COUNT(b.id) AS n, COALESCE(SUM(b.stored_len + ?), 0) AS live "
+            "FROM packs p LEFT JOIN blobs b ON b.pack = p.id GROUP BY p.id",
+            (BLOB_HEADER.size,),
+        )
+
+    def repack(self, report: GCReport) -> None:
+        if report.dry_run:
+            return
+        cutoff = self.now - self.grace
+        for p in self.pack_stats():
+            if p["retired_at"] is not None or p["n"] == 0 or p["created_at"] > cutoff or p["live"] >= self.repack_below * p["size"]:
+                continue
+            rows = self.cat.rows("SELECT * FROM blobs WHERE pack = ?", (p["id"],))
+            reader = PackReader(self.store.root)
+            with PackWriter(self.store.root, self.store.compression_level, self.store.pack_bytes) as writer:
+                moved = []
+                for r in rows:
+                    loc = BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
+                    raw = reader.read(loc, f"repacking pack {p['id']}")
+                    moved.append((r["id"], writer.append(memoryview(raw), loc.digest)))
+                reader.close()
+                writer.finish()
+                with self.cat.write() as db:
+                    db["packs"].insert_all({"id": pid, "size": size, "created_at": self.now} for pid, size in writer.pack_ids)
+                    for blob_id, loc in moved:
+                        self.cat.conn.execute(
+                            "UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE id = ? AND pack = ?",
+                            (loc.pack, loc.offset, loc.stored_len, loc.codec, blob_id, p["id"]),
+                        )
+                    self.cat.conn.execute("UPDATE packs SET retired_at = ? WHERE id = ?", (self.now, p["id"]))
+            report.packs_repacked += 1
+
+    def delete_packs(self, report: GCReport) -> None:
+        cutoff = self.now - self.grace
+        empty = [p for p in self.pack_stats() if p["n"] == 0]
+        if report.dry_run:
+            report.bytes_pending = sum(p["size"] for p in empty)
+            return
+        with self.cat.write():
+            self.cat.chunked(f"UPDATE packs SET retired_at = {self.now!r} WHERE retired_at IS NULL AND id IN ({{}})", [p["id"] for p in empty])
+        for p in empty:
+            if (p["retired_at"] or self.now) > cutoff:
+                report.bytes_pending += p["size"]
+                continue
+            with self.cat.write():  # rows, then the file, then commit
+                if self.cat.rows("SELECT 1 FROM blobs WHERE pack = ? LIMIT 1", (p["id"],)):
+                    continue
+                self.cat.conn.execute("DELETE FROM packs WHERE id = ?", (p["id"],))
+                report.bytes_freed += _unlink(pack_path(self.store.root, p["id"]))
+            report.packs_deleted += 1
+
+    # --- leftovers --------------------------------------------------------------------------
+
+    def leftovers(self, report: GCReport) -> None:
+        cutoff = self.now - self.grace
+        known = {r["id"] for r in self.cat.rows("SELECT id FROM packs")}
+        blobs = self.store.root / "blobs"
+        candidates = [(f, "orphan") for f in blobs.glob("*/*.pack") if f.stem not in known]
+        candidates += [(f, "tmp") for f in (self.store.root / "tmp").iterdir() if f.is_file()]
+        for path, kind in candidates:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_mtime > cutoff:
+                continue
+            fd = _unlocked(path)
+            if fd is None:
+                continue  # a running commit owns it
+            try:
+                if kind == "orphan" and self.cat.rows("SELECT 1 FROM packs WHERE id = ?", (path.stem,)):
+                    continue  # its commit finished meanwhile
+                if not report.dry_run:
+                    _unlink(path)
+            finally:
+                os.close(fd)
+            report.bytes_freed += st.st_size
+            if kind == "orphan":
+                report.orphans_removed += 1
+            else:
+                report.tmp_removed += 1
+
+
+def _unlink(path: Path) -> int:
+    try:
+        size = path.stat().st_size
+        path.unlink()
+        fsync_dir(path.parent)
+        return size
+    except FileNotFoundError:
+        return 0
+
+
+def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...] = (), keep_within: str | float | None = None,
+            grace: str | float = DEFAULT_GRACE, dry_run: bool = False, repack_below: float = REPACK_BELOW) -> GCReport:
+    """Run one GC over ``store``; see the module docstring and :meth:`Store.gc`."""
+    c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below)
+    report = GCReport(dry_run=dry_run)
+    with gc_lock(store.root):
+        for phase, step in (("commits", c.drop_commits), ("blobs", c.delete_blobs), ("repack", c.repack),
+                            ("packs", c.delete_packs), ("leftovers", c.leftovers)):
+            t0 = time.perf_counter()
+            step(report)
+            report.seconds[phase] = time.perf_counter() - t0
+    return report
