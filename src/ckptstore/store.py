@@ -264,6 +264,23 @@ class Store:
             CatalogBusyError: the catalog stayed locked.
         """
         t0 = time.perf_counter()
+        with torch.no_grad():
+            components = capture(obj, self.registry)
+        return self.commit_components(components, tag, message, metadata, parents, t0=t0)
+
+    def commit_components(
+        self,
+        components: list[Captured],
+        tag: str | Sequence[str] | None = None,
+        message: str = "",
+        metadata: dict | None = None,
+        parents: Sequence[str] | None = None,
+        *,
+        t0: float | None = None,
+    ) -> CommitInfo:
+        """Commit components already captured (by :func:`ckptstore.adapters.capture`
+        or built by an importer); same arguments, result and errors as :meth:`commit`."""
+        t0 = time.perf_counter() if t0 is None else t0
         tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
         tags = list(dict.fromkeys(_check_tag(t) for t in tags))
         if type(message) is not str:
@@ -273,9 +290,6 @@ class Store:
             raise InvalidNameError(f"metadata must be a dict, got {type(metadata).__name__}")
         jsonvalue.encode(metadata, "metadata")
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
-
-        with torch.no_grad():
-            components = capture(obj, self.registry)
         leaves, views = self._leaves(components)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
