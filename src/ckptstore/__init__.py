@@ -10,8 +10,9 @@ See docs/quickstart.md and docs/concepts.md.
 
 from . import errors
 from .adapters import Adapter, ComponentState, Json, RNGState, register_adapter
+from .adapters.torch_nn import NamedOptimizer
 from .store import CommitInfo, IOStats, Store
 
 __version__ = "0.1.0"
 
-__all__ = ["Store", "CommitInfo", "IOStats", "RNGState", "Adapter", "ComponentState", "Json", "register_adapter", "errors", "__version__"]
+__all__ = ["Store", "CommitInfo", "IOStats", "RNGState", "NamedOptimizer", "Adapter", "ComponentState", "Json", "register_adapter", "errors", "__version__"]

@@ -42,6 +42,7 @@ from .container import export_commit, import_commit
 from .fsck import FsckReport, check
 from .gc import DEFAULT_GRACE, GCReport, collect
 from .errors import (
+    AdapterError,
     AmbiguousRefError,
     CkptStoreError,
     IntegrityError,
@@ -800,6 +801,12 @@ class Store:
 
     def _as_tensordict(self, states: dict[str, ComponentState], reader: _Reader) -> Any:
         reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))
+        for path, state in states.items():  # older adapter versions: show the state as it is now
+            try:
+                adapter = self.registry.named(state.adapter, path)
+            except AdapterError:
+                continue  # an adapter this process does not have: the raw state still reads
+            states[path] = migrate(adapter, state)
         if len(states) == 1 and "" in states:
             only = states[""]
             if only.adapter == "tensordict":
@@ -933,6 +940,11 @@ def _plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None,
             )
         for name, child in kids.items():
             walk(child, join(path, name), (adapter, obj, name))
+        if not adapter.partial_targets:  # a buffer must receive every part the commit has for it
+            names = {join(path, n) for n in kids}
+            left = [c for c in under if selected(c) and not any(_under(c, n) for n in names)]
+            if left:
+                raise TargetMismatchError(f"{path or '<root>'}: the commit holds {', '.join(left)}, which the target {type(obj).__name__} lacks")
 
     walk(into, "", None)
     if prefixes is not None:
@@ -942,12 +954,31 @@ def _plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None,
     return steps
 
 
+_VALUE_ADAPTERS = ("tensor", "json", "dict", "tensordict")
+
+
+def _compatible(stored: Any, step: _Step, registry: Registry) -> None:
+    """The target must be handled by the stored adapter, a subclass of it, or a base of it."""
+    if stored.name in _VALUE_ADAPTERS:
+        return  # plain values may replace whatever placeholder the target holds
+    try:
+        target = registry.for_object(step.obj, step.path)
+    except CkptStoreError:
+        target = None
+    if target is None or not (isinstance(target, type(stored)) or isinstance(stored, type(target))):
+        what = "an object with no adapter" if target is None else f"{target.name}"
+        raise TargetMismatchError(
+            f"{step.path or '<root>'}: stored by {stored.name}, the target {type(step.obj).__name__} is handled by {what}"
+        )
+
+
 def _restore(into: Any, steps: list[_Step], states: dict[str, ComponentState], registry: Registry, reader: _Reader) -> Any:
     """Check every component, read the small ones, then load them all."""
     plans = []
     for step in steps:
         state = states[step.path]
         adapter = registry.named(state.adapter, step.path)
+        _compatible(adapter, step, registry)
         state = migrate(adapter, state)
         adapter.check(step.obj, state)
         plans.append((step, adapter, state))

@@ -14,7 +14,7 @@ Register an adapter with the :func:`register_adapter` class decorator::
         name = "myproject.counter"
         version = 2
         types = (Counter,)
-        migrations = {1: lambda state: {**state, "total": state["count"]}}  # v1 -> v2
+        migrations = {1: lambda flat, meta: {**flat, "total": flat["count"]}}  # v1 -> v2
 
         def to_state(self, obj):
             return {"count": obj.count, "total": obj.total}
@@ -24,9 +24,10 @@ Register an adapter with the :func:`register_adapter` class decorator::
             return obj
 
 Restoring state written by an older version first runs ``migrations[v]`` for
-each ``v`` from the stored version up (each gets and returns a flat
-``{relative path: value}`` dict, tensors materialised); state from a newer
-version raises :class:`~ckptstore.errors.AdapterVersionError`.
+each ``v`` from the stored version up: ``fn(flat, meta)`` gets the flat
+``{relative path: value}`` dict (tensors materialised) and the component's
+meta dict (which it may update in place), and returns the new flat dict.
+State from a newer version raises :class:`~ckptstore.errors.AdapterVersionError`.
 """
 
 from __future__ import annotations
@@ -276,17 +277,21 @@ class Adapter:
         name: unique, stable name stored with each component (``"torch.nn.Module"``).
         version: the state version this adapter writes (int, from 1).
         types: the classes it handles; subclasses match too, the most specific wins.
-        migrations: ``{v: fn}`` turning version ``v`` state into ``v + 1``.
+        migrations: ``{v: fn(flat, meta) -> flat}`` turning version ``v`` state into ``v + 1``.
         direct: ``True`` if ``from_state`` reads large tensors straight into the
             target (``state.read_into``); other components are read and
             verified in full before any target is touched.
+        partial_targets: for containers, ``True`` if a target may hold only some
+            of the committed children (a dict); otherwise every committed child
+            must have its target.
     """
 
     name: ClassVar[str] = ""
     version: ClassVar[int] = 1
     types: ClassVar[tuple[type, ...]] = ()
-    migrations: ClassVar[dict[int, Callable[[dict], dict]]] = {}
+    migrations: ClassVar[dict[int, Callable[[dict, dict], dict]]] = {}
     direct: ClassVar[bool] = False
+    partial_targets: ClassVar[bool] = False
 
     def children(self, obj: Any) -> dict[str, Any] | None:
         """Child objects of a container (by name), or ``None`` for a leaf adapter."""
@@ -434,9 +439,10 @@ def migrate(adapter: Adapter, state: ComponentState) -> ComponentState:
             "upgrade to restore it"
         )
     flat = {k: state.value(k) for k in state.keys()}
+    meta = dict(state.meta)
     for v in range(state.version, adapter.version):
         step = adapter.migrations.get(v)
         if step is None:
             raise AdapterVersionError(f"{where}: no migration of {adapter.name} state from version {v} to {v + 1}")
-        flat = step(dict(flat))
-    return ComponentState(state.path, state.adapter, adapter.version, state.meta, flat)
+        flat = step(dict(flat), meta)
+    return ComponentState(state.path, state.adapter, adapter.version, meta, flat)

@@ -82,3 +82,100 @@ class RNGStateAdapter(Adapter):
         for key in state.keys("cuda"):
             torch.cuda.set_rng_state(state.tensor(key), int(key.split("/")[1]))
         return obj
+
+
+@register_adapter
+class TorchGeneratorAdapter(Adapter):
+    """A dedicated ``torch.Generator``: ``state`` (uint8 tensor) and ``device``.
+
+    Restored in place (``set_state``), so objects sharing the generator (a
+    replay buffer, its sampler and storage) keep sharing it.
+    """
+
+    name = "torch.Generator"
+    types = (torch.Generator,)
+
+    def to_state(self, obj: torch.Generator) -> dict:
+        return {"state": obj.get_state(), "device": str(obj.device)}
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if not isinstance(obj, torch.Generator):
+            raise TargetMismatchError(f"{state.where('')}: stored a torch.Generator, target is {type(obj).__name__}")
+        if torch.device(state.json("device")).type != obj.device.type:
+            raise TargetMismatchError(f"{state.where('device')}: stored a {state.json('device')} generator, target is on {obj.device}")
+        if state.spec("state")[0] != torch.uint8:
+            raise TargetMismatchError(f"{state.where('state')}: expected a uint8 generator state")
+
+    def from_state(self, obj: torch.Generator, state: ComponentState) -> torch.Generator:
+        obj.set_state(state.tensor("state"))
+        return obj
+
+
+def _arrays_to_tensors(value: Any) -> Any:
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value.copy())
+    if isinstance(value, dict):
+        return {k: _arrays_to_tensors(v) for k, v in value.items()}
+    return value
+
+
+def _tensors_to_arrays(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.numpy().copy()
+    if isinstance(value, dict):
+        return {k: _tensors_to_arrays(v) for k, v in value.items()}
+    return value
+
+
+class _NumpyBitGeneratorAdapter(Adapter):
+    """Shared by numpy ``Generator`` and ``RandomState``: the bit generator's
+    state dict (arbitrary-size ints as JSON ints, arrays as tensors of their dtype)."""
+
+    def _get(self, obj: Any) -> dict:
+        raise NotImplementedError
+
+    def _set(self, obj: Any, state: dict) -> None:
+        raise NotImplementedError
+
+    def to_state(self, obj: Any) -> dict:
+        return _arrays_to_tensors(self._get(obj))
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if not isinstance(obj, self.types):
+            raise TargetMismatchError(f"{state.where('')}: stored a {self.name}, target is {type(obj).__name__}")
+        stored, target = state.json("bit_generator"), self._get(obj)["bit_generator"]
+        if stored != target:
+            raise TargetMismatchError(f"{state.where('bit_generator')}: stored {stored}, target uses {target}")
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        self._set(obj, _tensors_to_arrays(state.tree()))
+        return obj
+
+
+@register_adapter
+class NumpyGeneratorAdapter(_NumpyBitGeneratorAdapter):
+    """``numpy.random.Generator`` (PCG64, MT19937, Philox, SFC64): its own stream,
+    not the global one (DeepSpeed #8405 replayed a stream by saving the wrong one)."""
+
+    name = "numpy.random.Generator"
+    types = (np.random.Generator,)
+
+    def _get(self, obj: np.random.Generator) -> dict:
+        return obj.bit_generator.state
+
+    def _set(self, obj: np.random.Generator, state: dict) -> None:
+        obj.bit_generator.state = state
+
+
+@register_adapter
+class NumpyRandomStateAdapter(_NumpyBitGeneratorAdapter):
+    """A ``numpy.random.RandomState`` object (legacy API, its own stream)."""
+
+    name = "numpy.random.RandomState"
+    types = (np.random.RandomState,)
+
+    def _get(self, obj: np.random.RandomState) -> dict:
+        return obj.get_state(legacy=False)
+
+    def _set(self, obj: np.random.RandomState, state: dict) -> None:
+        obj.set_state(state)

@@ -1,4 +1,4 @@
-"""Adapters for ``torch.nn.Module`` and ``torch.optim.Optimizer``."""
+"""Adapters for PyTorch training objects: modules, optimizers, schedulers, GradScaler."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ShapeMismatchError, TargetMismatchError
+from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
 from .base import Adapter, ComponentState, register_adapter
 
 
@@ -96,3 +96,135 @@ class OptimizerAdapter(Adapter):
         per_param = state.tree("state")
         obj.load_state_dict({"state": {int(k): v for k, v in per_param.items()}, "param_groups": self._groups(state)})
         return obj
+
+
+@register_adapter
+class LRSchedulerAdapter(Adapter):
+    """A learning-rate scheduler: its ``state_dict()`` (epochs, base and last
+    learning rates, nested schedulers), as JSON leaves.
+
+    Schedulers that hold code (``LambdaLR``, ``MultiplicativeLR``: their lambdas)
+    are refused with UnsupportedTypeError: code is never stored or pickled.
+    """
+
+    name = "torch.optim.lr_scheduler"
+    types = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+
+    def to_state(self, obj: Any) -> dict:
+        for fn in getattr(obj, "lr_lambdas", ()):
+            if callable(fn):
+                raise UnsupportedTypeError(
+                    f"{type(obj).__name__} holds code ({getattr(fn, '__qualname__', type(fn).__name__)}), which ckptstore "
+                    "never stores; use a scheduler defined by numbers (StepLR, CosineAnnealingLR, ...)"
+                )
+        return _plain(obj.state_dict())
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if not isinstance(obj, self.types):
+            raise TargetMismatchError(f"{state.where('')}: stored a scheduler, target is {type(obj).__name__}")
+        stored = state.meta.get("class", "")
+        if not stored.endswith("." + type(obj).__qualname__):
+            raise TargetMismatchError(f"{state.where('')}: stored a {stored}, target is a {type(obj).__qualname__}")
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        obj.load_state_dict(state.tree())
+        return obj
+
+
+@register_adapter
+class GradScalerAdapter(Adapter):
+    """``torch.amp.GradScaler``: scale, growth and backoff factors, interval, growth tracker."""
+
+    name = "torch.amp.GradScaler"
+    types = (torch.amp.GradScaler,)
+
+    def to_state(self, obj: torch.amp.GradScaler) -> dict:
+        return _plain(obj.state_dict())
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if not isinstance(obj, torch.amp.GradScaler):
+            raise TargetMismatchError(f"{state.where('')}: stored a GradScaler, target is {type(obj).__name__}")
+        if bool(state.tree()) != obj.is_enabled():
+            raise TargetMismatchError(f"{state.where('')}: stored from an {'enabled' if state.tree() else 'disabled'} GradScaler")
+
+    def from_state(self, obj: torch.amp.GradScaler, state: ComponentState) -> torch.amp.GradScaler:
+        if obj.is_enabled():
+            obj.load_state_dict(state.tree())
+        return obj
+
+
+class NamedOptimizer:
+    """An optimizer whose state is stored by parameter name (``module.named_parameters()``).
+
+    ``store.commit({"optim": NamedOptimizer(optim, model)})`` keys every
+    moment by the parameter's name, so checkout into an optimizer whose
+    parameter list is ordered differently gives each parameter its own state.
+    Tied parameters appear once, under their first name.
+
+    Raises (at commit): UnsupportedTypeError if the optimizer holds a parameter
+    the module does not name.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: torch.nn.Module):
+        self.optimizer = optimizer
+        self.module = module
+
+    def names(self) -> dict[int, str]:
+        """``{id(parameter): name}``."""
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+
+@register_adapter
+class NamedOptimizerAdapter(Adapter):
+    """:class:`NamedOptimizer`: ``state/<param name>/<key>`` and
+    ``param_groups/<i>/<option>`` with ``params`` as a list of names."""
+
+    name = "torch.optim.NamedOptimizer"
+    types = (NamedOptimizer,)
+
+    @staticmethod
+    def _groups(obj: NamedOptimizer) -> list[list[str]]:
+        """Parameter names of each group, in the optimizer's order."""
+        names = obj.names()
+        out = []
+        for group in obj.optimizer.param_groups:
+            missing = [list(p.shape) for p in group["params"] if id(p) not in names]
+            if missing:
+                raise UnsupportedTypeError(f"optimizer parameters of shapes {missing} are not parameters of the given module")
+            out.append([names[id(p)] for p in group["params"]])
+        return out
+
+    def to_state(self, obj: NamedOptimizer) -> dict:
+        order = [n for group in self._groups(obj) for n in group]
+        sd = obj.optimizer.state_dict()
+        return {
+            "state": {order[i]: dict(s) for i, s in sd["state"].items()},
+            "param_groups": {str(i): {**g, "params": [order[j] for j in g["params"]]} for i, g in enumerate(sd["param_groups"])},
+        }
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if not isinstance(obj, NamedOptimizer):
+            raise TargetMismatchError(f"{state.where('')}: stored a NamedOptimizer, target is {type(obj).__name__}")
+        stored = [sorted(g["params"]) for g in _indexed(state.tree("param_groups"), state.where("param_groups"))]
+        target = [sorted(g) for g in self._groups(obj)]
+        if stored != target:
+            raise TargetMismatchError(f"{state.where('')}: parameter names per group differ: stored {stored}, target {target}")
+
+    def from_state(self, obj: NamedOptimizer, state: ComponentState) -> NamedOptimizer:
+        # load_state_dict pairs ids with the target's parameters by position: number them in the target's order
+        order = [n for group in self._groups(obj) for n in group]
+        index = {name: i for i, name in enumerate(order)}
+        groups = _indexed(state.tree("param_groups"), state.where("param_groups"))
+        loaded = [{**g, "params": [index[n] for n in names]} for g, names in zip(groups, self._groups(obj))]
+        per_param = {index[n]: v for n, v in state.tree("state").items()}
+        obj.optimizer.load_state_dict({"state": per_param, "param_groups": loaded})
+        return obj
+
+
+def _plain(value: Any) -> Any:
+    """OrderedDicts to dicts, recursively (state dicts mix them)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

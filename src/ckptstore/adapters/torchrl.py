@@ -1,4 +1,5 @@
-"""Adapters for TorchRL replay buffers: the buffer, its storage, writer and sampler.
+"""Adapters for TorchRL: replay buffers (storage, writer, sampler), target-network
+updaters, collectors and ``torchrl.checkpoint.GlobalRNGState``.
 
 A replay buffer is a container of three components, ``storage``, ``writer``
 and ``sampler``, restored in that order so that the writer and sampler see
@@ -17,27 +18,52 @@ from typing import Any
 import torch
 from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.data.replay_buffers import (
+    ListStorage,
     PrioritizedSampler,
+    PrioritizedSliceSampler,
     RandomSampler,
     ReplayBuffer,
     RoundRobinWriter,
     SamplerWithoutReplacement,
+    SliceSampler,
+    SliceSamplerWithoutReplacement,
+    TensorDictMaxValueWriter,
     TensorStorage,
 )
 
+from torchrl.checkpoint import GlobalRNGState
+from torchrl.collectors import BaseCollector
+from torchrl.objectives.utils import TargetNetUpdater
+
+from .. import jsonvalue
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import Adapter, ComponentState, register_adapter, unflatten
+from .base import Adapter, ComponentState, Json, register_adapter, unflatten
+from .rng import RNGState, RNGStateAdapter
+from .torch_nn import _plain
+from .values import TensorDictAdapter
 
 
 @register_adapter
 class ReplayBufferAdapter(Adapter):
-    """Any TorchRL ``ReplayBuffer`` (``TensorDict*`` and prioritized variants)."""
+    """Any TorchRL ``ReplayBuffer`` (``TensorDict*`` and prioritized variants).
+
+    Children: ``storage``, ``writer``, ``sampler``; ``generator`` when the buffer
+    was built with its own ``torch.Generator``; ``transform`` when its transforms
+    hold state (``ObservationNorm``, ``VecNorm`` statistics...).
+    """
 
     name = "torchrl.replay_buffer"
     types = (ReplayBuffer,)
 
     def children(self, obj: ReplayBuffer) -> dict:
-        return {"storage": obj._storage, "writer": obj._writer, "sampler": obj._sampler}
+        kids = {"storage": obj._storage, "writer": obj._writer, "sampler": obj._sampler}
+        rng = getattr(obj, "_rng", None)
+        if rng is not None:
+            kids["generator"] = rng
+        transform = getattr(obj, "_transform", None)
+        if transform is not None and len(transform.state_dict()):
+            kids["transform"] = transform
+        return kids
 
 
 def _expect(obj: Any, cls: type, state: ComponentState) -> None:
@@ -178,7 +204,7 @@ class TensorStorageAdapter(Adapter):
 # --- writers ------------------------------------------------------------------------
 
 
-def _writer_v1_to_v2(flat: dict) -> dict:
+def _writer_v1_to_v2(flat: dict, meta: dict) -> dict:
     """Version 1 kept only the cursor (as TorchRL before PR #4030)."""
     return {**flat, "write_count": None}
 
@@ -278,7 +304,7 @@ class SamplerWithoutReplacementAdapter(Adapter):
         return obj
 
 
-def _sampler_v1_to_v2(flat: dict) -> dict:
+def _sampler_v1_to_v2(flat: dict, meta: dict) -> dict:
     """Version 1 stored the max priority transformed, ``(p + eps) ** alpha``;
     version 2 stores it raw (as TorchRL does since PR #4014)."""
     value = flat.get("max_priority/value")
@@ -344,8 +370,216 @@ class PrioritizedSamplerAdapter(Adapter):
         return obj
 
 
+@register_adapter
+class SliceSamplerAdapter(RandomSamplerAdapter):
+    """``SliceSampler``: stateless apart from a trajectory cache, cleared on restore."""
+
+    name = "torchrl.sampler.slice"
+    types = (SliceSampler,)
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, SliceSampler, state)
+
+    def from_state(self, obj: SliceSampler, state: ComponentState) -> SliceSampler:
+        obj.load_state_dict({})  # clears the trajectory cache
+        return obj
+
+
+@register_adapter
+class SliceSamplerWithoutReplacementAdapter(SamplerWithoutReplacementAdapter):
+    """``SliceSamplerWithoutReplacement``: the remaining permutation of trajectory starts."""
+
+    name = "torchrl.sampler.slice_without_replacement"
+    types = (SliceSamplerWithoutReplacement,)
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        super().from_state(obj, state)
+        SliceSampler.load_state_dict(obj, {})
+        return obj
+
+
+@register_adapter
+class PrioritizedSliceSamplerAdapter(PrioritizedSamplerAdapter):
+    """``PrioritizedSliceSampler``: the prioritized sampler's trees and max priority."""
+
+    name = "torchrl.sampler.prioritized_slice"
+    types = (PrioritizedSliceSampler,)
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        super().from_state(obj, state)
+        SliceSampler.load_state_dict(obj, {})
+        return obj
+
+
 def _scalar(x: Any) -> Any:
     """A max-priority field: tensors stay tensors (dtype kept), numbers stay numbers."""
     if isinstance(x, torch.Tensor):
         return x.detach().cpu().clone()
     return x
+
+
+# --- list storage ---------------------------------------------------------------------
+
+
+@register_adapter
+class ListStorageAdapter(Adapter):
+    """``ListStorage``: ``max_size`` and ``items/<i>``, each a tensor, a TensorDict
+    (its keys below ``items/<i>``) or a JSON value; ``kinds`` says which, and
+    ``batch_sizes`` the TensorDicts' batch sizes. Anything else is refused."""
+
+    name = "torchrl.storage.list"
+    types = (ListStorage,)
+
+    def to_state(self, obj: ListStorage) -> dict:
+        items, kinds, batch_sizes = {}, [], []
+        td_adapter = TensorDictAdapter()
+        for i, item in enumerate(obj._storage):
+            if isinstance(item, torch.Tensor) and not is_tensor_collection(item):
+                kinds.append("tensor")
+                items[str(i)] = item
+            elif is_tensor_collection(item):
+                if not isinstance(item, TensorDict):
+                    item = item.to_tensordict()
+                kinds.append("tensordict")
+                batch_sizes.append(list(item.batch_size))
+                items[str(i)] = td_adapter.to_state(item) or Json({})
+            else:
+                try:
+                    jsonvalue.encode(item, f"storage/items/{i}")
+                except UnsupportedTypeError as exc:
+                    raise UnsupportedTypeError(f"{exc} (ListStorage holds tensors, TensorDicts or JSON values)") from None
+                kinds.append("json")
+                items[str(i)] = Json(item)
+        return {"max_size": int(obj.max_size), "kinds": kinds, "batch_sizes": batch_sizes, "items": items or Json({})}
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, ListStorage, state)
+        if state.json("max_size") != obj.max_size:
+            raise TargetMismatchError(f"{state.where('')}: capacity (max_size) differs: stored {state.json('max_size')}, target {obj.max_size}")
+
+    def from_state(self, obj: ListStorage, state: ComponentState) -> ListStorage:
+        items, sizes = [], iter(state.json("batch_sizes"))
+        for i, kind in enumerate(state.json("kinds")):
+            key = f"items/{i}"
+            if kind == "tensor":
+                items.append(state.tensor(key).clone())
+            elif kind == "tensordict":
+                td = TensorDict({}, batch_size=next(sizes))
+                for leaf in state.keys(key):
+                    rel = tuple(leaf[len(key) + 1:].split("/"))
+                    td.set(rel, state.tensor(leaf)) if state.is_tensor(leaf) else td.set_non_tensor(rel, state.json(leaf))
+                items.append(td)
+            else:
+                items.append(state.json(key))
+        obj._storage = items
+        if hasattr(obj, "_bump_mutation_revision"):
+            obj._bump_mutation_revision()
+        return obj
+
+
+# --- max-value writer -------------------------------------------------------------------
+
+
+@register_adapter
+class MaxValueWriterAdapter(Adapter):
+    """``TensorDictMaxValueWriter`` (TorchRL's own ``state_dict`` raises for it).
+
+    Leaves: ``cursor``, ``write_count``, ``rank_key``, ``reduction`` and ``heap``:
+    the top-k heap as a list of ``(rank, index)`` tuples, with Python types kept
+    exactly (TorchRL #4369: a heap that came back as lists with float indices
+    broke the first write after restore); ranks that were tensors are stored as
+    numbers with ``rank_dtypes`` to rebuild them.
+    """
+
+    name = "torchrl.writer.max_value"
+    types = (TensorDictMaxValueWriter,)
+
+    def to_state(self, obj: TensorDictMaxValueWriter) -> dict:
+        heap, dtypes = [], []
+        for rank, index in obj._current_top_values:
+            if isinstance(rank, torch.Tensor):
+                dtypes.append(str(rank.dtype).removeprefix("torch."))
+                rank = rank.item()
+            else:
+                dtypes.append(None)
+            heap.append((rank, int(index)))
+        return {
+            "cursor": int(obj._cursor), "write_count": int(obj._write_count), "rank_key": obj._rank_key,
+            "reduction": obj._reduction, "heap": heap, "rank_dtypes": dtypes,
+        }
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, TensorDictMaxValueWriter, state)
+        for key in ("rank_key", "reduction"):
+            stored, target = state.json(key), getattr(obj, f"_{key}")
+            if (tuple(stored) if isinstance(stored, list) else stored) != (tuple(target) if isinstance(target, list) else target):
+                raise TargetMismatchError(f"{state.where(key)}: stored {stored!r}, target {target!r}")
+
+    def from_state(self, obj: TensorDictMaxValueWriter, state: ComponentState) -> TensorDictMaxValueWriter:
+        from ..shards import DTYPES
+
+        heap = []
+        for (rank, index), dtype in zip(state.json("heap"), state.json("rank_dtypes")):
+            heap.append((torch.tensor(rank, dtype=DTYPES[dtype]) if dtype else rank, index))
+        obj._current_top_values = heap
+        obj._cursor = state.json("cursor")
+        obj._write_count = state.json("write_count")
+        return obj
+
+
+# --- training services ------------------------------------------------------------------
+
+
+@register_adapter
+class TargetUpdaterAdapter(Adapter):
+    """``SoftUpdate`` / ``HardUpdate``: ``initialized``, and ``HardUpdate``'s step
+    ``counter``. The target parameters themselves belong to the loss module:
+    commit it too (its ``state_dict`` holds ``target_*_params``)."""
+
+    name = "torchrl.target_updater"
+    types = (TargetNetUpdater,)
+
+    def to_state(self, obj: TargetNetUpdater) -> dict:
+        return {"initialized": bool(obj.initialized), "counter": getattr(obj, "counter", None)}
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, TargetNetUpdater, state)
+        if (state.json("counter") is None) != (getattr(obj, "counter", None) is None):
+            raise TargetMismatchError(f"{state.where('')}: stored a {state.meta.get('class')}, target is a {type(obj).__qualname__}")
+
+    def from_state(self, obj: TargetNetUpdater, state: ComponentState) -> TargetNetUpdater:
+        obj.initialized = state.json("initialized")
+        if state.json("counter") is not None:
+            obj.counter = state.json("counter")
+        return obj
+
+
+@register_adapter
+class CollectorAdapter(Adapter):
+    """A TorchRL collector's ``state_dict()``: frame and iteration counters, the
+    policy weights it holds, its environment transforms' state, trajectory ids."""
+
+    name = "torchrl.collector"
+    types = (BaseCollector,)
+
+    def to_state(self, obj: BaseCollector) -> dict:
+        return _plain(obj.state_dict())
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, BaseCollector, state)
+
+    def from_state(self, obj: BaseCollector, state: ComponentState) -> BaseCollector:
+        obj.load_state_dict(state.tree())
+        return obj
+
+
+@register_adapter
+class GlobalRNGStateAdapter(RNGStateAdapter):
+    """``torchrl.checkpoint.GlobalRNGState``: the same state as :class:`~ckptstore.RNGState`."""
+
+    name = "torchrl.global_rng"
+    types = (GlobalRNGState,)
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        super().check(RNGState(), state)
+        _expect(obj, GlobalRNGState, state)

@@ -77,6 +77,7 @@ class DictAdapter(Adapter):
 
     name = "dict"
     types = (dict, OrderedDict)
+    partial_targets = True
 
     def children(self, obj: dict) -> dict | None:
         return obj if _needs_container(obj) else None
@@ -99,6 +100,31 @@ class DictAdapter(Adapter):
         return value
 
 
+def _legacy_index(value: Any) -> Any:
+    """Decode a version-1 index: a list of ints, ``"..."`` and ``[start, stop, step]`` lists."""
+    if not isinstance(value, list):
+        raise TargetMismatchError(f"legacy index {value!r} is not a list")
+    out = []
+    for item in value:
+        if item == "...":
+            out.append(Ellipsis)
+        elif isinstance(item, list) and len(item) == 3:
+            out.append(slice(*item))
+        elif type(item) is int or item is None:
+            out.append(item)
+        else:
+            raise TargetMismatchError(f"legacy index item {item!r} is not an int, '...' or [start, stop, step]")
+    return tuple(out)
+
+
+def _tensordict_v1_to_v2(flat: dict, meta: dict) -> dict:
+    """Version 1 stored index-valued non-tensor leaves (listed in meta ``indices``)
+    untagged, as JSON lists; version 2 keeps tuples, slices and Ellipsis (TensorDict PR #1736)."""
+    for key in meta.pop("indices", []):
+        flat[key] = _legacy_index(flat[key])
+    return flat
+
+
 @register_adapter
 class TensorDictAdapter(Adapter):
     """A TensorDict: its tensor leaves by nested key, non-tensor leaves as JSON.
@@ -107,10 +133,15 @@ class TensorDictAdapter(Adapter):
     leaves are listed there so they come back as stacks. Restored in place into
     a TensorDict of the same batch size (tensors of the same shape and dtype are
     overwritten, others replaced); otherwise a new TensorDict is built.
+
+    Version 1 wrote index-valued non-tensor leaves untagged (a tuple of slices
+    as a list of ``[start, stop, step]`` lists); they are migrated on restore.
     """
 
     name = "tensordict"
+    version = 2
     types = (TensorDictBase,)
+    migrations = {1: _tensordict_v1_to_v2}
 
     def _walk(self, td: TensorDictBase, prefix: str, out: dict, stacks: list) -> None:
         for key in td.keys():
