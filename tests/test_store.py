@@ -138,7 +138,7 @@ def test_custom_adapter_registration_and_versions(store):
         @ckptstore.register_adapter(replace=True)
         class CounterV2(CounterAdapter):
             version = 2
-            migrations = {1: lambda flat: {"n": flat["n"] * 10}}
+            migrations = {1: lambda flat, meta: {"n": flat["n"] * 10}}
 
         store.checkout("c", into={"c": c})
         assert c.n == 50  # migrated v1 -> v2
