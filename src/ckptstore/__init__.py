@@ -12,7 +12,8 @@ from . import errors
 from .adapters import Adapter, ComponentState, Json, RNGState, register_adapter
 from .adapters.torch_nn import NamedOptimizer
 from .store import CommitInfo, IOStats, Store
+from .checkpointer import Checkpointer, Progress
 
 __version__ = "0.1.0"
 
-__all__ = ["Store", "CommitInfo", "IOStats", "RNGState", "NamedOptimizer", "Adapter", "ComponentState", "Json", "register_adapter", "errors", "__version__"]
+__all__ = ["Store", "CommitInfo", "IOStats", "Checkpointer", "Progress", "RNGState", "NamedOptimizer", "Adapter", "ComponentState", "Json", "register_adapter", "errors", "__version__"]

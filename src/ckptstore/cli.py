@@ -162,6 +162,32 @@ def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefi
 
 
 @app.command()
+def diff(
+    a: Annotated[str, typer.Argument(help="Old commit or tag.")],
+    b: Annotated[str, typer.Argument(help="New commit or tag.")],
+    store: StorePath = Path("."),
+    all_leaves: Annotated[bool, typer.Option("--all", help="Also list unchanged leaves.")] = False,
+    as_json: AsJson = False,
+) -> None:
+    """Leaf by leaf: added, removed, changed or unchanged; shards changed; new bytes."""
+    with open_store(store) as s:
+        report = s.diff(a, b)
+    if as_json:
+        emit_json(report)
+        return
+    table = Table(title=f"{report.a[:12]} -> {report.b[:12]}")
+    for col in ("leaf", "status", "dtype", "shape", "shards", "changed", "new bytes"):
+        table.add_column(col, justify="right" if col in ("shards", "changed", "new bytes") else "left")
+    for leaf in report.leaves:
+        if leaf.status != "unchanged" or all_leaves:
+            table.add_row(leaf.path or "<root>", leaf.status, leaf.dtype or leaf.kind, "" if leaf.shape is None else str(leaf.shape),
+                          str(leaf.shards), str(leaf.shards_changed), fmt_bytes(leaf.new_bytes))
+    console.print(table)
+    counts = ", ".join(f"{report.count(s)} {s}" for s in ("added", "removed", "changed", "unchanged"))
+    console.print(f"{counts}; {fmt_bytes(report.new_bytes)} new in {report.b[:12]}")
+
+
+@app.command()
 def du(store: StorePath = Path("."), as_json: AsJson = False) -> None:
     """Logical vs physical bytes and the dedup ratio."""
     with open_store(store) as s:

@@ -39,6 +39,7 @@ from .adapters import REGISTRY, ComponentState, LazyTensor, Registry, capture, j
 from .adapters.base import Captured
 from .catalog import Catalog
 from .container import export_commit, import_commit
+from .diff import DiffReport, diff_commits
 from .fsck import FsckReport, check
 from .gc import DEFAULT_GRACE, GCReport, collect
 from .errors import (
@@ -585,6 +586,10 @@ class Store:
                 "shards": st["shards"] if st else 0, "shared_with_parent": st["shared"] if st else 0,
             })
         return {"commit": info, "components": self.components(info.id), "leaves": leaves}
+
+    def diff(self, a: str, b: str) -> DiffReport:
+        """What changed from commit ``a`` to commit ``b``, leaf by leaf. See :mod:`ckptstore.diff`."""
+        return diff_commits(self, self.resolve(a), self.resolve(b))
 
     def du(self) -> dict:
         """Space accounting in bytes, for ``ckptstore du``.
