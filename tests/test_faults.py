@@ -168,7 +168,7 @@ def test_c21_sigkill_mid_commit_and_mid_export(tmp_path):
         v1 = s.commit(c21_state(1, tmp_path / "m1"), tag="latest")
         ref = {1: digest(s.checkout("latest"))}
         t0 = time.perf_counter()
-        v2 = s.commit(c21_state(2, tmp_path / "m2"), tag="v2-probe")
+        s.commit(c21_state(2, tmp_path / "m2"), tag="v2-probe")
         duration = time.perf_counter() - t0 + 0.05
         ref[2] = digest(s.checkout("v2-probe"))
         s.delete_tag("v2-probe")

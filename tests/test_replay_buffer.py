@@ -14,7 +14,7 @@ from torchrl.data import (
     TensorDictReplayBuffer,
     TensorStorage,
 )
-from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler, SamplerWithoutReplacement
+from torchrl.data.replay_buffers import RandomSampler, SamplerWithoutReplacement
 
 import ckptstore
 from ckptstore.errors import PartialPathError, ShapeMismatchError, TargetMismatchError

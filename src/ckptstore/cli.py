@@ -87,7 +87,7 @@ def commit_table(infos: list[CommitInfo], title: str | None = None) -> Table:
 def log(
     ref: Annotated[Optional[str], typer.Argument(help="Tag or commit; all commits when omitted.")] = None,
     store: StorePath = Path("."),
-    limit: Annotated[Optional[int], typer.Option(help="Show at most this many commits.")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Show at most this many commits.")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Lineage of REF (the commit and its ancestors), newest first."""
@@ -200,7 +200,7 @@ def du(store: StorePath = Path("."), as_json: AsJson = False) -> None:
     table.add_column("value", justify="right")
     for key in ("commits", "tags", "blobs", "packs"):
         table.add_row(key, str(usage[key]))
-    for key in ("logical_bytes", "unique_bytes", "stored_bytes", "pack_bytes", "catalog_bytes"):
+    for key in ("logical_bytes", "unique_bytes", "stored_bytes", "pack_bytes", "catalog_bytes", "tmp_bytes"):
         table.add_row(key.replace("_", " "), fmt_bytes(usage[key]))
     table.add_row("dedup ratio (logical / unique)", ratio(usage["dedup_ratio"]))
     table.add_row("compression ratio (unique / stored)", ratio(usage["compression_ratio"]))
@@ -294,6 +294,10 @@ def import_cmd(
     as_json: AsJson = False,
 ) -> None:
     """Import an exported commit; every entry is verified before anything is written."""
+    from .adapters import REGISTRY
+    from .container import check_export
+
+    check_export(src, REGISTRY)  # before a missing store folder is created
     with Store(store) as s:
         info = s.import_from(src, tag=tag)
     emit_json(info) if as_json else console.print(commit_table([info], title="imported"))
@@ -302,13 +306,15 @@ def import_cmd(
 @app.command()
 def demo(
     store: StorePath = Path("runs/demo-store"),
-    frames: Annotated[int, typer.Option(help="Environment frames to collect.")] = 3000,
-    every: Annotated[int, typer.Option(help="Commit every this many frames.")] = 500,
+    frames: Annotated[int, typer.Option(min=250, help="Environment frames to collect (a multiple of 250).")] = 3000,
+    every: Annotated[int, typer.Option(min=250, help="Commit every this many frames (a multiple of 250).")] = 500,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
     """The main job: collect CartPole with TorchRL, train DQN, commit every N frames, restore and check."""
-    from .demo import run
+    from .demo import PER_BATCH, run
 
+    if frames % PER_BATCH or every % PER_BATCH:
+        raise typer.BadParameter(f"--frames and --every must be multiples of {PER_BATCH}")
     run(store, frames=frames, every=every, seed=seed, console=console)
 
 

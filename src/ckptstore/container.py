@@ -30,6 +30,8 @@ import tempfile
 import time
 import zipfile
 import zlib
+
+import xxhash
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,7 @@ from . import jsonvalue
 from .adapters.base import check_key
 from .errors import CkptStoreError, ContainerError
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
-from .shards import DTYPES, ShardPlan, address, dense_order, digest
+from .shards import DTYPES, ShardPlan, address, dense_order
 
 FORMAT = "ckptstore-export"
 VERSION = 1
@@ -116,6 +118,7 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    staging.chmod(0o755)  # mkdtemp makes it private; an export folder is an ordinary folder
     try:
         if dest.suffix == ".zip":
             tmp = staging / dest.name
@@ -318,8 +321,10 @@ def _parse(text: bytes, registry) -> tuple[dict, list[dict], list[_Leaf]]:
     return commit, comps, leaves
 
 
-def _decode_blob(data: bytes, addr: str, where: str) -> bytes:
-    """Check one exported blob (header, sizes, codec, hash); return its raw bytes."""
+def _checked_blob(data: bytes, addr: str, where: str) -> tuple[int, bytes]:
+    """Check one exported blob (header, sizes, codec, hash) without ever holding
+    more than 1 MiB of decompressed bytes (a declared size is not trusted for
+    memory); return ``(codec, payload)``."""
     m = _ADDRESS.match(addr)
     want_digest, raw_len = bytes.fromhex(m.group(1)), int(m.group(2))
     if len(data) < BLOB_HEADER.size:
@@ -330,25 +335,71 @@ def _decode_blob(data: bytes, addr: str, where: str) -> bytes:
         raise ContainerError(f"{where}: blob {addr} is not a ckptstore blob (bad header)")
     if hdr_raw != raw_len or dig != want_digest or stored != len(payload):
         raise ContainerError(f"{where}: blob {addr} header does not match its address or size (truncated?)")
+    h, n = xxhash.xxh3_128(), 0
     if codec == CODEC_RAW:
-        raw = payload
+        h.update(payload)
+        n = len(payload)
     elif codec == CODEC_ZSTD:
         try:
-            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=raw_len)
+            with zstandard.ZstdDecompressor().stream_reader(payload) as reader:
+                while n <= raw_len and (chunk := reader.read(1 << 20)):
+                    h.update(chunk)
+                    n += len(chunk)
         except zstandard.ZstdError as exc:
             raise ContainerError(f"{where}: blob {addr} does not decompress ({exc})") from None
     else:
         raise ContainerError(f"{where}: blob {addr} has unknown codec {codec}")
-    if len(raw) != raw_len or digest(raw) != want_digest:
+    if n != raw_len or h.digest() != want_digest:
         raise ContainerError(f"{where}: blob {addr} content hash mismatch (corrupt)")
-    return raw
+    return codec, payload
+
+
+def check_export(src: str | os.PathLike, registry) -> None:
+    """Verify an export completely (manifest and every blob) without a store.
+
+    Raises ContainerError exactly as :func:`import_commit` would.
+    """
+    source = _Source(Path(src))
+    try:
+        _verified(source, Path(src), registry)
+    finally:
+        source.close()
+
+
+def _verified(source: "_Source", src: Path, registry):
+    """Parse the manifest and check every blob; returns ``(commit, comps, leaves, fetch)``."""
+    size = source.size(MANIFEST)
+    if size is None:
+        raise ContainerError(f"{src}: no {MANIFEST}; not a complete ckptstore export")
+    if size > MAX_MANIFEST_BYTES:
+        raise ContainerError(f"{src}: {MANIFEST} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+    commit, comps, leaves = _parse(source.read(MANIFEST, MAX_MANIFEST_BYTES), registry)
+    users: dict[str, str] = {}
+    for leaf in leaves:
+        for i, addr in enumerate(leaf.shards):
+            users.setdefault(addr, f"{src}: leaf {leaf.path!r} shard {i}")
+
+    def fetch(addr: str) -> tuple[int, bytes]:
+        raw_len = int(addr.rsplit("-", 1)[1])
+        name = f"blobs/{addr}"
+        size = source.size(name)
+        if size is None:
+            raise ContainerError(f"{users[addr]}: blob {addr} is missing from the export")
+        if size > BLOB_HEADER.size + raw_len:
+            raise ContainerError(f"{users[addr]}: blob {addr} entry is {size} bytes, more than its {raw_len} raw bytes allow")
+        return _checked_blob(source.read(name, BLOB_HEADER.size + raw_len), addr, users[addr])
+
+    for addr in users:  # verify everything before writing anything
+        fetch(addr)
+    return commit, comps, leaves, fetch
 
 
 def import_commit(store, src: str | os.PathLike, tag: str | None = None, message: str | None = None):
     """Import an export (ZIP archive or folder) as a new commit of ``store``.
 
-    The new commit keeps the exported message and metadata; its parents are
-    the commit ``tag`` pointed to, as for any commit.
+    The new commit keeps the exported message and metadata; it gets a new id
+    and time, and its parents are the commit ``tag`` pointed to, as for any
+    commit. Verified blobs are copied as they are (no recompression).
 
     Returns:
         CommitInfo of the new commit.
@@ -364,35 +415,17 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
     src = Path(src)
     source = _Source(src)
     try:
-        size = source.size(MANIFEST)
-        if size is None:
-            raise ContainerError(f"{src}: no {MANIFEST}; not a complete ckptstore export")
-        if size > MAX_MANIFEST_BYTES:
-            raise ContainerError(f"{src}: {MANIFEST} is {size} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
-        commit, comps, leaves = _parse(source.read(MANIFEST, MAX_MANIFEST_BYTES), store.registry)
-        users: dict[str, str] = {}
-        for leaf in leaves:
-            for i, addr in enumerate(leaf.shards):
-                users.setdefault(addr, f"{src}: leaf {leaf.path!r} shard {i}")
-
-        def fetch(addr: str) -> bytes:
-            raw_len = int(addr.rsplit("-", 1)[1])
-            name = f"blobs/{addr}"
-            size = source.size(name)
-            if size is None:
-                raise ContainerError(f"{users[addr]}: blob {addr} is missing from the export")
-            if size > BLOB_HEADER.size + raw_len:
-                raise ContainerError(f"{users[addr]}: blob {addr} entry is {size} bytes, more than its {raw_len} raw bytes allow")
-            return _decode_blob(source.read(name, BLOB_HEADER.size + raw_len), addr, users[addr])
-
-        for addr in users:  # verify everything before writing anything
-            fetch(addr)
+        commit, comps, leaves, fetch = _verified(source, src, store.registry)
         components = [_Comp(c["path"], c["adapter"], c["version"], c["meta"]) for c in comps]
         records = [LeafRecord(r.path, r.component, r.kind, r.dtype, r.shape, r.nbytes, r.shard_bytes, r.value, r.stride) for r in leaves]
         keys = [(bytes.fromhex(a[:32]), int(a[33:])) for r in leaves for a in r.shards]
+
+        def write(writer, key: tuple[bytes, int]):  # verified again: the files may have changed since
+            codec, payload = fetch(address(*key))
+            return writer.append_encoded(key[0], key[1], codec, payload)
+
         return store._commit(
-            components, records, keys, lambda k: memoryview(fetch(address(*k))), tags,
-            commit["message"] if message is None else message, commit["metadata"], None, t0,
+            components, records, keys, write, tags, commit["message"] if message is None else message, commit["metadata"], None, t0,
         )
     finally:
         source.close()

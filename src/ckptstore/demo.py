@@ -28,6 +28,7 @@ from .cli import fmt_bytes, ratio
 
 CAPACITY = 10_000
 BATCH = 64
+PER_BATCH = 250  # frames per collector batch
 #: CartPole rows are 4 to 16 bytes per key: with the default 1 MiB shards a few
 #: thousand rows fit in one shard per key, which every commit changes. The demo
 #: store uses 4 KiB shards so that row-level dedup shows on this small buffer.
@@ -70,9 +71,9 @@ def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, c
     from torchrl.collectors import Collector
 
     console = console or Console()
-    per_batch = 250
-    if every % per_batch or frames % per_batch:
-        raise ValueError(f"--frames and --every must be multiples of {per_batch}")
+    per_batch = PER_BATCH
+    if every % per_batch or frames % per_batch or every <= 0 or frames <= 0:
+        raise ValueError(f"frames and every must be positive multiples of {per_batch}")
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     store = Store(store_path, shard_bytes=DEMO_SHARD_BYTES)
     scratch = Path(tempfile.mkdtemp(prefix="ckptstore-demo-"))

@@ -39,6 +39,15 @@ JSON_SAFE_TYPES = (type(None), bool, int, float, str, list, tuple, dict, slice, 
 _MAX_DEPTH = 64
 
 
+def is_text(s: str) -> bool:
+    """Can ``s`` be stored as UTF-8 (no lone surrogates)?"""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def encode(value: Any, path: str = "") -> Any:
     """Turn ``value`` into plain JSON data, tagging types JSON cannot hold.
 
@@ -53,6 +62,8 @@ def _encode(value: Any, path: str, depth: int) -> Any:
     if depth > _MAX_DEPTH:
         raise UnsupportedTypeError(f"{path}: nesting deeper than {_MAX_DEPTH} levels")
     t = type(value)
+    if t is str and not is_text(value):
+        raise UnsupportedTypeError(f"{path}: string {value!r} is not valid UTF-8 (lone surrogate)")
     if value is None or t is bool or t is int or t is str:
         return value
     if t is float:
@@ -64,7 +75,7 @@ def _encode(value: Any, path: str, depth: int) -> Any:
     if t is tuple:
         return {"$": "tuple", "v": [_encode(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]}
     if t is dict:
-        if all(type(k) is str for k in value) and "$" not in value:
+        if all(type(k) is str and is_text(k) for k in value) and "$" not in value:
             return {k: _encode(v, f"{path}.{k}", depth + 1) for k, v in value.items()}
         return {
             "$": "dict",

@@ -152,7 +152,11 @@ class PackWriter:
         """Write one blob (``raw`` bytes) and return its location."""
         digest = xxh3(raw) if digest is None else digest
         codec, payload = encode_blob(raw, self.level)
-        header = BLOB_HEADER.pack(BLOB_MAGIC, FORMAT_VERSION, codec, 0, len(raw), len(payload), digest)
+        return self.append_encoded(digest, len(raw), codec, payload)
+
+    def append_encoded(self, digest: bytes, raw_len: int, codec: int, payload) -> BlobLoc:
+        """Write a blob already encoded (verified by the caller) as it is."""
+        header = BLOB_HEADER.pack(BLOB_MAGIC, FORMAT_VERSION, codec, 0, raw_len, len(payload), digest)
         need = len(header) + len(payload)
         try:
             with self._lock:
@@ -166,7 +170,7 @@ class PackWriter:
             _pwrite_all(pack.fd, [header, payload], offset)
         except OSError as exc:
             raise StoreWriteError(f"writing a blob to {self.root / 'tmp'} failed: {exc}") from exc
-        return BlobLoc(digest, len(raw), pack.id, offset, len(payload), codec)
+        return BlobLoc(digest, raw_len, pack.id, offset, len(payload), codec)
 
     @property
     def pack_ids(self) -> list[tuple[str, int]]:

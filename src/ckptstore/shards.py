@@ -85,14 +85,28 @@ def dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int] | 
     return order
 
 
-def physical(t: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
-    """``t`` in memory order and its strides to record.
+def check_tensor(t: torch.Tensor, path: str = "") -> None:
+    """Refuse tensors without a raw strided byte form.
+
+    Raises:
+        UnsupportedTypeError: sparse, nested or meta tensors.
+        UnsupportedDtypeError: quantized dtypes.
+    """
+    kind = "nested" if t.is_nested else "meta" if t.device.type == "meta" else None if t.layout == torch.strided else str(t.layout)
+    if kind:
+        raise UnsupportedTypeError(f"{path or '<tensor>'}: {kind} tensors have no raw byte form; store a dense tensor")
+    dtype_name(t.dtype, path)
+
+
+def physical(t: torch.Tensor, path: str = "") -> tuple[torch.Tensor, list[int] | None]:
+    """``t`` in memory order and its strides to record (after :func:`check_tensor`).
 
     A C-contiguous tensor comes back as is, with ``None``. A dense permuted
     layout (transpose, ``channels_last``) comes back permuted to memory order,
     which is contiguous without a copy, with ``t.stride()`` to restore it.
     Anything else (views with gaps) is copied C-contiguous, strides not kept.
     """
+    check_tensor(t, path)
     if t.is_contiguous() or t.numel() == 0:
         return t, None
     order = dense_order(tuple(t.shape), t.stride())
@@ -108,12 +122,9 @@ def tensor_bytes(t: torch.Tensor, path: str = "") -> memoryview:
     copied to a contiguous CPU tensor.
 
     Raises:
-        UnsupportedTypeError: sparse, nested, meta or otherwise strided-less tensors.
-        UnsupportedDtypeError: quantized tensors.
+        UnsupportedTypeError / UnsupportedDtypeError: see :func:`check_tensor`.
     """
-    dtype_name(t.dtype, path)
-    if t.layout != torch.strided or t.is_nested or t.device.type == "meta":
-        raise UnsupportedTypeError(f"{path or '<tensor>'}: {t.layout} / nested / meta tensors are not supported")
+    check_tensor(t, path)
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

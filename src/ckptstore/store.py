@@ -45,6 +45,9 @@ from .gc import DEFAULT_GRACE, GCReport, collect
 from .errors import (
     AdapterError,
     AmbiguousRefError,
+    CatalogCorruptError,
+    InvalidArgumentError,
+    UnsupportedTypeError,
     CkptStoreError,
     IntegrityError,
     InvalidNameError,
@@ -133,9 +136,21 @@ class _ReusedBlobsGone(Exception):
         self.keys = keys
 
 
+def _setting(name: str, value: Any, low: int, high: int) -> Any:
+    """Validate an integer setting (None passes through). Raises InvalidArgumentError."""
+    if value is None:
+        return None
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidArgumentError(f"invalid {name} {value!r}: must be an integer in [{low}, {high}]")
+    return value
+
+
 def _check_tag(name: Any) -> str:
-    if type(name) is not str or not name or len(name) > 255 or name != name.strip() or any(c in name for c in "\x00\n\r\t"):
-        raise InvalidNameError(f"invalid tag name {name!r}: a non-empty string without control characters or edge spaces")
+    if (
+        type(name) is not str or not name or len(name) > 255 or name != name.strip()
+        or any(c in name for c in "\x00\n\r\t") or not jsonvalue.is_text(name)
+    ):
+        raise InvalidNameError(f"invalid tag name {name!r}: a non-empty UTF-8 string without control characters or edge spaces")
     return name
 
 
@@ -176,28 +191,42 @@ class Store:
     ):
         self.root = Path(path)
         catalog = self.root / CATALOG
+        shard_bytes = _setting("shard_bytes", shard_bytes, 1, 1 << 34)
+        compression_level = _setting("compression_level", compression_level, 0, 22)
         if self.root.exists() and not self.root.is_dir():
             raise NotAStoreError(f"{self.root} is a file, not a ckptstore store")
-        if not catalog.exists():
-            if self.root.exists() and any(self.root.iterdir()):
+        if catalog.exists() and not catalog.is_file():
+            raise NotAStoreError(f"{catalog} is not a file; {self.root} is not a ckptstore store")
+        fresh = not catalog.exists() or catalog.stat().st_size == 0
+        if fresh and self.root.exists():
+            others = sorted(
+                p.name for p in self.root.iterdir()
+                if p.name != CATALOG and not (p.name in ("blobs", "tmp") and p.is_dir() and not any(p.iterdir()))
+            )
+            if others and catalog.exists():
+                raise CatalogCorruptError(f"{catalog} is empty but the store holds {', '.join(others)}: the catalog was lost")
+            if others:
                 raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG}) and is not empty")
-            if not create:
-                raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
-            try:
-                self.root.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise NotAStoreError(f"cannot create a store at {self.root}: {exc}") from None
-        self.catalog = Catalog(catalog, create=True)
-        (self.root / "blobs").mkdir(exist_ok=True)
-        (self.root / "tmp").mkdir(exist_ok=True)
-        settings = self._settings({  # first open saves them; later opens read them
+        if fresh and not create:
+            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.catalog = Catalog(catalog, create=fresh)
+            (self.root / "blobs").mkdir(exist_ok=True)
+            (self.root / "tmp").mkdir(exist_ok=True)
+        except OSError as exc:
+            raise NotAStoreError(f"cannot open a store at {self.root}: {exc}") from None
+        settings = self._settings({  # the first open saves them; later opens read them
             "shard_bytes": DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes,
             "compression_level": 3 if compression_level is None else compression_level,
         })
-        self.shard_bytes = int(shard_bytes if shard_bytes is not None else settings["shard_bytes"])
-        self.compression_level = int(compression_level if compression_level is not None else settings["compression_level"])
-        if self.shard_bytes < 1:
-            raise ValueError("shard_bytes must be >= 1")
+        try:
+            self.shard_bytes = _setting("shard_bytes", shard_bytes if shard_bytes is not None else settings["shard_bytes"], 1, 1 << 34)
+            self.compression_level = _setting(
+                "compression_level", compression_level if compression_level is not None else settings["compression_level"], 0, 22
+            )
+        except InvalidArgumentError as exc:
+            raise CatalogCorruptError(f"{catalog}: stored setting is invalid: {exc}") from None
         self.pack_bytes = pack_bytes
         self.workers = workers or os.cpu_count() or 1
         self.registry = registry
@@ -266,8 +295,11 @@ class Store:
             CatalogBusyError: the catalog stayed locked.
         """
         t0 = time.perf_counter()
-        with torch.no_grad():
-            components = capture(obj, self.registry)
+        try:
+            with torch.no_grad():
+                components = capture(obj, self.registry)
+        except RecursionError:
+            raise UnsupportedTypeError("the state is nested too deeply or refers to itself (a cycle)") from None
         return self.commit_components(components, tag, message, metadata, parents, t0=t0)
 
     def commit_components(
@@ -285,12 +317,13 @@ class Store:
         t0 = time.perf_counter() if t0 is None else t0
         tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
         tags = list(dict.fromkeys(_check_tag(t) for t in tags))
-        if type(message) is not str:
-            raise InvalidNameError(f"message must be a str, got {type(message).__name__}")
+        if type(message) is not str or not jsonvalue.is_text(message):
+            raise InvalidNameError(f"message must be a UTF-8 str, got {message!r}")
         metadata = {} if metadata is None else metadata
         if type(metadata) is not dict:
             raise InvalidNameError(f"metadata must be a dict, got {type(metadata).__name__}")
         jsonvalue.encode(metadata, "metadata")
+        parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
         leaves, views = self._leaves(components)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
@@ -298,17 +331,19 @@ class Store:
         for shard_views in views:
             for d, mv in shard_views:
                 unique.setdefault((d, len(mv)), mv)
-        return self._commit(components, leaves, keys, unique.__getitem__, tags, message, metadata, explicit_parents, t0)
+        return self._commit(
+            components, leaves, keys, lambda writer, k: writer.append(unique[k], k[0]), tags, message, metadata, explicit_parents, t0
+        )
 
-    def _commit(self, components, leaves, keys, source, tags, message, metadata, explicit_parents, t0) -> CommitInfo:
-        """Steps 3 and 4 of the commit protocol; ``source(key)`` gives a shard's bytes."""
+    def _commit(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0) -> CommitInfo:
+        """Steps 3 and 4 of the commit protocol; ``write(writer, key)`` writes one new blob."""
         meta_json = jsonvalue.dumps(metadata, "metadata")
         known = self._lookup(list(dict.fromkeys(keys)))
         with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
             written: dict[tuple[bytes, int], BlobLoc] = {}
             todo = [k for k in dict.fromkeys(keys) if k not in known]
             while True:
-                for key, loc in zip(todo, self._map(lambda k: writer.append(source(k), k[0]), todo)):
+                for key, loc in zip(todo, self._map(lambda k: write(writer, k), todo)):
                     written[key] = loc
                 writer.finish()
                 try:
@@ -343,7 +378,7 @@ class Store:
         for comp in components:
             for path, value in comp.leaves.items():
                 if isinstance(value, torch.Tensor):
-                    phys, stride = physical(value)
+                    phys, stride = physical(value, path)
                     p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
                     rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
                     pending.append((len(records), tensor_bytes(phys, path), p))
@@ -461,7 +496,7 @@ class Store:
             RefNotFoundError: nothing matches.
             AmbiguousRefError: a prefix matches several commits (they are listed).
         """
-        if type(ref) is not str or not ref:
+        if type(ref) is not str or not ref or not jsonvalue.is_text(ref):
             raise RefNotFoundError(f"invalid ref {ref!r}")
         rows = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (ref,))
         if rows:
@@ -505,9 +540,14 @@ class Store:
         return rows[0]["commit_id"]
 
     def reflog(self, tag: str | None = None) -> list[dict]:
-        """Every tag move, newest first: ``{tag, old_commit, new_commit, at, action}``."""
+        """Every tag move, newest first: ``{tag, old_commit, new_commit, at, action}``.
+
+        Raises RefNotFoundError for a tag that never existed.
+        """
         sql = "SELECT tag, old_commit, new_commit, at, action FROM reflog"
         rows = self.catalog.rows(sql + (" WHERE tag = ?" if tag else "") + " ORDER BY id DESC", (tag,) if tag else ())
+        if tag is not None and not rows:
+            raise RefNotFoundError(f"tag {tag!r} never existed in {self.root}")
         return [dict(r) for r in rows]
 
     def info(self, ref: str) -> CommitInfo:
@@ -536,8 +576,11 @@ class Store:
     def log(self, ref: str | None = None, limit: int | None = None) -> list[CommitInfo]:
         """Lineage of ``ref`` (itself and all its ancestors), newest first.
 
-        Without ``ref``, every commit in the store, newest first.
+        Without ``ref``, every commit in the store, newest first. ``limit``
+        (>= 1) keeps the newest ones. Raises InvalidArgumentError for a bad limit.
         """
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise InvalidArgumentError(f"invalid limit {limit!r}: must be an integer >= 1")
         if ref is None:
             ids = [r["id"] for r in self.catalog.rows("SELECT id FROM commits ORDER BY created_at DESC, id")]
         else:
@@ -608,10 +651,11 @@ class Store:
         )[0]
         p = self.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(size), 0) AS size FROM packs")[0]
         catalog = sum(f.stat().st_size for f in self.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak"))
+        tmp = sum(f.stat().st_size for f in (self.root / "tmp").iterdir() if f.is_file())
         return {
             "commits": c["n"], "tags": len(self.tags()), "blobs": b["n"], "packs": p["n"],
             "logical_bytes": c["logical"], "unique_bytes": b["raw"], "stored_bytes": b["stored"],
-            "pack_bytes": p["size"], "catalog_bytes": catalog,
+            "pack_bytes": p["size"], "catalog_bytes": catalog, "tmp_bytes": tmp,
             "dedup_ratio": c["logical"] / b["raw"] if b["raw"] else None,
             "compression_ratio": b["raw"] / b["stored"] if b["stored"] else None,
         }
@@ -718,15 +762,18 @@ class Store:
             return None
         if isinstance(partial, str):
             partial = [partial]
+        partial = list(partial)
+        if not partial:
+            raise PartialPathError("partial is empty: name at least one path prefix, or pass None to read everything")
         prefixes = []
         leaf_paths = None
         for p in partial:
-            if type(p) is not str:
+            if type(p) is not str or not jsonvalue.is_text(p):
                 raise PartialPathError(f"partial prefixes must be strings, got {p!r}")
             p = p.strip("/")
             if not p:
                 return None
-            hit = any(_under(c, p) or _under(p, c) for c in comps)
+            hit = any(_under(c, p) for c in comps)  # whole components; a path inside one must name leaves
             if not hit:
                 if leaf_paths is None:
                     leaf_paths = [r["path"] for r in self.catalog.rows("SELECT path FROM leaves WHERE commit_id = ?", (cid,))]
@@ -991,8 +1038,16 @@ def _restore(into: Any, steps: list[_Step], states: dict[str, ComponentState], r
     reader.read_many([(lt, None) for s in prefetch for lt in s.lazy()], states=prefetch)
     result = into
     with torch.no_grad():
-        for step, adapter, state in plans:
-            new = adapter.from_state(step.obj, state)
+        for done, (step, adapter, state) in enumerate(plans):
+            try:
+                new = adapter.from_state(step.obj, state)
+            except CkptStoreError:
+                raise
+            except Exception as exc:  # an adapter's check let through state its object refuses
+                loaded = ", ".join(s.path or "<root>" for s, _, _ in plans[:done]) or "none"
+                raise TargetMismatchError(
+                    f"{step.path or '<root>'}: restoring failed ({type(exc).__name__}: {exc}); components already restored: {loaded}"
+                ) from exc
             if new is not step.obj:
                 if step.parent is None:
                     result = new

@@ -55,18 +55,18 @@ def join(path: str, name: str) -> str:
 
 def check_key(key: Any, path: str) -> str:
     """Validate one state-tree key. Raises InvalidNameError for bad keys."""
-    if type(key) is not str or not key or "/" in key or key in (".", "..") or "\x00" in key:
+    if not _valid_key(key):
         raise InvalidNameError(f"{path or '<root>'}: key {key!r} is not a valid state-tree key (non-empty str without '/')")
     return key
 
 
+def _valid_key(k: Any) -> bool:
+    return type(k) is str and bool(k) and "/" not in k and k not in (".", "..") and "\x00" not in k and jsonvalue.is_text(k)
+
+
 def is_subtree(value: Any) -> bool:
     """A ``dict`` that flattens into child leaves (non-empty, all keys valid)."""
-    return (
-        type(value) is dict
-        and bool(value)
-        and all(type(k) is str and k and "/" not in k and k not in (".", "..") and "\x00" not in k for k in value)
-    )
+    return type(value) is dict and bool(value) and all(_valid_key(k) for k in value)
 
 
 class Json:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import MissingLeafError, TargetMismatchError
+from ..errors import TargetMismatchError
 from .base import Adapter, ComponentState, register_adapter
 
 
@@ -54,15 +54,33 @@ class RNGStateAdapter(Adapter):
         return state
 
     def check(self, obj: Any, state: ComponentState) -> None:
+        """Every field is range-checked here: the values go to C code that trusts them."""
         if not isinstance(obj, RNGState):
             raise TargetMismatchError(f"{state.where('')}: stored RNG state, target is {type(obj).__name__}")
+
+        def bad(key: str, what: str) -> TargetMismatchError:
+            return TargetMismatchError(f"{state.where(key)}: invalid RNG state, {what}")
+
         for key, dtype, shape in (("python/state", torch.int64, (625,)), ("numpy/key", torch.int64, (624,))):
             if state.spec(key) != (dtype, shape):
-                raise TargetMismatchError(f"{state.where(key)}: expected {dtype} {list(shape)}, stored {state.spec(key)}")
-        for key in ("python/version", "python/gauss_next", "numpy/algorithm", "numpy/pos", "numpy/has_gauss", "numpy/cached_gaussian"):
-            state.json(key)
-        if state.spec("torch")[0] != torch.uint8:
-            raise TargetMismatchError(f"{state.where('torch')}: expected uint8 generator state")
+                raise bad(key, f"expected {dtype} {list(shape)}, stored {state.spec(key)}")
+        if state.json("python/version") != 3:
+            raise bad("python/version", f"version {state.json('python/version')!r} (only 3 exists)")
+        words = state.tensor("python/state")
+        if bool((words[:624] < 0).any() or (words[:624] >= 2**32).any()) or not 1 <= int(words[624]) <= 624:
+            raise bad("python/state", "words outside [0, 2**32) or position outside [1, 624]")
+        if type(state.json("python/gauss_next")) not in (float, type(None)):
+            raise bad("python/gauss_next", "not a float or null")
+        key = state.tensor("numpy/key")
+        if bool((key < 0).any() or (key >= 2**32).any()):
+            raise bad("numpy/key", "words outside [0, 2**32)")
+        if state.json("numpy/algorithm") != "MT19937":
+            raise bad("numpy/algorithm", f"unknown generator {state.json('numpy/algorithm')!r}")
+        pos, has_gauss = state.json("numpy/pos"), state.json("numpy/has_gauss")
+        if type(pos) is not int or not 0 <= pos <= 624 or has_gauss not in (0, 1) or type(state.json("numpy/cached_gaussian")) is not float:
+            raise bad("numpy", f"position {pos!r} outside [0, 624], or bad cached-gaussian fields")
+        if state.spec("torch") != (torch.uint8, tuple(torch.get_rng_state().shape)):
+            raise bad("torch", f"expected uint8 {list(torch.get_rng_state().shape)}, stored {state.spec('torch')}")
         cuda = state.keys("cuda")
         if cuda:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -71,8 +89,6 @@ class RNGStateAdapter(Adapter):
 
     def from_state(self, obj: RNGState, state: ComponentState) -> RNGState:
         internal = tuple(int(x) for x in state.tensor("python/state").tolist())
-        if state.json("numpy/algorithm") != "MT19937":
-            raise MissingLeafError(f"{state.where('numpy/algorithm')}: unknown numpy generator {state.json('numpy/algorithm')!r}")
         random.setstate((state.json("python/version"), internal, state.json("python/gauss_next")))
         np.random.set_state((
             "MT19937", state.tensor("numpy/key").numpy().astype(np.uint32), state.json("numpy/pos"),
@@ -103,8 +119,8 @@ class TorchGeneratorAdapter(Adapter):
             raise TargetMismatchError(f"{state.where('')}: stored a torch.Generator, target is {type(obj).__name__}")
         if torch.device(state.json("device")).type != obj.device.type:
             raise TargetMismatchError(f"{state.where('device')}: stored a {state.json('device')} generator, target is on {obj.device}")
-        if state.spec("state")[0] != torch.uint8:
-            raise TargetMismatchError(f"{state.where('state')}: expected a uint8 generator state")
+        if state.spec("state") != (torch.uint8, tuple(obj.get_state().shape)):
+            raise TargetMismatchError(f"{state.where('state')}: expected uint8 {list(obj.get_state().shape)}, stored {state.spec('state')}")
 
     def from_state(self, obj: torch.Generator, state: ComponentState) -> torch.Generator:
         obj.set_state(state.tensor("state"))
@@ -127,6 +143,34 @@ def _tensors_to_arrays(value: Any) -> Any:
     return value
 
 
+def _int_in(x: Any, high: int) -> bool:
+    return type(x) is int and 0 <= x < high
+
+
+def _array(x: Any, dtype: str, n: int) -> bool:
+    return isinstance(x, np.ndarray) and x.dtype == np.dtype(dtype) and x.shape == (n,)
+
+
+def _valid_bitgen_state(d: Any) -> bool:
+    """Schema of numpy's bit-generator state dicts; numpy itself does not range-check
+    them (an MT19937 position of 10**9 reads out of bounds), so this does."""
+    if not isinstance(d, dict) or not isinstance(d.get("state"), dict):
+        return False
+    name, st = d.get("bit_generator"), d["state"]
+    counters = _int_in(d.get("has_uint32"), 2) and _int_in(d.get("uinteger"), 2**32)
+    if name == "MT19937":
+        legacy = "has_gauss" not in d or (d["has_gauss"] in (0, 1) and type(d.get("gauss")) is float)
+        return _array(st.get("key"), "uint32", 624) and _int_in(st.get("pos"), 625) and legacy
+    if name in ("PCG64", "PCG64DXSM"):
+        return _int_in(st.get("state"), 2**128) and _int_in(st.get("inc"), 2**128) and counters
+    if name == "SFC64":
+        return _array(st.get("state"), "uint64", 4) and counters
+    if name == "Philox":
+        return (_array(st.get("counter"), "uint64", 4) and _array(st.get("key"), "uint64", 2)
+                and _array(d.get("buffer"), "uint64", 4) and _int_in(d.get("buffer_pos"), 5) and counters)
+    return False
+
+
 class _NumpyBitGeneratorAdapter(Adapter):
     """Shared by numpy ``Generator`` and ``RandomState``: the bit generator's
     state dict (arbitrary-size ints as JSON ints, arrays as tensors of their dtype)."""
@@ -146,6 +190,8 @@ class _NumpyBitGeneratorAdapter(Adapter):
         stored, target = state.json("bit_generator"), self._get(obj)["bit_generator"]
         if stored != target:
             raise TargetMismatchError(f"{state.where('bit_generator')}: stored {stored}, target uses {target}")
+        if not _valid_bitgen_state(_tensors_to_arrays(state.tree())):
+            raise TargetMismatchError(f"{state.where('')}: invalid or unsupported {stored} state")
 
     def from_state(self, obj: Any, state: ComponentState) -> Any:
         self._set(obj, _tensors_to_arrays(state.tree()))
@@ -179,3 +225,4 @@ class NumpyRandomStateAdapter(_NumpyBitGeneratorAdapter):
 
     def _set(self, obj: np.random.RandomState, state: dict) -> None:
         obj.set_state(state)
+

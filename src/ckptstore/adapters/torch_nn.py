@@ -54,6 +54,27 @@ class ModuleAdapter(Adapter):
         return obj
 
 
+def _check_optimizer(state: ComponentState, opt: torch.optim.Optimizer, stored_class: str, groups: list[dict], params: dict[str, Any]) -> None:
+    """Same optimizer class, numeric options still numbers, per-parameter state
+    tensors shaped like their parameter: checked before loading, since
+    ``load_state_dict`` accepts a misfit that only fails at the next ``step()``."""
+    where = state.where("")
+    known = stored_class and not stored_class.endswith(".Optimizer")  # imported state may not name its class
+    if known and not stored_class.endswith("." + type(opt).__qualname__):
+        raise TargetMismatchError(f"{where}: stored a {stored_class}, target is a {type(opt).__qualname__}")
+    for i, (g, target) in enumerate(zip(groups, opt.param_groups)):
+        for key, value in target.items():
+            if key != "params" and type(value) in (int, float) and type(g.get(key)) not in (int, float):
+                raise TargetMismatchError(f"{where}: param_groups/{i}/{key} is {g.get(key)!r}, a number was expected")
+    for leaf in state.keys("state"):
+        parts = leaf.split("/")
+        if len(parts) == 3 and parts[1] in params and state.is_tensor(leaf):
+            param = params[parts[1]]
+            _, shape = state.spec(leaf)
+            if len(shape) == param.dim() and shape != tuple(param.shape):
+                raise ShapeMismatchError(f"{state.where(leaf)}: stored {list(shape)}, its parameter is {list(param.shape)}")
+
+
 def _indexed(tree: Any, where: str) -> list:
     """``{"0": a, "1": b}`` -> ``[a, b]``."""
     if tree == {}:
@@ -87,10 +108,13 @@ class OptimizerAdapter(Adapter):
     def check(self, obj: Any, state: ComponentState) -> None:
         if not isinstance(obj, torch.optim.Optimizer):
             raise TargetMismatchError(f"{state.where('')}: stored an optimizer, target is {type(obj).__name__}")
-        stored = [len(g["params"]) for g in self._groups(state)]
+        groups = self._groups(state)
+        stored = [len(g["params"]) for g in groups]
         target = [len(g["params"]) for g in obj.param_groups]
         if stored != target:
             raise TargetMismatchError(f"{state.where('')}: parameters per group differ: stored {stored}, target {target}")
+        params = [p for g in obj.param_groups for p in g["params"]]
+        _check_optimizer(state, obj, state.meta.get("class", ""), groups, {str(i): p for i, p in enumerate(params)})
 
     def from_state(self, obj: torch.optim.Optimizer, state: ComponentState) -> torch.optim.Optimizer:
         per_param = state.tree("state")
@@ -202,13 +226,18 @@ class NamedOptimizerAdapter(Adapter):
             "param_groups": {str(i): {**g, "params": [order[j] for j in g["params"]]} for i, g in enumerate(sd["param_groups"])},
         }
 
+    def meta(self, obj: NamedOptimizer) -> dict:
+        return {**super().meta(obj), "optimizer": f"{type(obj.optimizer).__module__}.{type(obj.optimizer).__qualname__}"}
+
     def check(self, obj: Any, state: ComponentState) -> None:
         if not isinstance(obj, NamedOptimizer):
             raise TargetMismatchError(f"{state.where('')}: stored a NamedOptimizer, target is {type(obj).__name__}")
-        stored = [sorted(g["params"]) for g in _indexed(state.tree("param_groups"), state.where("param_groups"))]
+        groups = _indexed(state.tree("param_groups"), state.where("param_groups"))
+        stored = [sorted(g["params"]) for g in groups]
         target = [sorted(g) for g in self._groups(obj)]
         if stored != target:
             raise TargetMismatchError(f"{state.where('')}: parameter names per group differ: stored {stored}, target {target}")
+        _check_optimizer(state, obj.optimizer, state.meta.get("optimizer", ""), groups, dict(obj.module.named_parameters()))
 
     def from_state(self, obj: NamedOptimizer, state: ComponentState) -> NamedOptimizer:
         # load_state_dict pairs ids with the target's parameters by position: number them in the target's order

@@ -148,7 +148,15 @@ class TensorStorageAdapter(Adapter):
             if stored != target:
                 what = "capacity (max_size)" if key == "max_size" else key
                 raise TargetMismatchError(f"{where}: {what} differs: stored {stored}, target {target}")
-        if not state.json("initialized") or not obj.initialized:
+        length, initialized = state.json("len"), state.json("initialized")
+        if type(length) is not int or not 0 <= length <= state.json("max_size") or type(initialized) is not bool:
+            raise TargetMismatchError(f"{where}: invalid length {length!r} for capacity {state.json('max_size')}")
+        if initialized:
+            rows = {state.spec(k)[1][0] for k in state.keys("data")}
+            expected = {length} if state.json("ndim") == 1 else rows
+            if len(rows) != 1 or rows != expected or max(rows) > state.json("max_size"):
+                raise TargetMismatchError(f"{where}: stored rows {sorted(rows)} do not match the length {length}")
+        if not initialized or not obj.initialized:
             return
         target = _storage_leaves(obj._storage, where)
         layout = "tensor" if "" in target else "tensordict"
@@ -235,9 +243,12 @@ class RoundRobinWriterAdapter(Adapter):
 
     def check(self, obj: Any, state: ComponentState) -> None:
         _expect(obj, RoundRobinWriter, state)
-        cursor = state.json("cursor")
-        if type(cursor) is not int or cursor < 0:
-            raise TargetMismatchError(f"{state.where('cursor')}: invalid cursor {cursor!r}")
+        cursor, count = state.json("cursor"), state.json("write_count")
+        capacity = obj._storage.max_size if obj._storage is not None else None
+        if type(cursor) is not int or cursor < 0 or (capacity is not None and cursor >= max(capacity, 1)):
+            raise TargetMismatchError(f"{state.where('cursor')}: invalid cursor {cursor!r} for capacity {capacity}")
+        if count is not None and (type(count) is not int or count < 0):
+            raise TargetMismatchError(f"{state.where('write_count')}: invalid write count {count!r}")
 
     def from_state(self, obj: RoundRobinWriter, state: ComponentState) -> RoundRobinWriter:
         obj._cursor = state.json("cursor")
@@ -291,6 +302,14 @@ class SamplerWithoutReplacementAdapter(Adapter):
 
     def check(self, obj: Any, state: ComponentState) -> None:
         _expect(obj, SamplerWithoutReplacement, state)
+        length = state.json("len_storage")
+        if type(length) is not int or length < 0 or any(type(state.json(k)) is not bool for k in ("drop_last", "shuffle", "ran_out")):
+            raise TargetMismatchError(f"{state.where('')}: invalid sampler state")
+        if state.is_tensor("sample_list"):
+            dtype, shape = state.spec("sample_list")
+            values = state.tensor("sample_list")
+            if dtype != torch.int64 or len(shape) != 1 or (values.numel() and (int(values.min()) < 0 or int(values.max()) >= length)):
+                raise TargetMismatchError(f"{state.where('sample_list')}: indices must be int64 within [0, {length})")
 
     def from_state(self, obj: SamplerWithoutReplacement, state: ComponentState) -> SamplerWithoutReplacement:
         obj._sample_list = state.tensor("sample_list").clone() if state.is_tensor("sample_list") else None
@@ -350,6 +369,10 @@ class PrioritizedSamplerAdapter(Adapter):
 
     def check(self, obj: Any, state: ComponentState) -> None:
         _expect(obj, PrioritizedSampler, state)
+        for key in ("alpha", "beta", "eps"):
+            value = state.json(key)
+            if type(value) not in (int, float) or not value >= 0:
+                raise TargetMismatchError(f"{state.where(key)}: {value!r} is not a number >= 0")
         if state.json("max_capacity") != obj._max_capacity:
             raise TargetMismatchError(
                 f"{state.where('')}: capacity differs: stored {state.json('max_capacity')}, target {obj._max_capacity}"

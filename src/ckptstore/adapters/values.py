@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
 
-from .. import jsonvalue
 from ..errors import ShapeMismatchError, TargetMismatchError
 from .base import REGISTRY, Adapter, ComponentState, Json, register_adapter
 
