@@ -15,7 +15,6 @@ import ckptstore
 from ckptstore.container import MANIFEST
 from ckptstore.errors import (
     CatalogCorruptError,
-    ContainerError,
     InvalidArgumentError,
     InvalidNameError,
     PartialPathError,
@@ -167,9 +166,8 @@ def test_cli_argument_errors(tmp_path, monkeypatch, capsys):
         assert code == 2, (args, err)
     code, _, err = cli(monkeypatch, capsys, "reflog", "nope", "--store", str(tmp_path / "s"))
     assert code == 1 and "never existed" in err
-    with ckptstore.Store(tmp_path / "s") as s:
-        with pytest.raises(InvalidArgumentError):
-            s.log(limit=0)
+    with ckptstore.Store(tmp_path / "s") as s, pytest.raises(InvalidArgumentError):
+        s.log(limit=0)
 
 
 BOMB = """
