@@ -303,6 +303,25 @@ def import_cmd(
     emit_json(info) if as_json else console.print(commit_table([info], title="imported"))
 
 
+@app.command("import-torchrl")
+def import_torchrl_cmd(
+    src: Annotated[Path, typer.Argument(help="A ReplayBuffer.dumps folder, or a torchrl.checkpoint folder or .zip.")],
+    tag: Annotated[Optional[str], typer.Option(help="Tag to point at the imported commit.")] = None,
+    store: StorePath = Path("."),
+    as_json: AsJson = False,
+) -> None:
+    """Import a TorchRL dump or checkpoint; pickled files are never unpickled (settings-only ones are skipped)."""
+    with Store(store) as s:
+        info, report = s.import_torchrl(src, tag=tag)
+    if as_json:
+        emit_json({"commit": info, "report": report})
+        return
+    console.print(commit_table([info], title=f"imported {report.format}"))
+    console.print(f"components: {', '.join(c or '<root>' for c in report.components)}")
+    for name, reason in report.skipped:
+        console.print(f"skipped {name}: {reason}")
+
+
 @app.command()
 def demo(
     store: StorePath = Path("runs/demo-store"),

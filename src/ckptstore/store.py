@@ -712,6 +712,17 @@ class Store:
         """
         return import_commit(self, src, tag)
 
+    def import_torchrl(self, src: str | os.PathLike, tag: str | None = None):
+        """Import a TorchRL ``ReplayBuffer.dumps`` folder or a ``torchrl.checkpoint``
+        folder or ZIP as one commit, never unpickling anything.
+
+        Returns ``(CommitInfo, ImportReport)``; see :mod:`ckptstore.torchrl_import`.
+        Raises ContainerError naming the file that is malformed or holds pickled state.
+        """
+        from .torchrl_import import import_torchrl
+
+        return import_torchrl(self, src, tag=tag)
+
     # --- checkout ----------------------------------------------------------------------
 
     def components(self, ref: str) -> dict[str, dict]:
