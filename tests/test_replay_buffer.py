@@ -338,3 +338,44 @@ def test_partial_checkout_reads_only_selected_blobs(store):
     assert store.io.blobs_read - before == policy_leaves
     with pytest.raises(PartialPathError, match="components: rb/storage, rb/writer, rb/sampler, policy"):
         store.checkout("latest", partial=["rb/nothing"])
+
+
+def test_unchanged_storage_is_not_rehashed_and_changes_always_are(store, monkeypatch):
+    import ckptstore.store as store_module
+
+    hashed = []
+    real = store_module.digest
+    def counting(data):  # shards are memoryviews; the commit record is bytes
+        if isinstance(data, memoryview):
+            hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(store_module, "digest", counting)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), batch_size=4)
+    rb.extend(TensorDict({"obs": torch.randn(1000, 64)}, [1000]))
+    store.commit(rb, tag="a")
+    storage_bytes = 1000 * 64 * 4 + 1000 * 8
+    assert sum(hashed) == storage_bytes
+    hashed.clear()
+    store.commit(rb, tag="a")  # nothing changed: the storage's hashes are reused
+    assert sum(hashed) == 0
+    obs = rb.storage._storage["obs"]
+    obs[3] += 1  # an in-place torch op bumps the tensor's version counter
+    info = store.commit(rb, tag="a")
+    assert sum(hashed) == 1000 * 64 * 4 and info.shards_new == 1
+    assert_bit_equal(store.checkout("a")["storage", "data", "obs"], obs)
+    hashed.clear()
+    rb.extend(TensorDict({"obs": torch.randn(5, 64)}, [5]))  # a write through TorchRL bumps the storage revision
+    store.commit(rb, tag="a")
+    assert sum(hashed) == storage_bytes
+    fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), batch_size=4)
+    store.checkout("a", into=fresh)  # restoring bumps the target's revision too
+    hashed.clear()
+    store.commit(fresh, tag="b")
+    assert sum(hashed) == storage_bytes
+    no_reuse = ckptstore.Store(store.root, reuse_hashes=False)
+    hashed.clear()
+    no_reuse.commit(rb, tag="c")
+    no_reuse.commit(rb, tag="c")
+    assert sum(hashed) == 2 * storage_bytes
+    no_reuse.close()

@@ -158,3 +158,32 @@ def test_custom_adapter_registration_and_versions(store):
 
         del REGISTRY.by_name["tests.counter"]
         del REGISTRY.by_type[Counter]
+
+
+def test_commit_async_snapshots_then_commits_in_the_background(store):
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100), batch_size=4)
+    rb.extend(TensorDict({"obs": torch.arange(300.0).view(100, 3)}, [100]))
+    net = torch.nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    progress = {"step": 1, "hist": [1, 2]}
+    first = store.commit_async({"rb": rb, "net": net, "progress": progress}, tag="latest")
+    with torch.no_grad():  # training goes on while the commit runs
+        net.weight.add_(1.0)
+        rb.storage._storage["obs"].mul_(0)
+    progress["hist"].append(3)
+    info = first.result()
+    back = store.checkout(info.id)
+    assert_bit_equal(back["net", "weight"], before["weight"])
+    assert_bit_equal(back["rb", "storage", "data", "obs"], torch.arange(300.0).view(100, 3))
+    assert back["progress", "hist"] == [1, 2]
+    second = store.commit_async({"rb": rb, "net": net, "progress": progress}, tag="latest")
+    assert second.result().parents == (info.id,)  # in call order
+    assert_bit_equal(store.checkout("latest")["rb", "storage", "data", "obs"], torch.zeros(100, 3))
+    bad = store.commit_async({"net": net}, tag=" bad")
+    with pytest.raises(InvalidNameError):
+        bad.result()
+    with pytest.raises(ckptstore.errors.UnsupportedTypeError):
+        store.commit_async({"x": object()})

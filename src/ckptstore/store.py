@@ -25,8 +25,9 @@ from __future__ import annotations
 import math
 import os
 import time
+import weakref
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ from .errors import (
     AmbiguousRefError,
     CatalogCorruptError,
     InvalidArgumentError,
+    StoreWriteError,
     UnsupportedTypeError,
     CkptStoreError,
     IntegrityError,
@@ -57,7 +59,7 @@ from .errors import (
     TargetMismatchError,
 )
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
-from .shards import DEFAULT_SHARD_BYTES, DTYPES, ShardPlan, address, byte_view, dense_order, digest, dtype_name, physical, plan, tensor_bytes
+from .shards import DEFAULT_SHARD_BYTES, DTYPES, ShardPlan, address, byte_view, check_tensor, dense_order, digest, dtype_name, physical, plan, tensor_bytes
 
 CATALOG = "catalog.sqlite"
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
@@ -171,6 +173,11 @@ class Store:
         pack_bytes: pack files roll over past this size in bytes.
         workers: threads for hashing, compression and I/O (default: CPU count).
         registry: the adapter registry (default: the global one).
+        reuse_hashes: skip rehashing a TorchRL storage's tensors when neither its
+            mutation revision nor the tensors' version counters changed since
+            this store last committed it (see ``Adapter.fingerprints``). Turn it
+            off if you write into storage tensors behind TorchRL's and torch's
+            back (through ``.data``, numpy views or another process's raw memory).
 
     Raises:
         NotAStoreError: the folder holds other files and no catalog.
@@ -188,6 +195,7 @@ class Store:
         pack_bytes: int = DEFAULT_PACK_BYTES,
         workers: int | None = None,
         registry: Registry = REGISTRY,
+        reuse_hashes: bool = True,
     ):
         self.root = Path(path)
         catalog = self.root / CATALOG
@@ -232,6 +240,11 @@ class Store:
         self.registry = registry
         self.io = IOStats()
         self._pool: ThreadPoolExecutor | None = None
+        self._digest_cache: dict[int, tuple[weakref.ref, dict]] = {}  # id(owner) -> (owner, {token: shard hashes})
+        self.reuse_hashes = reuse_hashes
+        self._committer: ThreadPoolExecutor | None = None  # runs asynchronous commits, one at a time
+        self._pending: Future | None = None
+        self._snapshots: dict[str, torch.Tensor] = {}
 
     # --- lifecycle -------------------------------------------------------------------
 
@@ -251,7 +264,10 @@ class Store:
         return self._pool
 
     def close(self) -> None:
-        """Release the thread pool and the catalog connection."""
+        """Wait for asynchronous commits, then release the threads and the catalog connection."""
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
+            self._committer = None
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
@@ -295,12 +311,72 @@ class Store:
             CatalogBusyError: the catalog stayed locked.
         """
         t0 = time.perf_counter()
+        return self.commit_components(self._capture(obj), tag, message, metadata, parents, t0=t0)
+
+    def _capture(self, obj: Any) -> list[Captured]:
         try:
             with torch.no_grad():
-                components = capture(obj, self.registry)
+                return capture(obj, self.registry)
         except RecursionError:
             raise UnsupportedTypeError("the state is nested too deeply or refers to itself (a cycle)") from None
-        return self.commit_components(components, tag, message, metadata, parents, t0=t0)
+
+    def commit_async(
+        self,
+        obj: Any,
+        tag: str | Sequence[str] | None = None,
+        message: str = "",
+        metadata: dict | None = None,
+        parents: Sequence[str] | None = None,
+    ) -> Future:
+        """Start a commit and return once the state is snapshotted; the rest runs in the background.
+
+        The call copies every tensor that may have changed since this store last
+        committed it (unchanged TorchRL storage tensors, told by their
+        fingerprints, are not copied) into snapshot buffers reused from earlier
+        asynchronous commits, and freezes JSON values. Training may then modify
+        the live objects. Asynchronous commits run one at a time, in call order.
+
+        Returns:
+            A ``concurrent.futures.Future`` resolving to the :class:`CommitInfo`
+            once the commit is durable, or raising what :meth:`commit` would.
+
+        Raises (at once): UnsupportedTypeError / InvalidNameError for state that
+        cannot be stored, as :meth:`commit`.
+        """
+        t0 = time.perf_counter()
+        components = self._snapshot(self._capture(obj))
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-commit")
+        future = self._committer.submit(self.commit_components, components, tag, message, metadata, parents, t0=t0)
+        self._pending = future
+        return future
+
+    def _snapshot(self, components: list[Captured]) -> list[Captured]:
+        """Copies of the leaves that may change after an asynchronous commit returns."""
+        free = self._pending is None or self._pending.done()  # the last snapshot's buffers are reusable
+        buffers = self._snapshots if free else {}
+        out = []
+        for comp in components:
+            leaves = {}
+            for path, value in comp.leaves.items():
+                if not isinstance(value, torch.Tensor):
+                    leaves[path] = jsonvalue.loads(jsonvalue.dumps(value, path))
+                    continue
+                token = comp.fingerprints.get(path)
+                if self._cached_digests(None if token is None else (comp.owner, (path, self.shard_bytes, token)), plan(tuple(value.shape), value.dtype, self.shard_bytes).count):
+                    leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
+                    continue
+                check_tensor(value, path)
+                buf = buffers.get(path)
+                if buf is None or buf.dtype != value.dtype or buf.shape != value.shape or buf.stride() != value.stride():
+                    dense = value.is_contiguous() or dense_order(tuple(value.shape), value.stride()) is not None
+                    buf = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype) if dense else torch.empty(value.shape, dtype=value.dtype)
+                buf.copy_(value.detach())
+                leaves[path] = buf
+                buffers[path] = buf
+            out.append(Captured(comp.path, comp.adapter, comp.version, comp.meta, leaves, comp.fingerprints, comp.owner))
+        self._snapshots = buffers
+        return out
 
     def commit_components(
         self,
@@ -325,15 +401,22 @@ class Store:
         jsonvalue.encode(metadata, "metadata")
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
-        leaves, views = self._leaves(components)
+        leaves, views, tokens = self._leaves(components)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
         for shard_views in views:
             for d, mv in shard_views:
                 unique.setdefault((d, len(mv)), mv)
-        return self._commit(
-            components, leaves, keys, lambda writer, k: writer.append(unique[k], k[0]), tags, message, metadata, explicit_parents, t0
-        )
+        reused = {(d, len(mv)) for shards, token in zip(views, tokens) if token is not None for d, mv in shards}
+
+        def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
+            if key in reused and digest(unique[key]) != key[0]:  # a hash taken from the cache no longer fits the bytes
+                raise StoreWriteError(f"a tensor changed while it was being committed (blob {address(*key)}); commit again")
+            return writer.append(unique[key], key[0])
+
+        info = self._commit(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0)
+        self._remember_digests(views, tokens)
+        return info
 
     def _commit(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0) -> CommitInfo:
         """Steps 3 and 4 of the commit protocol; ``write(writer, key)`` writes one new blob."""
@@ -371,27 +454,58 @@ class Store:
             seconds=seconds,
         )
 
-    def _leaves(self, components: list[Captured]) -> tuple[list[LeafRecord], list[list[tuple[bytes, memoryview]]]]:
-        """Manifest records, and for each tensor leaf its shards' (digest, bytes)."""
+    def _leaves(self, components: list[Captured]):
+        """Manifest records; for each tensor leaf its shards' (digest, bytes); and
+        ``(owner, token)`` per leaf whose hashes the digest cache can keep."""
         records: list[LeafRecord] = []
-        pending: list[tuple[int, memoryview, ShardPlan]] = []
+        views: list[list[tuple[bytes, memoryview]]] = []
+        tokens: list[tuple[Any, Any] | None] = []
+        todo: list[tuple[int, memoryview]] = []
         for comp in components:
             for path, value in comp.leaves.items():
+                token = comp.fingerprints.get(path)
+                tokens.append(None if token is None else (comp.owner, (path, self.shard_bytes, token)))
+                shards: list[tuple[bytes, memoryview]] = []
                 if isinstance(value, torch.Tensor):
                     phys, stride = physical(value, path)
                     p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
                     rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
-                    pending.append((len(records), tensor_bytes(phys, path), p))
+                    mv = tensor_bytes(phys, path)
+                    known = self._cached_digests(tokens[-1], p.count)
+                    for s in range(p.count):
+                        shard = mv[slice(*p.bounds(s))]
+                        shards.append((known[s] if known else b"", shard))
+                        if not known:
+                            todo.append((len(records), s))
                 else:
                     rec = LeafRecord(path, comp.path, "json", None, None, 0, None, jsonvalue.dumps(value, path))
                 records.append(rec)
-        slices = [(i, mv[slice(*p.bounds(s))]) for i, mv, p in pending for s in range(p.count)]
-        total = sum(len(mv) for _, mv in slices)
-        digests = self._map(digest, [mv for _, mv in slices]) if total > _INLINE_HASH_BYTES else [digest(mv) for _, mv in slices]
-        views: list[list[tuple[bytes, memoryview]]] = [[] for _ in records]
-        for (i, mv), d in zip(slices, digests):
-            views[i].append((d, mv))
-        return records, views
+                views.append(shards)
+        total = sum(len(views[i][s][1]) for i, s in todo)
+        hash_one = lambda item: digest(views[item[0]][item[1]][1])  # noqa: E731
+        digests = self._map(hash_one, todo) if total > _INLINE_HASH_BYTES else [hash_one(item) for item in todo]
+        for (i, s), d in zip(todo, digests):
+            views[i][s] = (d, views[i][s][1])
+        return records, views, tokens
+
+    def _cached_digests(self, entry: tuple[Any, Any] | None, count: int) -> list[bytes] | None:
+        """Shard hashes from the last commit of the same, unchanged tensor, if any."""
+        if entry is None or not self.reuse_hashes:
+            return None
+        owner, token = entry
+        cached = self._digest_cache.get(id(owner))
+        if cached is None or cached[0]() is not owner:
+            return None
+        known = cached[1].get(token)
+        return known if known is not None and len(known) == count else None
+
+    def _remember_digests(self, views: list, tokens: list) -> None:
+        fresh: dict[int, tuple[Any, dict]] = {}
+        for shards, entry in zip(views, tokens):
+            if entry is not None:
+                owner, token = entry
+                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][token] = [d for d, _ in shards]
+        self._digest_cache.update(fresh)
 
     def _map(self, fn, items: list) -> list:
         if len(items) <= 1 or self.workers == 1:

@@ -313,6 +313,17 @@ class Adapter:
         """Small JSON dict stored with the component (class name, layout)."""
         return {"class": f"{type(obj).__module__}.{type(obj).__qualname__}"}
 
+    def fingerprints(self, obj: Any) -> dict[str, Any]:
+        """Optional change tokens: ``{relative leaf path: hashable token}``.
+
+        A token equal to the one this store saw when it last committed the same
+        object means the tensor's bytes did not change, so its shard hashes are
+        reused instead of recomputed. Only return tokens that change whenever the
+        bytes can (TorchRL storages: their shared mutation revision plus each
+        tensor's version counter and address).
+        """
+        return {}
+
     def check(self, obj: Any, state: ComponentState) -> None:
         """Validate that ``state`` fits ``obj`` before anything is read or written.
 
@@ -404,6 +415,8 @@ class Captured:
     version: int
     meta: dict
     leaves: dict[str, Any]  # absolute path -> tensor | JSON value
+    fingerprints: dict[str, Any] = field(default_factory=dict)  # absolute path -> token (see Adapter.fingerprints)
+    owner: Any = None  # the object the fingerprints belong to
 
 
 def capture(obj: Any, registry: Registry = REGISTRY, path: str = "") -> list[Captured]:
@@ -420,7 +433,8 @@ def capture(obj: Any, registry: Registry = REGISTRY, path: str = "") -> list[Cap
             out += capture(child, registry, join(path, check_key(name, path)))
         return out
     leaves = flatten(adapter.to_state(obj), path)
-    return [Captured(path, adapter.name, adapter.version, adapter.meta(obj), leaves)]
+    tokens = {join(path, rel): token for rel, token in adapter.fingerprints(obj).items()}
+    return [Captured(path, adapter.name, adapter.version, adapter.meta(obj), leaves, tokens, obj if tokens else None)]
 
 
 def migrate(adapter: Adapter, state: ComponentState) -> ComponentState:

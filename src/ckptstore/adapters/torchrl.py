@@ -140,6 +140,20 @@ class TensorStorageAdapter(Adapter):
             state["data"] = leaves[""][:rows] if "" in leaves else unflatten({k: v[:rows] for k, v in leaves.items()})
         return state
 
+    def fingerprints(self, obj: TensorStorage) -> dict:
+        """TorchRL bumps a storage's mutation revision (shared with spawned
+        processes) on every write through the storage, and torch bumps a
+        tensor's version counter on every in-place op; together they tell
+        whether the written rows changed since the last commit."""
+        revision = getattr(obj, "_mutation_revision", None)
+        if revision is None or not obj.initialized:
+            return {}
+        rows = obj._len_along_dim0
+        return {
+            ("data" if key == "" else f"data/{key}"): (int(revision), rows, t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype)
+            for key, t in _storage_leaves(obj._storage, "storage").items()
+        }
+
     def check(self, obj: Any, state: ComponentState) -> None:
         _expect(obj, TensorStorage, state)
         where = state.where("")

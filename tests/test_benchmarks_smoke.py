@@ -1,0 +1,111 @@
+"""The benchmark suite runs end to end (``--smoke``: tiny sizes, 1 repetition) and
+benchmarks.compare flags regressions. No timing assertions: this is a functional check."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import compare
+from benchmarks.spec import SYSTEMS, WORKLOADS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "smoke.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--smoke", "--workdir", str(tmp / "work"), "--datadir", str(tmp / "data"), "--output", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"benchmarks.run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert not any((tmp / "work").glob("run-*")), "the run left its work folder behind"
+    return out
+
+
+def test_smoke_results_cover_every_entry(smoke: Path):
+    doc = json.loads(smoke.read_text())
+    assert doc["meta"]["repetitions"] == 1 and doc["meta"]["smoke"] is True
+    assert "fsync" in doc["meta"]["durability"] and doc["meta"]["reads"].startswith("cold")
+    assert set(doc["results"]) == set(WORKLOADS)
+    for wl, spec in WORKLOADS.items():
+        assert set(doc["results"][wl]) == set(spec.ops), wl
+        for op in spec.ops:
+            for system in SYSTEMS:
+                e = doc["results"][wl][op][system]
+                where = f"{wl}/{op}/{system}"
+                reason = spec.reason(op, system)
+                if reason is not None:
+                    assert e == {"status": "n/a", "reason": reason}, where
+                    continue
+                if wl == "async" and e["status"] == "not available":
+                    assert "commit_async" in e["reason"]
+                    continue
+                assert e["status"] == "ok", (where, e)
+                assert e["n"] == 1 and "errors" not in e, where
+                m = {k: v["median"] for k, v in e["metrics"].items()}
+                for k, v in e["metrics"].items():
+                    assert v["min"] <= v["median"] <= v["max"], (where, k)
+                for k in ("wall_s", "throughput_gbps", "logical_bytes", "peak_rss", "rss_before"):
+                    assert m[k] > 0, (where, k, m.get(k))
+                if op.startswith("load"):
+                    assert m["bytes_read"] >= 0, where
+                    if m.get("resident_before", 1.0) < 0.5:  # the eviction worked (not on tmpfs): cold reads are counted
+                        assert m["bytes_read"] > 0, (where, m)
+                else:
+                    floor = 0 if (system, op) == ("ckptstore", "save_unchanged") else 1
+                    assert m["bytes_written"] >= floor, (where, m["bytes_written"])
+    r = doc["results"]
+    assert r["w2"]["save"]["ckptstore"]["metrics"]["stored_over_logical"]["median"] > 0
+    assert r["w1"]["load_sampler_only"]["ckptstore"]["metrics"]["sampler_stored_bytes"]["median"] > 0
+    for system in ("ckptstore", "rb.dumps"):
+        m = r["w4"]["rolling_commit"][system]["metrics"]
+        assert m["store_bytes"]["median"] > 0 and m["commits"]["median"] == doc["meta"]["sizes"]["w4_commits"]
+    # ratios: ckptstore median / peer median for every measured peer
+    for wl, ops in r.items():
+        for op, systems in ops.items():
+            if systems["ckptstore"]["status"] != "ok":
+                continue
+            for peer, e in systems.items():
+                if peer != "ckptstore" and e["status"] == "ok":
+                    ratio = doc["ratios"][wl][op][peer]["wall_s"]
+                    expect = systems["ckptstore"]["metrics"]["wall_s"]["median"] / e["metrics"]["wall_s"]["median"]
+                    assert ratio == pytest.approx(expect), (wl, op, peer)
+
+
+def test_compare_passes_identical_and_flags_worse(smoke: Path, tmp_path: Path, capsys):
+    assert compare.main([str(smoke), str(smoke)]) == 0
+
+    doc = json.loads(smoke.read_text())
+    worse = copy.deepcopy(doc)
+    m = worse["results"]["w1"]["save"]["ckptstore"]["metrics"]
+    m["wall_s"]["median"] *= 1.10  # 10 % slower
+    m["throughput_gbps"]["median"] *= 0.5
+    m["peak_rss"]["median"] += 512 << 20
+    path = tmp_path / "worse.json"
+    path.write_text(json.dumps(worse))
+    capsys.readouterr()
+    assert compare.main([str(path), str(smoke)]) == 1
+    out = capsys.readouterr().out
+    for metric in ("wall_s", "throughput_gbps", "peak_rss"):
+        assert metric in out
+    rows = compare.compare(worse, doc)
+    flagged = {(r["workload"], r["op"], r["system"], r["metric"]) for r in rows if r["verdict"] == "worse"}
+    assert flagged == {("w1", "save", "ckptstore", k) for k in ("wall_s", "throughput_gbps", "peak_rss")}
+    # within tolerance: not flagged
+    assert compare.main([str(path), str(smoke), "--tolerance", "0.2", "--min-bytes", str(1 << 30)]) == 1  # throughput still -50 %
+    better = copy.deepcopy(doc)
+    better["results"]["w1"]["save"]["ckptstore"]["metrics"]["wall_s"]["median"] *= 0.5
+    path.write_text(json.dumps(better))
+    assert compare.main([str(path), str(smoke)]) == 0
+    # an entry the baseline measured that is missing now is flagged
+    del better["results"]["w5"]["load"]["dcp"]
+    path.write_text(json.dumps(better))
+    assert compare.main([str(path), str(smoke)]) == 1
