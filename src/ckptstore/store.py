@@ -401,13 +401,13 @@ class Store:
         jsonvalue.encode(metadata, "metadata")
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
-        leaves, views, tokens = self._leaves(components)
+        leaves, views, tokens, cached = self._leaves(components)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
         for shard_views in views:
             for d, mv in shard_views:
                 unique.setdefault((d, len(mv)), mv)
-        reused = {(d, len(mv)) for shards, token in zip(views, tokens) if token is not None for d, mv in shards}
+        reused = {(d, len(mv)) for i in cached for d, mv in views[i]}
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
             if key in reused and digest(unique[key]) != key[0]:  # a hash taken from the cache no longer fits the bytes
@@ -455,11 +455,13 @@ class Store:
         )
 
     def _leaves(self, components: list[Captured]):
-        """Manifest records; for each tensor leaf its shards' (digest, bytes); and
-        ``(owner, token)`` per leaf whose hashes the digest cache can keep."""
+        """Manifest records; for each tensor leaf its shards' (digest, bytes);
+        ``(owner, token)`` per leaf whose hashes the digest cache can keep; and the
+        indices of the leaves whose hashes came from that cache."""
         records: list[LeafRecord] = []
         views: list[list[tuple[bytes, memoryview]]] = []
         tokens: list[tuple[Any, Any] | None] = []
+        cached: set[int] = set()
         todo: list[tuple[int, memoryview]] = []
         for comp in components:
             for path, value in comp.leaves.items():
@@ -472,6 +474,8 @@ class Store:
                     rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
                     mv = tensor_bytes(phys, path)
                     known = self._cached_digests(tokens[-1], p.count)
+                    if known:
+                        cached.add(len(records))
                     for s in range(p.count):
                         shard = mv[slice(*p.bounds(s))]
                         shards.append((known[s] if known else b"", shard))
@@ -486,7 +490,7 @@ class Store:
         digests = self._map(hash_one, todo) if total > _INLINE_HASH_BYTES else [hash_one(item) for item in todo]
         for (i, s), d in zip(todo, digests):
             views[i][s] = (d, views[i][s][1])
-        return records, views, tokens
+        return records, views, tokens, cached
 
     def _cached_digests(self, entry: tuple[Any, Any] | None, count: int) -> list[bytes] | None:
         """Shard hashes from the last commit of the same, unchanged tensor, if any."""
