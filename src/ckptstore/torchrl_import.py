@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler, RoundRobinWriter, SamplerWithoutReplacement, TensorStorage
 
-from .adapters.base import Captured, check_key, flatten, join, unflatten
+from .adapters.base import Captured, check_key, flatten, join, plain, unflatten
 from .adapters.rng import RNGState
 from .errors import CkptStoreError, ContainerError
 from .shards import DTYPES, byte_view
@@ -327,13 +327,6 @@ def _fs_name(key: str) -> str:
 
 def _qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _plain(value: Any) -> Any:
-    """Ordered dicts as plain dicts (state-tree subtrees are plain dicts)."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
 
 
 class _Reader:
@@ -693,7 +686,7 @@ class _Reader:
         if type(value) is dict and set(value) >= {"python", "numpy", "torch_cpu"}:
             return self.component(name, "rng", 1, _qualname(RNGState), rel, _rng_tree(value, where))
         if isinstance(value, dict):
-            return self.component(name, "dict", 1, "builtins.dict", rel, _plain(value))
+            return self.component(name, "dict", 1, "builtins.dict", rel, plain(value))
         return self.component(name, "json", 1, f"builtins.{type(value).__name__}", rel, value)
 
 

@@ -12,6 +12,7 @@ from .base import (
     Json,
     LazyTensor,
     Registry,
+    StateDictAdapter,
     capture,
     flatten,
     join,
@@ -22,6 +23,6 @@ from .base import (
 from .rng import RNGState
 
 __all__ = [
-    "REGISTRY", "Adapter", "ComponentState", "Json", "LazyTensor", "Registry", "RNGState",
+    "REGISTRY", "Adapter", "ComponentState", "Json", "LazyTensor", "Registry", "RNGState", "StateDictAdapter",
     "capture", "flatten", "join", "migrate", "register_adapter", "unflatten",
 ]

@@ -339,6 +339,37 @@ class Adapter:
 LAZY_MODULES = {"torchrl": "ckptstore.adapters.torchrl"}
 
 
+def plain(value: Any) -> Any:
+    """Ordered dicts (state dicts) as plain dicts, recursively, lists included."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    return value
+
+
+def same_class(obj: Any, state: ComponentState, stored: str | None = None) -> None:
+    """Raise TargetMismatchError unless ``obj`` is of the class the component was taken from."""
+    stored = state.meta.get("class", "") if stored is None else stored
+    if not stored.endswith("." + type(obj).__qualname__):
+        raise TargetMismatchError(f"{state.where('')}: stored a {stored}, target is a {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+class StateDictAdapter(Adapter):
+    """For objects whose ``state_dict()`` holds tensors and JSON values: stored
+    as is, loaded with ``load_state_dict`` into an object of the same class."""
+
+    def to_state(self, obj: Any) -> dict:
+        return plain(obj.state_dict())
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        same_class(obj, state)
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        obj.load_state_dict(state.tree())
+        return obj
+
+
 class Registry:
     """Adapters by name and by type."""
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import Adapter, ComponentState, register_adapter
+from .base import Adapter, ComponentState, StateDictAdapter, register_adapter, same_class
 
 
 def _same_keys(what: str, stored: list[str], target: list[str], where: str) -> None:
@@ -59,9 +59,8 @@ def _check_optimizer(state: ComponentState, opt: torch.optim.Optimizer, stored_c
     tensors shaped like their parameter: checked before loading, since
     ``load_state_dict`` accepts a misfit that only fails at the next ``step()``."""
     where = state.where("")
-    known = stored_class and not stored_class.endswith(".Optimizer")  # imported state may not name its class
-    if known and not stored_class.endswith("." + type(opt).__qualname__):
-        raise TargetMismatchError(f"{where}: stored a {stored_class}, target is a {type(opt).__qualname__}")
+    if stored_class and not stored_class.endswith(".Optimizer"):  # imported state may not name its class
+        same_class(opt, state, stored_class)
     for i, (g, target) in enumerate(zip(groups, opt.param_groups)):
         for key, value in target.items():
             if key != "params" and type(value) in (int, float) and type(g.get(key)) not in (int, float):
@@ -123,7 +122,7 @@ class OptimizerAdapter(Adapter):
 
 
 @register_adapter
-class LRSchedulerAdapter(Adapter):
+class LRSchedulerAdapter(StateDictAdapter):
     """A learning-rate scheduler: its ``state_dict()`` (epochs, base and last
     learning rates, nested schedulers), as JSON leaves.
 
@@ -141,40 +140,23 @@ class LRSchedulerAdapter(Adapter):
                     f"{type(obj).__name__} holds code ({getattr(fn, '__qualname__', type(fn).__name__)}), which ckptstore "
                     "never stores; use a scheduler defined by numbers (StepLR, CosineAnnealingLR, ...)"
                 )
-        return _plain(obj.state_dict())
-
-    def check(self, obj: Any, state: ComponentState) -> None:
-        if not isinstance(obj, self.types):
-            raise TargetMismatchError(f"{state.where('')}: stored a scheduler, target is {type(obj).__name__}")
-        stored = state.meta.get("class", "")
-        if not stored.endswith("." + type(obj).__qualname__):
-            raise TargetMismatchError(f"{state.where('')}: stored a {stored}, target is a {type(obj).__qualname__}")
-
-    def from_state(self, obj: Any, state: ComponentState) -> Any:
-        obj.load_state_dict(state.tree())
-        return obj
+        return super().to_state(obj)
 
 
 @register_adapter
-class GradScalerAdapter(Adapter):
+class GradScalerAdapter(StateDictAdapter):
     """``torch.amp.GradScaler``: scale, growth and backoff factors, interval, growth tracker."""
 
     name = "torch.amp.GradScaler"
     types = (torch.amp.GradScaler,)
 
-    def to_state(self, obj: torch.amp.GradScaler) -> dict:
-        return _plain(obj.state_dict())
-
     def check(self, obj: Any, state: ComponentState) -> None:
-        if not isinstance(obj, torch.amp.GradScaler):
-            raise TargetMismatchError(f"{state.where('')}: stored a GradScaler, target is {type(obj).__name__}")
+        same_class(obj, state)
         if bool(state.tree()) != obj.is_enabled():
             raise TargetMismatchError(f"{state.where('')}: stored from an {'enabled' if state.tree() else 'disabled'} GradScaler")
 
     def from_state(self, obj: torch.amp.GradScaler, state: ComponentState) -> torch.amp.GradScaler:
-        if obj.is_enabled():
-            obj.load_state_dict(state.tree())
-        return obj
+        return super().from_state(obj, state) if obj.is_enabled() else obj
 
 
 class NamedOptimizer:
@@ -248,12 +230,3 @@ class NamedOptimizerAdapter(Adapter):
         per_param = {index[n]: v for n, v in state.tree("state").items()}
         obj.optimizer.load_state_dict({"state": per_param, "param_groups": loaded})
         return obj
-
-
-def _plain(value: Any) -> Any:
-    """OrderedDicts to dicts, recursively (state dicts mix them)."""
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    return value

@@ -37,9 +37,8 @@ from torchrl.objectives.utils import TargetNetUpdater
 
 from .. import jsonvalue
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import Adapter, ComponentState, Json, register_adapter, unflatten
+from .base import Adapter, ComponentState, Json, StateDictAdapter, register_adapter, unflatten
 from .rng import RNGState, RNGStateAdapter
-from .torch_nn import _plain
 from .values import TensorDictAdapter
 
 
@@ -592,22 +591,12 @@ class TargetUpdaterAdapter(Adapter):
 
 
 @register_adapter
-class CollectorAdapter(Adapter):
+class CollectorAdapter(StateDictAdapter):
     """A TorchRL collector's ``state_dict()``: frame and iteration counters, the
     policy weights it holds, its environment transforms' state, trajectory ids."""
 
     name = "torchrl.collector"
     types = (BaseCollector,)
-
-    def to_state(self, obj: BaseCollector) -> dict:
-        return _plain(obj.state_dict())
-
-    def check(self, obj: Any, state: ComponentState) -> None:
-        _expect(obj, BaseCollector, state)
-
-    def from_state(self, obj: BaseCollector, state: ComponentState) -> BaseCollector:
-        obj.load_state_dict(state.tree())
-        return obj
 
 
 @register_adapter

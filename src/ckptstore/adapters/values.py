@@ -9,7 +9,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
 
 from ..errors import ShapeMismatchError, TargetMismatchError
-from .base import REGISTRY, Adapter, ComponentState, Json, register_adapter
+from .base import REGISTRY, Adapter, ComponentState, Json, plain, register_adapter
 
 
 @register_adapter
@@ -62,12 +62,6 @@ def _needs_container(value: Any) -> bool:
     return False
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, (dict, OrderedDict)):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 @register_adapter
 class DictAdapter(Adapter):
     """A ``dict``: a container when it holds objects with their own adapters
@@ -88,7 +82,7 @@ class DictAdapter(Adapter):
         obj[name] = value
 
     def to_state(self, obj: dict) -> Any:
-        return _plain(obj)
+        return plain(obj)
 
     def from_state(self, obj: Any, state: ComponentState) -> Any:
         value = state.tree()
