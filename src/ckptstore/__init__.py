@@ -11,8 +11,8 @@ See docs/quickstart.md and docs/concepts.md.
 from . import errors
 from .adapters import Adapter, ComponentState, Json, RNGState, register_adapter
 from .adapters.torch_nn import NamedOptimizer
-from .store import CommitInfo, IOStats, Store
 from .checkpointer import Checkpointer, Progress
+from .store import CommitInfo, IOStats, Store
 
 __version__ = "0.1.0"
 

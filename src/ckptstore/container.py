@@ -30,12 +30,11 @@ import tempfile
 import time
 import zipfile
 import zlib
-
-import xxhash
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xxhash
 import zstandard
 
 from . import jsonvalue

@@ -37,7 +37,8 @@ from pathlib import Path
 import zstandard
 
 from .errors import BlobCorruptError, BlobMissingError, StoreWriteError
-from .shards import address, digest as xxh3
+from .shards import address
+from .shards import digest as xxh3
 
 PACK_MAGIC = b"CKPK"
 PACK_HEADER = struct.Struct("<4sHHQ")

@@ -22,7 +22,6 @@ A crash before step 4 commits leaves only orphan pack files, which GC removes.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 import weakref
@@ -36,30 +35,41 @@ import torch
 from tensordict import TensorDict
 
 from . import jsonvalue
-from .adapters import REGISTRY, ComponentState, LazyTensor, Registry, capture, join, migrate
-from .adapters.base import Captured
+from .adapters import REGISTRY, ComponentState, Registry, capture, join, migrate
+from .adapters.base import Captured, under
 from .catalog import Catalog
+from .checkout import BlobReader, plan_restore, restore
 from .container import export_commit, import_commit
 from .diff import DiffReport, diff_commits
-from .fsck import FsckReport, check
-from .gc import DEFAULT_GRACE, GCReport, collect
 from .errors import (
     AdapterError,
     AmbiguousRefError,
     CatalogCorruptError,
-    InvalidArgumentError,
-    StoreWriteError,
-    UnsupportedTypeError,
     CkptStoreError,
     IntegrityError,
+    InvalidArgumentError,
     InvalidNameError,
     NotAStoreError,
     PartialPathError,
     RefNotFoundError,
-    TargetMismatchError,
+    StoreWriteError,
+    UnsupportedTypeError,
 )
-from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
-from .shards import DEFAULT_SHARD_BYTES, DTYPES, ShardPlan, address, byte_view, check_tensor, dense_order, digest, dtype_name, physical, plan, tensor_bytes
+from .fsck import FsckReport, check
+from .gc import DEFAULT_GRACE, GCReport, collect
+from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
+from .shards import (
+    DEFAULT_SHARD_BYTES,
+    ShardPlan,
+    address,
+    check_tensor,
+    dense_order,
+    digest,
+    dtype_name,
+    physical,
+    plan,
+    tensor_bytes,
+)
 
 CATALOG = "catalog.sqlite"
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
@@ -154,10 +164,6 @@ def _check_tag(name: Any) -> str:
     ):
         raise InvalidNameError(f"invalid tag name {name!r}: a non-empty UTF-8 string without control characters or edge spaces")
     return name
-
-
-def _under(path: str, prefix: str) -> bool:
-    return not prefix or path == prefix or path.startswith(prefix + "/")
 
 
 class Store:
@@ -902,23 +908,23 @@ class Store:
             p = p.strip("/")
             if not p:
                 return None
-            hit = any(_under(c, p) for c in comps)  # whole components; a path inside one must name leaves
+            hit = any(under(c, p) for c in comps)  # whole components; a path inside one must name leaves
             if not hit:
                 if leaf_paths is None:
                     leaf_paths = [r["path"] for r in self.catalog.rows("SELECT path FROM leaves WHERE commit_id = ?", (cid,))]
-                hit = any(_under(lp, p) for lp in leaf_paths)
+                hit = any(under(lp, p) for lp in leaf_paths)
             if not hit:
                 names = ", ".join(c or "<root>" for c in comps) or "(none)"
                 raise PartialPathError(f"partial path {p!r} matches nothing in commit {cid[:12]}; components: {names}")
             prefixes.append(p)
         return prefixes
 
-    def _states(self, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: _Reader) -> dict[str, ComponentState]:
+    def _states(self, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: BlobReader) -> dict[str, ComponentState]:
         if prefixes is not None and "" in prefixes:
             prefixes = None
         states: dict[str, ComponentState] = {}
         for c, row in comps.items():
-            if prefixes is None or any(_under(c, p) or _under(p, c) for p in prefixes):
+            if prefixes is None or any(under(c, p) or under(p, c) for p in prefixes):
                 states[c] = ComponentState(c, row["adapter"], row["version"], row["meta"])
         for rec in self._manifest(cid, prefixes):
             state = states.get(rec.component)
@@ -965,22 +971,22 @@ class Store:
             cid = self.resolve(ref)
             comps = self.components(cid)
             prefixes = self._select(cid, partial, comps)
-            reader = _Reader(self, cid, verify)
+            reader = BlobReader(self, cid, verify)
             if into is None:
                 states = self._states(cid, prefixes, comps, reader)
             else:
-                steps = _plan_restore(into, comps, prefixes, self.registry, cid)
+                steps = plan_restore(into, comps, prefixes, self.registry, cid)
                 if not steps:
                     return into
                 states = self._states(cid, [s.path for s in steps], comps, reader)
         try:
             if into is None:
                 return self._as_tensordict(states, reader)
-            return _restore(into, steps, states, self.registry, reader)
+            return restore(into, steps, states, self.registry, reader)
         finally:
             reader.close()
 
-    def _as_tensordict(self, states: dict[str, ComponentState], reader: _Reader) -> Any:
+    def _as_tensordict(self, states: dict[str, ComponentState], reader: BlobReader) -> Any:
         reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))
         for path, state in states.items():  # older adapter versions: show the state as it is now
             try:
@@ -1006,184 +1012,6 @@ class Store:
                 else:
                     out.set_non_tensor(key, value)
         return out
-
-
-class _Reader:
-    """Reads tensor leaves of one commit for one checkout, in threads."""
-
-    def __init__(self, store: Store, cid: str, verify: bool):
-        self.store = store
-        self.cid = cid
-        self.verify = verify
-        self.packs = PackReader(store.root)
-
-    def lazy(self, rec: LeafRecord) -> LazyTensor:
-        where = f"commit {self.cid[:12]}, leaf {rec.path}"
-        dtype = DTYPES.get(rec.dtype or "")
-        if dtype is None:
-            raise IntegrityError(f"{where}: unknown dtype {rec.dtype!r}")
-        shape = rec.shape
-        if shape is None or any(type(s) is not int or s < 0 for s in shape):
-            raise IntegrityError(f"{where}: invalid shape {shape!r}")
-        if rec.stride is not None and (
-            any(type(x) is not int or x < 0 for x in rec.stride) or dense_order(tuple(shape), tuple(rec.stride)) is None
-        ):
-            raise IntegrityError(f"{where}: strides {rec.stride!r} are not a dense layout of shape {list(shape)}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes != rec.nbytes or not rec.shard_bytes or rec.shard_bytes < 1:
-            raise IntegrityError(f"{where}: shape {list(shape)} x {rec.dtype} is {nbytes} bytes, the manifest says {rec.nbytes}")
-        expected = ShardPlan(rec.nbytes, rec.shard_bytes)
-        if len(rec.shards) != expected.count:
-            raise IntegrityError(f"{where}: {len(rec.shards)} shards in the catalog, {expected.count} expected")
-        for i, loc in enumerate(rec.shards):
-            a, b = expected.bounds(i)
-            if loc.raw_len != b - a:
-                raise IntegrityError(f"{where}: shard {i} (blob {loc.address}) holds {loc.raw_len} bytes, {b - a} expected")
-        return LazyTensor(rec.path, dtype, tuple(shape), rec.stride, self, (rec, expected))
-
-    def read_many(self, pairs: list[tuple[LazyTensor, torch.Tensor | None]], states: list[ComponentState] | None = None) -> None:
-        """Read each lazy tensor into its destination (a new tensor when ``None``).
-
-        With ``states``, lazy leaves are replaced by the tensors read.
-        """
-        tasks, results = [], []
-        for lazy, dest in pairs:
-            if dest is None:
-                try:
-                    dest = lazy.empty()
-                except RuntimeError as exc:
-                    raise IntegrityError(f"commit {self.cid}, leaf {lazy.path}: cannot allocate {list(lazy.shape)}: {exc}") from None
-            elif not lazy.fits(dest):
-                raise ValueError(f"{lazy.path}: read destination must be a CPU tensor in the stored layout")
-            results.append((lazy, dest))
-            rec, expected = lazy._handle
-            order = None if lazy.stride is None else dense_order(lazy.shape, lazy.stride)
-            view = byte_view(dest if order is None else dest.permute(order))
-            for i, loc in enumerate(rec.shards):
-                a, b = expected.bounds(i)
-                tasks.append((loc, view[a:b], f"commit {self.cid}, leaf {rec.path}, shard {i}"))
-        big = sum(loc.raw_len for loc, _, _ in tasks) > _INLINE_HASH_BYTES
-        run = (lambda t: self.packs.read_into(t[0], t[1], t[2], self.verify))
-        if big and self.store.workers > 1 and len(tasks) > 1:
-            list(self.store.pool.map(run, tasks))
-        else:
-            for t in tasks:
-                run(t)
-        if states:
-            done = {id(lazy): dest for lazy, dest in results}
-            for state in states:
-                for k, v in state.leaves.items():
-                    if isinstance(v, LazyTensor) and id(v) in done:
-                        state.leaves[k] = done[id(v)]
-
-    def close(self) -> None:
-        self.store.io.blobs_read += self.packs.blobs_read
-        self.store.io.bytes_read += self.packs.bytes_read
-        self.packs.close()
-
-
-# --- restoring into live objects ---------------------------------------------------------
-
-
-@dataclass
-class _Step:
-    obj: Any
-    path: str
-    parent: tuple[Any, Any, str] | None  # (container adapter, container, child name)
-
-
-def _plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, registry: Registry, cid: str):
-    """Match ``into``'s structure to the commit's components.
-
-    Returns the restore steps, one per component to load.
-    Raises TargetMismatchError for structure that does not match.
-    """
-    steps: list[_Step] = []
-
-    def selected(path: str) -> bool:
-        return prefixes is None or any(_under(path, p) or _under(p, path) for p in prefixes)
-
-    def walk(obj: Any, path: str, parent) -> None:
-        if path in comps:
-            if selected(path):
-                steps.append(_Step(obj, path, parent))
-            return
-        under = [c for c in comps if _under(c, path)]
-        if not under:
-            names = ", ".join(c or "<root>" for c in comps)
-            raise TargetMismatchError(f"{path or '<root>'}: commit {cid[:12]} has no component here; components: {names}")
-        adapter = registry.for_object(obj, path)
-        kids = adapter.targets(obj)
-        if kids is None:
-            raise TargetMismatchError(
-                f"{path or '<root>'}: the commit holds components {', '.join(under)} here, "
-                f"but the target {type(obj).__name__} is not a container of them"
-            )
-        for name, child in kids.items():
-            walk(child, join(path, name), (adapter, obj, name))
-        if not adapter.partial_targets:  # a buffer must receive every part the commit has for it
-            names = {join(path, n) for n in kids}
-            left = [c for c in under if selected(c) and not any(_under(c, n) for n in names)]
-            if left:
-                raise TargetMismatchError(f"{path or '<root>'}: the commit holds {', '.join(left)}, which the target {type(obj).__name__} lacks")
-
-    walk(into, "", None)
-    if prefixes is not None:
-        for p in prefixes:
-            if not any(_under(s.path, p) or _under(p, s.path) for s in steps):
-                raise TargetMismatchError(f"partial path {p!r} selects components that the target given as into does not contain")
-    return steps
-
-
-_VALUE_ADAPTERS = ("tensor", "json", "dict", "tensordict")
-
-
-def _compatible(stored: Any, step: _Step, registry: Registry) -> None:
-    """The target must be handled by the stored adapter, a subclass of it, or a base of it."""
-    if stored.name in _VALUE_ADAPTERS:
-        return  # plain values may replace whatever placeholder the target holds
-    try:
-        target = registry.for_object(step.obj, step.path)
-    except CkptStoreError:
-        target = None
-    if target is None or not (isinstance(target, type(stored)) or isinstance(stored, type(target))):
-        what = "an object with no adapter" if target is None else f"{target.name}"
-        raise TargetMismatchError(
-            f"{step.path or '<root>'}: stored by {stored.name}, the target {type(step.obj).__name__} is handled by {what}"
-        )
-
-
-def _restore(into: Any, steps: list[_Step], states: dict[str, ComponentState], registry: Registry, reader: _Reader) -> Any:
-    """Check every component, read the small ones, then load them all."""
-    plans = []
-    for step in steps:
-        state = states[step.path]
-        adapter = registry.named(state.adapter, step.path)
-        _compatible(adapter, step, registry)
-        state = migrate(adapter, state)
-        adapter.check(step.obj, state)
-        plans.append((step, adapter, state))
-    prefetch = [s for _, a, s in plans if not a.direct]
-    reader.read_many([(lt, None) for s in prefetch for lt in s.lazy()], states=prefetch)
-    result = into
-    with torch.no_grad():
-        for done, (step, adapter, state) in enumerate(plans):
-            try:
-                new = adapter.from_state(step.obj, state)
-            except CkptStoreError:
-                raise
-            except Exception as exc:  # an adapter's check let through state its object refuses
-                loaded = ", ".join(s.path or "<root>" for s, _, _ in plans[:done]) or "none"
-                raise TargetMismatchError(
-                    f"{step.path or '<root>'}: restoring failed ({type(exc).__name__}: {exc}); components already restored: {loaded}"
-                ) from exc
-            if new is not step.obj:
-                if step.parent is None:
-                    result = new
-                else:
-                    parent_adapter, container, name = step.parent
-                    parent_adapter.set_child(container, name, new)
-    return result
 
 
 __all__ = ["Store", "CommitInfo", "IOStats", "CkptStoreError"]

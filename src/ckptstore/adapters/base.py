@@ -39,7 +39,15 @@ from typing import Any, ClassVar
 import torch
 
 from .. import jsonvalue
-from ..errors import AdapterError, AdapterVersionError, InvalidNameError, MissingLeafError, ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
+from ..errors import (
+    AdapterError,
+    AdapterVersionError,
+    InvalidNameError,
+    MissingLeafError,
+    ShapeMismatchError,
+    TargetMismatchError,
+    UnsupportedTypeError,
+)
 
 _MISSING = object()
 
@@ -51,6 +59,11 @@ def join(path: str, name: str) -> str:
     if not name:
         return path
     return f"{path}/{name}"
+
+
+def under(path: str, prefix: str) -> bool:
+    """Is ``path`` at or below ``prefix`` (``""`` is above everything)?"""
+    return not prefix or path == prefix or path.startswith(prefix + "/")
 
 
 def check_key(key: Any, path: str) -> str:

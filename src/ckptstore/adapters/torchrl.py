@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict, is_non_tensor, is_tensor_collection
+from torchrl.checkpoint import GlobalRNGState
+from torchrl.collectors import BaseCollector
 from torchrl.data.replay_buffers import (
     ListStorage,
     PrioritizedSampler,
@@ -30,9 +32,6 @@ from torchrl.data.replay_buffers import (
     TensorDictMaxValueWriter,
     TensorStorage,
 )
-
-from torchrl.checkpoint import GlobalRNGState
-from torchrl.collectors import BaseCollector
 from torchrl.objectives.utils import TargetNetUpdater
 
 from .. import jsonvalue

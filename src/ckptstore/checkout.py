@@ -1,0 +1,206 @@
+"""Reading commits back: blob reads into tensors, and restoring live objects.
+
+``Store.checkout`` resolves the ref and selects the leaves; this module reads
+their shards (in threads, every blob hash verified) and, for ``into=``, walks
+the target's structure against the commit's components, checks every
+component, reads the small ones in full, and only then loads them (see
+docs/design.md, "Checkout").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .adapters import ComponentState, LazyTensor, Registry, join, migrate
+from .adapters.base import under
+from .errors import CkptStoreError, IntegrityError, TargetMismatchError
+from .packs import PackReader
+from .shards import DTYPES, ShardPlan, byte_view, dense_order
+
+if TYPE_CHECKING:
+    from .store import LeafRecord, Store
+
+_INLINE_BYTES = 4 << 20  # below this, reading in threads costs more than it saves
+
+
+class BlobReader:
+    """Reads tensor leaves of one commit for one checkout, in threads."""
+
+    def __init__(self, store: Store, cid: str, verify: bool):
+        self.store = store
+        self.cid = cid
+        self.verify = verify
+        self.packs = PackReader(store.root)
+
+    def lazy(self, rec: LeafRecord) -> LazyTensor:
+        where = f"commit {self.cid[:12]}, leaf {rec.path}"
+        dtype = DTYPES.get(rec.dtype or "")
+        if dtype is None:
+            raise IntegrityError(f"{where}: unknown dtype {rec.dtype!r}")
+        shape = rec.shape
+        if shape is None or any(type(s) is not int or s < 0 for s in shape):
+            raise IntegrityError(f"{where}: invalid shape {shape!r}")
+        if rec.stride is not None and (
+            any(type(x) is not int or x < 0 for x in rec.stride) or dense_order(tuple(shape), tuple(rec.stride)) is None
+        ):
+            raise IntegrityError(f"{where}: strides {rec.stride!r} are not a dense layout of shape {list(shape)}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes != rec.nbytes or not rec.shard_bytes or rec.shard_bytes < 1:
+            raise IntegrityError(f"{where}: shape {list(shape)} x {rec.dtype} is {nbytes} bytes, the manifest says {rec.nbytes}")
+        expected = ShardPlan(rec.nbytes, rec.shard_bytes)
+        if len(rec.shards) != expected.count:
+            raise IntegrityError(f"{where}: {len(rec.shards)} shards in the catalog, {expected.count} expected")
+        for i, loc in enumerate(rec.shards):
+            a, b = expected.bounds(i)
+            if loc.raw_len != b - a:
+                raise IntegrityError(f"{where}: shard {i} (blob {loc.address}) holds {loc.raw_len} bytes, {b - a} expected")
+        return LazyTensor(rec.path, dtype, tuple(shape), rec.stride, self, (rec, expected))
+
+    def read_many(self, pairs: list[tuple[LazyTensor, torch.Tensor | None]], states: list[ComponentState] | None = None) -> None:
+        """Read each lazy tensor into its destination (a new tensor when ``None``).
+
+        With ``states``, lazy leaves are replaced by the tensors read.
+        """
+        tasks, results = [], []
+        for lazy, dest in pairs:
+            if dest is None:
+                try:
+                    dest = lazy.empty()
+                except RuntimeError as exc:
+                    raise IntegrityError(f"commit {self.cid}, leaf {lazy.path}: cannot allocate {list(lazy.shape)}: {exc}") from None
+            elif not lazy.fits(dest):
+                raise ValueError(f"{lazy.path}: read destination must be a CPU tensor in the stored layout")
+            results.append((lazy, dest))
+            rec, expected = lazy._handle
+            order = None if lazy.stride is None else dense_order(lazy.shape, lazy.stride)
+            view = byte_view(dest if order is None else dest.permute(order))
+            for i, loc in enumerate(rec.shards):
+                a, b = expected.bounds(i)
+                tasks.append((loc, view[a:b], f"commit {self.cid}, leaf {rec.path}, shard {i}"))
+        big = sum(loc.raw_len for loc, _, _ in tasks) > _INLINE_BYTES
+        run = (lambda t: self.packs.read_into(t[0], t[1], t[2], self.verify))
+        if big and self.store.workers > 1 and len(tasks) > 1:
+            list(self.store.pool.map(run, tasks))
+        else:
+            for t in tasks:
+                run(t)
+        if states:
+            done = {id(lazy): dest for lazy, dest in results}
+            for state in states:
+                for k, v in state.leaves.items():
+                    if isinstance(v, LazyTensor) and id(v) in done:
+                        state.leaves[k] = done[id(v)]
+
+    def close(self) -> None:
+        self.store.io.blobs_read += self.packs.blobs_read
+        self.store.io.bytes_read += self.packs.bytes_read
+        self.packs.close()
+
+
+# --- restoring into live objects ---------------------------------------------------------
+
+
+@dataclass
+class Step:
+    obj: Any
+    path: str
+    parent: tuple[Any, Any, str] | None  # (container adapter, container, child name)
+
+
+def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, registry: Registry, cid: str):
+    """Match ``into``'s structure to the commit's components.
+
+    Returns the restore steps, one per component to load.
+    Raises TargetMismatchError for structure that does not match.
+    """
+    steps: list[Step] = []
+
+    def selected(path: str) -> bool:
+        return prefixes is None or any(under(path, p) or under(p, path) for p in prefixes)
+
+    def walk(obj: Any, path: str, parent) -> None:
+        if path in comps:
+            if selected(path):
+                steps.append(Step(obj, path, parent))
+            return
+        below = [c for c in comps if under(c, path)]
+        if not below:
+            names = ", ".join(c or "<root>" for c in comps)
+            raise TargetMismatchError(f"{path or '<root>'}: commit {cid[:12]} has no component here; components: {names}")
+        adapter = registry.for_object(obj, path)
+        kids = adapter.targets(obj)
+        if kids is None:
+            raise TargetMismatchError(
+                f"{path or '<root>'}: the commit holds components {', '.join(below)} here, "
+                f"but the target {type(obj).__name__} is not a container of them"
+            )
+        for name, child in kids.items():
+            walk(child, join(path, name), (adapter, obj, name))
+        if not adapter.partial_targets:  # a buffer must receive every part the commit has for it
+            names = {join(path, n) for n in kids}
+            left = [c for c in below if selected(c) and not any(under(c, n) for n in names)]
+            if left:
+                raise TargetMismatchError(f"{path or '<root>'}: the commit holds {', '.join(left)}, which the target {type(obj).__name__} lacks")
+
+    walk(into, "", None)
+    if prefixes is not None:
+        for p in prefixes:
+            if not any(under(s.path, p) or under(p, s.path) for s in steps):
+                raise TargetMismatchError(f"partial path {p!r} selects components that the target given as into does not contain")
+    return steps
+
+
+_VALUE_ADAPTERS = ("tensor", "json", "dict", "tensordict")
+
+
+def _compatible(stored: Any, step: Step, registry: Registry) -> None:
+    """The target must be handled by the stored adapter, a subclass of it, or a base of it."""
+    if stored.name in _VALUE_ADAPTERS:
+        return  # plain values may replace whatever placeholder the target holds
+    try:
+        target = registry.for_object(step.obj, step.path)
+    except CkptStoreError:
+        target = None
+    if target is None or not (isinstance(target, type(stored)) or isinstance(stored, type(target))):
+        what = "an object with no adapter" if target is None else f"{target.name}"
+        raise TargetMismatchError(
+            f"{step.path or '<root>'}: stored by {stored.name}, the target {type(step.obj).__name__} is handled by {what}"
+        )
+
+
+def restore(into: Any, steps: list[Step], states: dict[str, ComponentState], registry: Registry, reader: BlobReader) -> Any:
+    """Check every component, read the small ones, then load them all."""
+    plans = []
+    for step in steps:
+        state = states[step.path]
+        adapter = registry.named(state.adapter, step.path)
+        _compatible(adapter, step, registry)
+        state = migrate(adapter, state)
+        adapter.check(step.obj, state)
+        plans.append((step, adapter, state))
+    prefetch = [s for _, a, s in plans if not a.direct]
+    reader.read_many([(lt, None) for s in prefetch for lt in s.lazy()], states=prefetch)
+    result = into
+    with torch.no_grad():
+        for done, (step, adapter, state) in enumerate(plans):
+            try:
+                new = adapter.from_state(step.obj, state)
+            except CkptStoreError:
+                raise
+            except Exception as exc:  # an adapter's check let through state its object refuses
+                loaded = ", ".join(s.path or "<root>" for s, _, _ in plans[:done]) or "none"
+                raise TargetMismatchError(
+                    f"{step.path or '<root>'}: restoring failed ({type(exc).__name__}: {exc}); components already restored: {loaded}"
+                ) from exc
+            if new is not step.obj:
+                if step.parent is None:
+                    result = new
+                else:
+                    parent_adapter, container, name = step.parent
+                    parent_adapter.set_child(container, name, new)
+    return result
+
