@@ -1,0 +1,794 @@
+"""Child-process side of the suite: data, states, and each (workload, system, operation).
+
+Every function here runs in a fresh child process started by ``benchmarks.run``
+(forked from a server that has only imported these modules, or spawned). A *save*
+child builds the state, then performs the workload's save operations in order; a
+*load* child performs one load operation on what a save child left on disk.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import logging
+import math
+import statistics
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tensordict import TensorDict
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torchrl.checkpoint import Checkpoint
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictPrioritizedReplayBuffer, TensorDictReplayBuffer
+from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler
+
+import ckptstore
+import ckptstore.adapters.torchrl  # imported up front like every peer module (ckptstore imports it lazily)
+
+from .measure import apparent_size, evict_tree, fsync_tree, measure, resident_fraction, touch
+from .spec import MIB, Sizes
+
+# --- shared data (generated once per run, mapped by every child) ------------------------
+
+
+class Data:
+    """Raw tensors in a folder (``<name>.bin`` + ``meta.json``), e.g. on /dev/shm."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.meta = json.loads((self.root / "meta.json").read_text())
+
+    def __getitem__(self, key: str) -> Any:
+        return self.meta[key]
+
+    def t(self, name: str) -> torch.Tensor:
+        m = self.meta["tensors"][name]
+        dtype = getattr(torch, m["dtype"])
+        numel = math.prod(m["shape"])
+        flat = torch.from_file(str(self.root / f"{name}.bin"), shared=False, size=numel, dtype=dtype)
+        return flat.view(m["shape"])
+
+
+class _Writer:
+    def __init__(self, root: Path):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.meta: dict[str, Any] = {"tensors": {}}
+
+    def write(self, name: str, chunks, shape: tuple, dtype: torch.dtype) -> None:
+        with open(self.root / f"{name}.bin", "wb") as f:
+            f.writelines(memoryview(c.contiguous().view(torch.uint8).reshape(-1).numpy()) for c in chunks)
+        self.meta["tensors"][name] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+
+    def close(self, **meta) -> dict:
+        self.meta.update(meta)
+        (self.root / "meta.json").write_text(json.dumps(self.meta))
+        return self.meta
+
+
+def _chunked(total: int, step: int, make: Callable[[int, int], torch.Tensor]):
+    for a in range(0, total, step):
+        yield make(a, min(total, a + step))
+
+
+W1_KEYS = ("obs", "action", "reward", "done")
+
+
+def _transition_columns(w: _Writer, prefix: str, n: int, d: int, g: torch.Generator) -> None:
+    rows_per_chunk = max(1, (64 * MIB) // (4 * d))
+    w.write(prefix + "obs", _chunked(n, rows_per_chunk, lambda a, b: torch.randn(b - a, d, generator=g)), (n, d), torch.float32)
+    w.write(prefix + "action", [torch.randint(0, 18, (n, 1), generator=g)], (n, 1), torch.int64)
+    w.write(prefix + "reward", [torch.randn(n, 1, generator=g)], (n, 1), torch.float32)
+    w.write(prefix + "done", [torch.rand(n, 1, generator=g) < 0.01], (n, 1), torch.bool)
+    w.write(prefix + "priority", [torch.rand(n, generator=g) + 0.01], (n,), torch.float32)
+
+
+def _row_bytes(obs_dim: int) -> int:
+    return 4 * obs_dim + 8 + 4 + 1 + 8  # obs, action, reward, done, and the "index" column TorchRL adds
+
+
+def gen_w1(s: Sizes, root: Path) -> dict:
+    d = s.w1_obs_dim
+    n = max(16, int(s.w1_mib * MIB // _row_bytes(d)))
+    c = max(1, round(n * s.w1_change))
+    g = torch.Generator().manual_seed(1)
+    w = _Writer(root)
+    _transition_columns(w, "", n, d, g)
+    _transition_columns(w, "new_", c, d, g)
+    return w.close(rows=n, change_rows=c, obs_dim=d)
+
+
+FRAME = 84
+
+
+def _frames(a: int, b: int, g: torch.Generator) -> torch.Tensor:
+    """Atari-like frames: banded background, scrolling pillars, a moving sprite, a black
+    score bar, and 2% of the pixels nudged by -3..3 (so no two frames are identical)."""
+    t = torch.arange(a, b, dtype=torch.float32)
+    y = torch.arange(FRAME)
+    bands = (40 + 20 * ((y // 12) % 3)).to(torch.uint8)[:, None].expand(FRAME, FRAME)
+    pillars = ((y[None, None, :] + (t // 4).long()[:, None, None]) % 21) < 3  # [T, 1, 84], x along the last dim
+    frame = torch.where(pillars, torch.tensor(120, dtype=torch.uint8), bands[None])
+    cx, cy = 42 + 30 * torch.cos(t / 40), 42 + 30 * torch.sin(t / 53)
+    yf = y.float()
+    sprite = ((yf[None, None, :] - cx[:, None, None]) ** 2 + (yf[None, :, None] - cy[:, None, None]) ** 2) < 25
+    frame.masked_fill_(sprite, 200)
+    frame[:, :8, :] = 0  # score bar
+    flat = frame.view(-1)
+    k = int(0.02 * flat.numel())
+    pos = torch.randint(0, flat.numel(), (k,), generator=g)
+    flat[pos] = (flat[pos].to(torch.int16) + torch.randint(-3, 4, (k,), generator=g, dtype=torch.int16)).clamp_(0, 255).to(torch.uint8)
+    return frame
+
+
+def gen_w2(s: Sizes, root: Path) -> dict:
+    n = max(16, int(s.w2_mib * MIB // (FRAME * FRAME + 8 + 4 + 8)))
+    g = torch.Generator().manual_seed(2)
+    w = _Writer(root)
+    w.write("pixels", _chunked(n, 2048, lambda a, b: _frames(a, b, g)), (n, FRAME, FRAME), torch.uint8)
+    w.write("action", [torch.randint(0, 18, (n,), generator=g)], (n,), torch.int64)
+    w.write("reward", [(torch.rand(n, generator=g) < 0.05).float()], (n,), torch.float32)
+    return w.close(rows=n)
+
+
+def task_gen(task: dict) -> dict:
+    s = Sizes(**task["sizes"])
+    root = Path(task["root"])
+    return {"w1": gen_w1, "w2": gen_w2}[task["data"]](s, root)
+
+
+# --- replay-buffer state helpers ---------------------------------------------------------
+
+
+def rows(rb) -> TensorDict:
+    """The written rows of a buffer's storage."""
+    return rb.storage._storage[: len(rb.storage)]
+
+
+def tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, TensorDict):
+        return sum(v.numel() * v.element_size() for v in obj.values(include_nested=True, leaves_only=True))
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def sampler_state(sampler) -> dict[str, torch.Tensor]:
+    if not isinstance(sampler, PrioritizedSampler):
+        return {}
+    idx = torch.arange(sampler._max_capacity)
+    value, at = sampler._max_priority
+    return {
+        "sum_tree": torch.as_tensor(sampler._sum_tree[idx]),
+        "min_tree": torch.as_tensor(sampler._min_tree[idx]),
+        "max_priority": torch.tensor(float(value) if value is not None else float("nan")),
+        "max_priority_index": torch.tensor(int(at) if at is not None else -1),
+        "alpha": torch.tensor(float(sampler._alpha)),
+        "beta": torch.tensor(float(sampler._beta)),
+        "eps": torch.tensor(float(sampler._eps)),
+    }
+
+
+def sampler_logical(sampler) -> int:
+    if not isinstance(sampler, PrioritizedSampler):
+        return 0
+    return 2 * sampler._max_capacity * torch.empty((), dtype=sampler.dtype).element_size()
+
+
+def rb_state(rb) -> dict:
+    """A buffer's state as nested dicts of tensors, for the flat-tensor formats
+    (safetensors, tensordict memmap, dcp): storage rows, writer cursor/count, sampler trees."""
+    n = len(rb.storage)
+    storage = {}
+    for k, v in rb.storage._storage.items(include_nested=True, leaves_only=True):
+        storage[".".join(k) if isinstance(k, tuple) else k] = v[:n]
+    storage["_len"] = torch.tensor(n)
+    out = {
+        "storage": storage,
+        "writer": {"cursor": torch.tensor(int(rb.writer._cursor)), "write_count": torch.tensor(int(rb.writer._write_count))},
+    }
+    sampler = sampler_state(rb.sampler)
+    if sampler:
+        out["sampler"] = sampler
+    return out
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def peer_path(system: str, out: Path, name: str) -> Path:
+    base = out / "saves" / name
+    return {"torch.save": base.with_suffix(".pt"), "torch.load(mmap)": base.with_suffix(".pt"), "safetensors": base.with_suffix(".safetensors")}.get(system, base)
+
+
+def disk_root(system: str, out: Path) -> Path:
+    return out / ("store" if system == "ckptstore" else "saves")
+
+
+def save_rb(system: str, rb, out: Path, name: str, store: ckptstore.Store | None) -> dict:
+    """One durable save of a replay buffer. Returns extra metrics."""
+    if system == "ckptstore":
+        info = store.commit(rb, tag="latest")
+        return {"ckpt_new_bytes": info.new_bytes, "ckpt_stored_bytes": info.stored_bytes}
+    p = peer_path(system, out, name)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if system == "torch.save":
+        torch.save(rb.state_dict(), p)
+    elif system == "safetensors":
+        save_file(flatten(rb_state(rb)), str(p))
+    elif system == "tensordict.memmap":
+        TensorDict(rb_state(rb), batch_size=[]).memmap(p)
+    elif system == "rb.dumps":
+        rb.dumps(p)
+    elif system == "torchrl.Checkpoint":
+        Checkpoint(rb=rb).save(p)
+    elif system == "dcp":
+        dcp.save(rb_state(rb), checkpoint_id=str(p))
+    else:
+        raise ValueError(f"unknown system {system!r}")
+    fsync_tree(p)
+    return {}
+
+
+def open_store(out: Path) -> ckptstore.Store:
+    return ckptstore.Store(out / "store", create=False)
+
+
+def dcp_targets(path: Path, prefix: str | None = None) -> dict:
+    """Empty tensors for every (or every ``prefix``) tensor entry of a DCP checkpoint, nested as saved."""
+    md = dcp.FileSystemReader(str(path)).read_metadata()
+    out: dict = {}
+    for fqn, m in md.state_dict_metadata.items():
+        if not isinstance(m, TensorStorageMetadata) or (prefix and not fqn.startswith(prefix)):
+            continue
+        keys = (md.planner_data or {}).get(fqn) or tuple(fqn.split("."))
+        node = out
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    return out
+
+
+def dcp_load(path: Path, prefix: str | None = None) -> dict:
+    targets = dcp_targets(path, prefix)
+    dcp.load(targets, checkpoint_id=str(path))
+    return targets
+
+
+def torch_load(path: Path, mmap: bool, weights_only: bool = False):
+    return torch.load(path, weights_only=weights_only, mmap=mmap)
+
+
+def sampler_stored_bytes(store: ckptstore.Store) -> int:
+    leaves = store.show("latest")["leaves"]
+    return sum(int(l.get("stored_bytes") or 0) for l in leaves if l["path"] == "sampler" or l["path"].startswith("sampler/"))
+
+
+# --- W1: 1 GiB prioritized replay buffer --------------------------------------------------
+
+
+def w1_rb(n: int):
+    return TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(n), priority_key="td_error", batch_size=256)
+
+
+def w1_build(data: Data):
+    n = data["rows"]
+    rb = w1_rb(n)
+    rb.extend(TensorDict({k: data.t(k) for k in W1_KEYS}, [n]))
+    rb.update_priority(torch.arange(n), data.t("priority"))
+    return rb
+
+
+def w1_change(rb, data: Data) -> torch.Tensor:
+    """Rewrite ``change_rows`` rows the way the round-robin writer does (a contiguous block
+    at the cursor), with new priorities for them."""
+    c = data["change_rows"]
+    idx = rb.extend(TensorDict({k: data.t("new_" + k) for k in W1_KEYS}, [c]))
+    rb.update_priority(idx, data.t("new_priority"))
+    return idx
+
+
+def w1_existing(data: Data):
+    """An initialised, resident buffer of the same layout (the target of ``load_into_existing``)."""
+    n, d = data["rows"], data["obs_dim"]
+    rb = w1_rb(n)
+    one = TensorDict({"obs": torch.zeros(1, d), "action": torch.zeros(1, 1, dtype=torch.int64), "reward": torch.zeros(1, 1),
+                      "done": torch.zeros(1, 1, dtype=torch.bool)}, [1])
+    rb.extend(one)
+    rb.storage._storage.zero_()
+    return rb
+
+
+def w1_save(task: dict) -> list[dict]:
+    data, out, system = Data(task["data"]), Path(task["out"]), task["system"]
+    rb = w1_build(data)
+    logical = tensor_bytes(rows(rb)) + sampler_logical(rb.sampler)
+    out.mkdir(parents=True, exist_ok=True)
+    store = ckptstore.Store(out / "store") if system == "ckptstore" else None
+    results = []
+    for op, name in (("save", "s1"), ("save_after_change", "s2"), ("save_unchanged", "s3")):
+        if op == "save_after_change":
+            w1_change(rb, data)
+        extra, m = measure(lambda name=name: save_rb(system, rb, out, name, store), logical_bytes=logical, disk_path=disk_root(system, out), keep=True)
+        results.append({"op": op, "metrics": {**m, **extra}})
+    info = {"latest": "s3", "logical": logical, "sampler_logical": sampler_logical(rb.sampler)}
+    if store is not None:
+        info["sampler_stored"] = sampler_stored_bytes(store)
+        store.close()
+    (out / "info.json").write_text(json.dumps(info))
+    return results
+
+
+def w1_load(task: dict):
+    """Returns (fn, logical bytes): fn performs the measured load and returns extra metrics."""
+    data, out, system, op = Data(task["data"]), Path(task["out"]), task["system"], task["op"]
+    info = json.loads((out / "info.json").read_text())
+    p = peer_path(system, out, info["latest"])
+    mmap = system == "torch.load(mmap)"
+    n = data["rows"]
+
+    if op == "load":
+        target = w1_rb(n) if system in ("rb.dumps", "torchrl.Checkpoint") else None
+
+        def fn():
+            if system == "ckptstore":
+                store = open_store(out)
+                td = store.checkout("latest")
+                touch(td)
+                read = store.io.bytes_read
+                store.close()
+                return {"store_io_bytes_read": read}
+            if system in ("torch.save", "torch.load(mmap)"):
+                touch(torch_load(p, mmap))
+            elif system == "safetensors":
+                touch(load_file(str(p)))
+            elif system == "tensordict.memmap":
+                touch(TensorDict.load_memmap(p))
+            elif system == "rb.dumps":
+                target.loads(p)
+                touch(rows(target))
+            elif system == "torchrl.Checkpoint":
+                Checkpoint(rb=target).load(p)
+                touch(rows(target))
+            elif system == "dcp":
+                touch(dcp_load(p))
+            return {}
+
+        return fn, info["logical"]
+
+    if op == "load_into_existing":
+        target = w1_existing(data)
+
+        def fn():
+            if system == "ckptstore":
+                store = open_store(out)
+                store.checkout("latest", into=target)
+                read = store.io.bytes_read
+                store.close()
+                touch(rows(target))
+                return {"store_io_bytes_read": read}
+            if system in ("torch.save", "torch.load(mmap)"):
+                target.load_state_dict(torch_load(p, mmap))
+            elif system == "rb.dumps":
+                target.loads(p)
+            elif system == "torchrl.Checkpoint":
+                Checkpoint(rb=target).load(p)
+            touch(rows(target))
+            return {}
+
+        return fn, info["logical"]
+
+    if op == "load_sampler_only":
+
+        def fn():
+            extra = {"sampler_stored_bytes": info["sampler_logical"]}
+            if system == "ckptstore":
+                store = open_store(out)
+                touch(store.checkout("latest", partial=["sampler"]))
+                extra = {"store_io_bytes_read": store.io.bytes_read, "sampler_stored_bytes": info["sampler_stored"]}
+                store.close()
+            elif system in ("torch.save", "torch.load(mmap)"):
+                touch(torch_load(p, mmap)["_sampler"])
+            elif system == "safetensors":
+                with safe_open(str(p), framework="pt") as f:
+                    touch({k: f.get_tensor(k) for k in f.keys() if k.startswith("sampler.")})  # noqa: SIM118 - safe_open is not iterable
+            elif system == "tensordict.memmap":
+                touch(TensorDict.load_memmap(p / "sampler"))
+            elif system == "rb.dumps":
+                PrioritizedSampler(n, 0.7, 0.5).loads(p / "sampler")
+            elif system == "dcp":
+                touch(dcp_load(p, prefix="sampler."))
+            return extra
+
+        return fn, info["sampler_logical"]
+
+    raise ValueError(op)
+
+
+# --- W2: Atari-like frames ------------------------------------------------------------------
+
+
+def w2_save(task: dict) -> list[dict]:
+    data, out, system = Data(task["data"]), Path(task["out"]), task["system"]
+    n = data["rows"]
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(n), sampler=RandomSampler(), batch_size=32)
+    rb.extend(TensorDict({k: data.t(k) for k in ("pixels", "action", "reward")}, [n]))
+    logical = tensor_bytes(rows(rb))
+    out.mkdir(parents=True, exist_ok=True)
+    store = ckptstore.Store(out / "store") if system == "ckptstore" else None
+    extra, m = measure(lambda: save_rb(system, rb, out, "s1", store), logical_bytes=logical, disk_path=disk_root(system, out), keep=True)
+    m.update(extra)
+    m["stored_over_logical"] = m["bytes_written"] / logical
+    if store is not None:
+        store.close()
+    return [{"op": "save", "metrics": m}]
+
+
+# --- W3: the seed example ---------------------------------------------------------------------
+
+
+def w3_chunk(n: int) -> TensorDict:
+    return TensorDict({"obs": torch.randn(n, 3, 4), "next": {"obs": torch.randn(n, 3, 4)}, "td_error": torch.rand(n)}, [n])
+
+
+def w3_rb(s: Sizes, scratch: Path):
+    cap = s.w3_capacity
+    return TensorDictReplayBuffer(storage=LazyMemmapStorage(cap, scratch_dir=str(scratch)), sampler=PrioritizedSampler(cap, 1.1, 1.0), batch_size=32)
+
+
+def w3_step(rb, s: Sizes) -> None:
+    rb.extend(w3_chunk(s.w3_rows))
+    rb.update_tensordict_priority(rb.sample(32))
+
+
+def w3_save(task: dict) -> list[dict]:
+    s, out, system = Sizes(**task["sizes"]), Path(task["out"]), task["system"]
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    rb = w3_rb(s, out / "scratch")
+    for _ in range(s.w3_extends):
+        w3_step(rb, s)
+    store = ckptstore.Store(out / "store") if system == "ckptstore" else None
+    results = []
+    for op, name in (("save", "s1"), ("save_after_extend", "s2")):
+        if op == "save_after_extend":
+            w3_step(rb, s)
+        logical = tensor_bytes(rows(rb)) + sampler_logical(rb.sampler)
+        extra, m = measure(lambda name=name: save_rb(system, rb, out, name, store), logical_bytes=logical, disk_path=disk_root(system, out), keep=True)
+        results.append({"op": op, "metrics": {**m, **extra}})
+    if store is not None:
+        store.close()
+    (out / "info.json").write_text(json.dumps({"latest": "s2", "logical": logical}))
+    return results
+
+
+def w3_load(task: dict):
+    s, out, system = Sizes(**task["sizes"]), Path(task["out"]), task["system"]
+    info = json.loads((out / "info.json").read_text())
+    target = w3_rb(s, out / "scratch-load")
+    p = peer_path(system, out, info["latest"])
+
+    def fn():
+        if system == "ckptstore":
+            store = open_store(out)
+            store.checkout("latest", into=target)
+            read = store.io.bytes_read
+            store.close()
+            touch(rows(target))
+            return {"store_io_bytes_read": read}
+        target.loads(p)
+        touch(rows(target))
+        return {}
+
+    return fn, info["logical"]
+
+
+# --- W4: rolling run ----------------------------------------------------------------------------
+
+
+def w4_save(task: dict) -> list[dict]:
+    s, out, system = Sizes(**task["sizes"]), Path(task["out"]), task["system"]
+    d = s.w4_obs_dim
+    n = max(16, int(s.w4_mib * MIB // _row_bytes(d)))
+    c = max(1, round(n * s.w4_change))
+    g = torch.Generator().manual_seed(4)
+
+    def chunk(k: int) -> TensorDict:
+        return TensorDict({"obs": torch.randn(k, d, generator=g), "action": torch.randint(0, 18, (k, 1), generator=g),
+                           "reward": torch.randn(k, 1, generator=g), "done": torch.rand(k, 1, generator=g) < 0.01}, [k])
+
+    rb = w1_rb(n)
+    rb.extend(chunk(n))
+    rb.update_priority(torch.arange(n), torch.rand(n, generator=g) + 0.01)
+    logical = tensor_bytes(rows(rb)) + sampler_logical(rb.sampler)
+    out.mkdir(parents=True, exist_ok=True)
+    store = ckptstore.Store(out / "store") if system == "ckptstore" else None
+    times: list[float] = []
+
+    def run():
+        for i in range(s.w4_commits):
+            if i:
+                idx = rb.extend(chunk(c))
+                rb.update_priority(idx, torch.rand(c, generator=g) + 0.01)
+            t0 = time.perf_counter()
+            save_rb(system, rb, out, f"s{i}", store)
+            times.append(time.perf_counter() - t0)
+
+    _, m = measure(run, logical_bytes=logical, disk_path=disk_root(system, out))
+    m["wall_s"] = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    m["throughput_gbps"] = logical / m["wall_s"] / 1e9
+    m["first_commit_s"] = times[0]
+    m["commits_total_s"] = sum(times)
+    m["commits"] = s.w4_commits
+    m["changed_rows"] = c
+    if store is not None:
+        du = store.du()
+        m["store_bytes"] = du["pack_bytes"]
+        m["catalog_bytes"] = du["catalog_bytes"]
+        store.close()
+    else:
+        m["store_bytes"] = apparent_size(out / "saves")
+    return [{"op": "rolling_commit", "metrics": m}]
+
+
+# --- W5: policy + Adam ---------------------------------------------------------------------------
+
+W5_IN, W5_OUT = 512, 64
+
+
+def w5_hidden(params: int) -> int:
+    # params(H) = 2H^2 + (W5_IN + 3 + W5_OUT) H + W5_OUT  for  in -> H -> H -> H -> out
+    b = W5_IN + 3 + W5_OUT
+    h = (-b + math.sqrt(b * b + 8 * max(0, params - W5_OUT))) / 4
+    return max(8, round(h / 8) * 8)
+
+
+def w5_policy(params: int, seed: int):
+    torch.manual_seed(seed)
+    h = w5_hidden(params)
+    nn = torch.nn
+    policy = nn.Sequential(nn.Linear(W5_IN, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, h), nn.ReLU(), nn.Linear(h, W5_OUT))
+    return policy, torch.optim.Adam(policy.parameters(), lr=1e-4)
+
+
+def w5_build(params: int):
+    policy, optim = w5_policy(params, 0)
+    policy(torch.randn(64, W5_IN)).pow(2).mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return policy, optim
+
+
+def w5_flat(policy, optim) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Params and flattened optimizer tensors for safetensors; param groups as JSON metadata."""
+    tensors = {f"policy.{k}": v.detach() for k, v in policy.state_dict().items()}
+    osd = optim.state_dict()
+    scalars: dict = {}
+    for pid, st in osd["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"optim.state.{pid}.{k}"] = v
+            else:
+                scalars.setdefault(str(pid), {})[k] = v
+    return tensors, {"param_groups": json.dumps(osd["param_groups"]), "state_scalars": json.dumps(scalars)}
+
+
+def w5_unflat(policy, optim, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    policy.load_state_dict({k[len("policy."):]: v for k, v in tensors.items() if k.startswith("policy.")})
+    state: dict[int, dict] = {}
+    for k, v in tensors.items():
+        if k.startswith("optim.state."):
+            pid, name = k[len("optim.state."):].split(".", 1)
+            state.setdefault(int(pid), {})[name] = v
+    for pid, st in json.loads(meta["state_scalars"]).items():
+        state.setdefault(int(pid), {}).update(st)
+    optim.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+
+
+def w5_logical(policy, optim) -> int:
+    return tensor_bytes(dict(policy.state_dict())) + tensor_bytes([dict(s) for s in optim.state_dict()["state"].values()])
+
+
+def w5_save(task: dict) -> list[dict]:
+    s, out, system = Sizes(**task["sizes"]), Path(task["out"]), task["system"]
+    policy, optim = w5_build(s.w5_params)
+    logical = w5_logical(policy, optim)
+    out.mkdir(parents=True, exist_ok=True)
+    store = ckptstore.Store(out / "store") if system == "ckptstore" else None
+    p = peer_path(system, out, "s1")
+    p.parent.mkdir(parents=True, exist_ok=True)
+
+    def fn():
+        if system == "ckptstore":
+            store.commit({"policy": policy, "optim": optim}, tag="latest")
+            return
+        if system == "torch.save":
+            torch.save({"policy": policy.state_dict(), "optim": optim.state_dict()}, p)
+        elif system == "safetensors":
+            tensors, meta = w5_flat(policy, optim)
+            save_file(tensors, str(p), metadata=meta)
+        elif system == "dcp":
+            msd, osd = get_state_dict(policy, optim)
+            dcp.save({"policy": msd, "optim": osd}, checkpoint_id=str(p))
+        elif system == "torchrl.Checkpoint":
+            Checkpoint(policy=policy, optim=optim).save(p)
+        fsync_tree(p)
+
+    _, m = measure(fn, logical_bytes=logical, disk_path=disk_root(system, out))
+    if store is not None:
+        store.close()
+    (out / "info.json").write_text(json.dumps({"latest": "s1", "logical": logical}))
+    return [{"op": "save", "metrics": m}]
+
+
+def w5_load(task: dict):
+    s, out, system = Sizes(**task["sizes"]), Path(task["out"]), task["system"]
+    info = json.loads((out / "info.json").read_text())
+    p = peer_path(system, out, info["latest"])
+    policy, optim = w5_policy(s.w5_params, 1)  # a fresh policy and optimizer (no state yet)
+
+    def fn():
+        extra = {}
+        if system == "ckptstore":
+            store = open_store(out)
+            store.checkout("latest", into={"policy": policy, "optim": optim})
+            extra = {"store_io_bytes_read": store.io.bytes_read}
+            store.close()
+        elif system in ("torch.save", "torch.load(mmap)"):
+            sd = torch_load(p, system == "torch.load(mmap)", weights_only=True)
+            policy.load_state_dict(sd["policy"])
+            optim.load_state_dict(sd["optim"])
+        elif system == "safetensors":
+            with safe_open(str(p), framework="pt") as f:
+                meta = f.metadata()
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+            w5_unflat(policy, optim, tensors, meta)
+        elif system == "dcp":
+            msd, osd = get_state_dict(policy, optim)
+            sd = {"policy": msd, "optim": osd}
+            dcp.load(sd, checkpoint_id=str(p))
+            set_state_dict(policy, optim, model_state_dict=sd["policy"], optim_state_dict=sd["optim"])
+        elif system == "torchrl.Checkpoint":
+            Checkpoint(policy=policy, optim=optim).load(p)
+        touch(policy.state_dict())
+        touch([dict(st) for st in optim.state_dict()["state"].values()])
+        return extra
+
+    return fn, info["logical"]
+
+
+# --- async commit ---------------------------------------------------------------------------------
+
+
+def _resolve(fut: Any) -> Any:
+    if hasattr(fut, "result"):
+        return fut.result()
+    if hasattr(fut, "wait"):
+        return fut.wait()
+    if inspect.isawaitable(fut):
+        import asyncio
+
+        async def _await():
+            return await fut
+
+        return asyncio.run(_await())
+    return fut
+
+
+def async_save(task: dict) -> list[dict]:
+    if not hasattr(ckptstore.Store, "commit_async"):
+        return [{"op": "commit_async", "status": "not available", "reason": "ckptstore.Store has no commit_async"}]
+    data, out = Data(task["data"]), Path(task["out"])
+    rb = w1_build(data)
+    out.mkdir(parents=True, exist_ok=True)
+    store = ckptstore.Store(out / "store")
+    store.commit(rb, tag="latest")
+    # A first asynchronous commit after a change: ckptstore allocates its snapshot buffers
+    # during this call. Reported as first_call_s / first_resolve_s.
+    w1_change(rb, data)
+    t0 = time.perf_counter()
+    fut = store.commit_async(rb, tag="latest")
+    first_call = time.perf_counter() - t0
+    _resolve(fut)
+    first_resolve = time.perf_counter() - t0
+    # Measured: the next change (the following rows at the cursor) and its commit_async,
+    # with the snapshot buffers of the first one reused: the steady state of a training loop.
+    idx = w1_change(rb, data)
+    logical = tensor_bytes(rows(rb)) + sampler_logical(rb.sampler)
+    # Baseline: copy what changed (the rewritten rows of every column and both priority
+    # trees) into memory allocated beforehand: the least a snapshot must do.
+    src = rows(rb)
+    bufs = {k: torch.empty((len(idx),) + tuple(v.shape[1:]), dtype=v.dtype) for k, v in src.items(include_nested=True, leaves_only=True)}
+    cap = rb.sampler._max_capacity
+    trees = [torch.empty(cap, dtype=rb.sampler.dtype) for _ in range(2)]
+
+    def copy():
+        for k, b in bufs.items():
+            torch.index_select(src.get(k), 0, idx, out=b)
+        all_idx = torch.arange(cap)
+        trees[0].copy_(torch.as_tensor(rb.sampler._sum_tree[all_idx]))
+        trees[1].copy_(torch.as_tensor(rb.sampler._min_tree[all_idx]))
+
+    _, mc = measure(copy, logical_bytes=tensor_bytes(bufs) + tensor_bytes(trees))
+    box: dict = {}
+
+    def call():
+        t0 = time.perf_counter()
+        box["fut"] = store.commit_async(rb, tag="latest")
+        box["returned"] = time.perf_counter() - t0
+        _resolve(box["fut"])
+        box["resolved"] = time.perf_counter() - t0
+
+    _, m = measure(call, logical_bytes=logical, disk_path=out / "store")
+    store.close()
+    m["wall_s"] = box["returned"]
+    m["throughput_gbps"] = logical / box["resolved"] / 1e9  # of the whole commit (call to resolved future)
+    m["resolve_s"] = box["resolved"]
+    m["prealloc_copy_s"] = mc["wall_s"]
+    m["first_call_s"] = first_call
+    m["first_resolve_s"] = first_resolve
+    m["changed_rows"] = len(idx)
+    return [{"op": "commit_async", "metrics": m}]
+
+
+# --- child entry points ------------------------------------------------------------------------------
+
+SAVES = {"w1": w1_save, "w2": w2_save, "w3": w3_save, "w4": w4_save, "w5": w5_save, "async": async_save}
+LOADS = {"w1": w1_load, "w3": w3_load, "w5": w5_load}
+
+
+def task_save(task: dict) -> list[dict]:
+    return SAVES[task["workload"]](task)
+
+
+def task_load(task: dict) -> dict:
+    fn, logical = LOADS[task["workload"]](task)
+    out = Path(task["out"])
+    resident = None
+    if task.get("cold", True):
+        evict_tree(out)
+        resident = resident_fraction(out)
+    extra, m = measure(fn, logical_bytes=logical, keep=True)
+    m.update(extra or {})
+    m["bytes_read"] = m["io_read_bytes"] if task.get("cold", True) else m["rchar"]
+    if resident is not None:
+        m["resident_before"] = resident
+    return m
+
+
+TASKS = {"gen": task_gen, "save": task_save, "load": task_load}
+
+
+def child_main(task: dict, conn) -> None:
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+    gc.freeze()  # the imported libraries' objects: keeps gc.collect() before each measurement cheap
+    try:
+        result = TASKS[task["kind"]](task)
+        conn.send({"ok": True, "result": result})
+    except BaseException:  # noqa: BLE001 - reported to the parent, which records the error
+        conn.send({"ok": False, "error": traceback.format_exc()})
+    finally:
+        conn.close()
