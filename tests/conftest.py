@@ -15,7 +15,6 @@ import torch
 import ckptstore
 
 
-
 @pytest.fixture(autouse=True)
 def _quiet_torchrl():
     logging.getLogger("torchrl").setLevel(logging.WARNING)

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from rich.console import Console
 
 import ckptstore
