@@ -117,7 +117,7 @@ def test_bad_settings_are_refused_before_anything_is_saved(tmp_path):
     with pytest.raises(InvalidArgumentError):
         ckptstore.Store(tmp_path / "s", compression_level=-1)
     with ckptstore.Store(tmp_path / "s") as s:
-        assert (s.shard_bytes, s.compression_level) == (1 << 20, 3)
+        assert (s.shard_bytes, s.compression_level) == (256 << 10, 3)
 
 
 def test_unencodable_strings_fail_before_writing_a_pack(store):

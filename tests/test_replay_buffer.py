@@ -311,10 +311,11 @@ def test_dedup_accounting_exact(store):
     assert again.parents == (first.id,)
     rb.extend(TensorDict({"obs": torch.randn(100, 64, generator=g), "reward": torch.randn(100, 1, generator=g)}, [100]))  # 1 %
     third = store.commit(rb, tag="a")
-    # rows 0..99 changed: the first shard of "obs" (4096 rows) and of "reward" (all rows) are new;
-    # "index" holds the slot numbers 0..99 again, so its shard is reused
-    assert third.new_bytes == 4096 * 256 + cap * 4 == 1_088_576
-    assert third.shards_new == 2 and third.shards_total == 3 + 2
+    # default shards: 256 KiB and at most 4096 rows, so "obs" (256 B rows) has 1024 rows per shard
+    # and "reward" and "index" 4096. Rows 0..99 changed: the first shard of "obs" and of "reward"
+    # are new; "index" holds the slot numbers 0..99 again, so its shard is reused
+    assert third.new_bytes == 1024 * 256 + 4096 * 4 == 278_528
+    assert third.shards_new == 2 and third.shards_total == 10 + 3 + 3
 
 
 def test_partial_checkout_reads_only_selected_blobs(store):

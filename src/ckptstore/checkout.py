@@ -81,13 +81,14 @@ class BlobReader:
             for i, loc in enumerate(rec.shards):
                 a, b = expected.bounds(i)
                 tasks.append((loc, view[a:b], f"commit {self.cid}, leaf {rec.path}, shard {i}"))
-        big = sum(loc.raw_len for loc, _, _ in tasks) > _INLINE_BYTES
-        run = (lambda t: self.packs.read_into(t[0], t[1], t[2], self.verify))
-        if big and self.store.workers > 1 and len(tasks) > 1:
-            list(self.store.pool.map(run, tasks))
+        def run(task: tuple) -> None:
+            self.packs.read_into(task[0], task[1], task[2], self.verify)
+
+        if sum(loc.raw_len for loc, _, _ in tasks) > _INLINE_BYTES:
+            self.store._map(run, tasks)
         else:
-            for t in tasks:
-                run(t)
+            for task in tasks:
+                run(task)
         if states:
             done = {id(lazy): dest for lazy, dest in results}
             for state in states:

@@ -15,8 +15,8 @@ Pack layout (all integers little-endian)::
                  u16 0, u64 raw length, u64 payload length,
                  16 bytes XXH3-128 of the raw bytes
 
-A blob is zstandard-compressed (RFC 8878) only when a probe of its first
-32 KiB shrinks by more than 10 % and the whole blob then does too.
+A blob is zstandard-compressed (RFC 8878) only when a probe of its start
+(1/32 of it, 4 to 32 KiB) shrinks by more than 10 % and the whole blob then does too.
 
 While a commit is in flight its process holds an exclusive ``flock`` on each
 of its pack files; GC never removes a locked pack, and the lock vanishes with
@@ -94,7 +94,8 @@ def encode_blob(raw: memoryview, level: int) -> tuple[int, bytes | memoryview]:
     if cctx is None or _local.level != level:
         cctx = _local.cctx = zstandard.ZstdCompressor(level=level)
         _local.level = level
-    if len(raw) > 2 * _PROBE_BYTES and len(cctx.compress(raw[:_PROBE_BYTES])) > _PAYS * _PROBE_BYTES:
+    probe = min(_PROBE_BYTES, max(4096, len(raw) // 32))  # about 3 % of the blob
+    if len(raw) > 2 * probe and len(cctx.compress(raw[:probe])) > _PAYS * probe:
         return CODEC_RAW, raw
     packed = cctx.compress(raw)
     if len(packed) > _PAYS * len(raw):

@@ -23,7 +23,8 @@ import xxhash
 
 from .errors import UnsupportedDtypeError, UnsupportedTypeError
 
-DEFAULT_SHARD_BYTES = 1 << 20  # 1 MiB; see docs/performance.md for the measurement
+DEFAULT_SHARD_BYTES = 256 << 10  # 256 KiB; docs/performance.md has the measurement behind it
+MAX_ROWS = 4096  # rows per shard at most
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptstore stores tensors little-endian and needs a little-endian host")
@@ -162,13 +163,15 @@ class ShardPlan:
         return start, min(self.nbytes, start + self.shard_bytes)
 
 
-def plan(shape: tuple[int, ...], dtype: torch.dtype, target: int = DEFAULT_SHARD_BYTES) -> ShardPlan:
+def plan(shape: tuple[int, ...], dtype: torch.dtype, target: int = DEFAULT_SHARD_BYTES, max_rows: int = MAX_ROWS) -> ShardPlan:
     """Shard boundaries for a tensor of ``shape`` and ``dtype``.
 
     ``shard_bytes`` is the largest whole number of rows (a row is one index
-    along dim 0) that fits in ``target`` bytes, at least one row. A row larger
-    than ``target`` is cut every ``target`` bytes rounded down to whole
-    elements. 0-d and 1-d tensors count one element as a row.
+    along dim 0) that fits in ``target`` bytes, at least one row and at most
+    ``max_rows`` rows: narrow columns of a replay buffer (actions, rewards,
+    priorities) then change in blocks of rows as small as the wide ones, not
+    whole. A row larger than ``target`` is cut every ``target`` bytes rounded
+    down to whole elements. 0-d and 1-d tensors count one element as a row.
     """
     itemsize = dtype.itemsize
     numel = 1
@@ -181,7 +184,7 @@ def plan(shape: tuple[int, ...], dtype: torch.dtype, target: int = DEFAULT_SHARD
     if row == 0:
         return ShardPlan(nbytes, max(itemsize, 1))
     if row <= target:
-        shard_bytes = row * (target // row)
+        shard_bytes = row * min(target // row, max_rows)
     else:
         shard_bytes = max(itemsize, target - target % itemsize)
     return ShardPlan(nbytes, shard_bytes)

@@ -172,7 +172,7 @@ class Store:
     Args:
         path: the store folder; created (with its catalog) when missing or empty.
         create: if false, a missing store raises NotAStoreError.
-        shard_bytes: target shard size in bytes for new commits (default 1 MiB);
+        shard_bytes: target shard size in bytes for new commits (default 256 KiB);
             saved in the catalog when the store is created, overridden per
             session when given.
         compression_level: zstandard level for compressible shards (0 disables).
@@ -518,9 +518,13 @@ class Store:
         self._digest_cache.update(fresh)
 
     def _map(self, fn, items: list) -> list:
+        """``[fn(x) for x in items]`` across the thread pool, a few chunks per thread
+        (one task per small item costs more in locking than the work)."""
         if len(items) <= 1 or self.workers == 1:
             return [fn(x) for x in items]
-        return list(self.pool.map(fn, items))
+        size = -(-len(items) // (4 * self.workers))
+        chunks = [items[i : i + size] for i in range(0, len(items), size)]
+        return [y for part in self.pool.map(lambda chunk: [fn(x) for x in chunk], chunks) for y in part]
 
     def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
         """Blob ids of the addresses the catalog already holds."""
@@ -536,13 +540,10 @@ class Store:
                 if gone:
                     raise _ReusedBlobsGone(gone)
             db["packs"].insert_all(({"id": pid, "size": size, "created_at": created_at} for pid, size in writer.pack_ids), ignore=True)
-            db["blobs"].insert_all(
-                (
-                    {"hash": loc.digest, "raw_len": loc.raw_len, "pack": loc.pack, "offset": loc.offset,
-                     "stored_len": loc.stored_len, "codec": loc.codec, "created_at": created_at}
-                    for loc in written.values()
-                ),
-                ignore=True,
+            run_many = self.catalog.conn.executemany  # the bulk rows: sqlite-utils' per-row checks cost more than the inserts
+            run_many(
+                "INSERT OR IGNORE INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(loc.digest, loc.raw_len, loc.pack, loc.offset, loc.stored_len, loc.codec, created_at) for loc in written.values()],
             )
             ids = dict(known)
             ids.update(self._lookup(list(written)))
@@ -572,17 +573,18 @@ class Store:
                 {"commit_id": cid, "path": c.path, "adapter": c.adapter, "version": c.version, "meta": jsonvalue.dumps(c.meta, c.path)}
                 for c in components
             )
-            db["leaves"].insert_all(
-                {"commit_id": cid, "path": r.path, "component": r.component, "kind": r.kind, "dtype": r.dtype,
-                 "shape": None if r.shape is None else jsonvalue.dumps(list(r.shape)),
-                 "stride": None if r.stride is None else jsonvalue.dumps(list(r.stride)), "nbytes": r.nbytes,
-                 "shard_bytes": r.shard_bytes, "value": r.value}
-                for r in leaves
+            run_many(
+                "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [
+                    (cid, r.path, r.component, r.kind, r.dtype, None if r.shape is None else jsonvalue.dumps(list(r.shape)),
+                     None if r.stride is None else jsonvalue.dumps(list(r.stride)), r.nbytes, r.shard_bytes, r.value)
+                    for r in leaves
+                ],
             )
-            db["shards"].insert_all(
-                {"commit_id": cid, "path": r.path, "seq": s, "blob_id": ids[k]}
-                for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys))
-                for s, k in enumerate(keys_of)
+            run_many(
+                "INSERT INTO shards (commit_id, path, seq, blob_id) VALUES (?, ?, ?, ?)",
+                [(cid, r.path, s, ids[k]) for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys)) for s, k in enumerate(keys_of)],
             )
             for t in tags:
                 self._move_tag(t, cid, "commit", created_at)
