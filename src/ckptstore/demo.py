@@ -31,8 +31,8 @@ BATCH = 64
 PER_BATCH = 250  # frames per collector batch
 #: CartPole rows are 4 to 16 bytes per key: with the default shards (256 KiB,
 #: at most 4096 rows) a few thousand rows fit in one shard per key, which every
-#: commit changes. The demo
-#: store uses 4 KiB shards so that row-level dedup shows on this small buffer.
+#: commit changes. The demo store uses 4 KiB shards so that row-level dedup
+#: shows on this small buffer.
 DEMO_SHARD_BYTES = 4096
 
 
