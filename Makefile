@@ -23,5 +23,11 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+bench-compare: $(STAMP)
+	$(BIN)/python -m benchmarks.compare benchmarks/results/latest.json benchmarks/results/baseline.json
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache .hypothesis
