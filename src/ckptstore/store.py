@@ -234,10 +234,10 @@ class Store:
             "shard_bytes": DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes,
             "compression_level": 3 if compression_level is None else compression_level,
         })
-        try:
-            self.shard_bytes = _setting("shard_bytes", shard_bytes if shard_bytes is not None else settings["shard_bytes"], 1, 1 << 34)
-            self.compression_level = _setting(
-                "compression_level", compression_level if compression_level is not None else settings["compression_level"], 0, 22
+        try:  # the arguments were checked above; the stored values are checked here
+            self.shard_bytes = shard_bytes or _setting("shard_bytes", settings["shard_bytes"], 1, 1 << 34)
+            self.compression_level = (
+                compression_level if compression_level is not None else _setting("compression_level", settings["compression_level"], 0, 22)
             )
         except InvalidArgumentError as exc:
             raise CatalogCorruptError(f"{catalog}: stored setting is invalid: {exc}") from None
