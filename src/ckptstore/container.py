@@ -207,14 +207,6 @@ class _Source:
             self.zip.close()
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(keys) != len(set(keys)):
-        dup = sorted({k for k in keys if keys.count(k) > 1})
-        raise ContainerError(f"manifest: duplicate key(s) {dup}")
-    return dict(pairs)
-
-
 def _need(cond: bool, what: str) -> None:
     if not cond:
         raise ContainerError(f"manifest: {what}")
@@ -238,9 +230,7 @@ def _path(p: Any, what: str, allow_root: bool = True) -> str:
 
 def _parse(text: bytes, registry) -> tuple[dict, list[dict], list[_Leaf]]:
     try:
-        doc = json.loads(text, object_pairs_hook=_no_duplicates)
-    except ContainerError:
-        raise
+        doc = json.loads(text, object_pairs_hook=jsonvalue.no_duplicate_keys)
     except (ValueError, RecursionError) as exc:
         raise ContainerError(f"manifest: not valid JSON ({exc})") from None
     _need(isinstance(doc, dict) and set(doc) == {"format", "version", "commit", "components", "leaves"}, "unexpected top-level keys")

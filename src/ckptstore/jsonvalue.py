@@ -140,6 +140,14 @@ def _list(v: Any, n: int | None = None) -> list:
     return v
 
 
+def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``object_pairs_hook`` for :func:`json.loads` refusing duplicate keys (ValueError)."""
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ValueError(f"duplicate key(s) {sorted({k for k in keys if keys.count(k) > 1})}")
+    return dict(pairs)
+
+
 def dumps(value: Any, path: str = "") -> str:
     """Encode ``value`` to a compact, key-order-preserving JSON string."""
     return json.dumps(encode(value, path), separators=(",", ":"), allow_nan=False, ensure_ascii=False)

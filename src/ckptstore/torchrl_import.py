@@ -68,6 +68,7 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler, RoundRobinWriter, SamplerWithoutReplacement, TensorStorage
 
+from . import jsonvalue
 from .adapters.base import Captured, check_key, flatten, join, plain, unflatten
 from .adapters.rng import RNGState
 from .errors import CkptStoreError, ContainerError
@@ -165,13 +166,6 @@ def _safe_name(name: str, where: str) -> str:
     if not name or any(p in ("", ".", "..") or "\\" in p or "\x00" in p for p in parts):
         raise ContainerError(f"{where}: unsafe path {name!r} (absolute, empty, '.' or '..' parts)")
     return name
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict:
-    keys = [k for k, _ in pairs]
-    if len(keys) != len(set(keys)):
-        raise ValueError(f"duplicate key(s) {sorted({k for k in keys if keys.count(k) > 1})}")
-    return dict(pairs)
 
 
 class _Source:
@@ -347,7 +341,7 @@ class _Reader:
         self.src.read_into(rel, memoryview(buf))
         self.used.add(rel)
         try:
-            return json.loads(buf.decode("utf-8"), object_pairs_hook=_no_duplicates)
+            return json.loads(buf.decode("utf-8"), object_pairs_hook=jsonvalue.no_duplicate_keys)
         except (ValueError, RecursionError) as exc:
             raise ContainerError(f"{where}: not valid JSON ({exc})") from None
 
