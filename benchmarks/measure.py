@@ -11,7 +11,13 @@
   what the process made the block layer read (page-cache misses, including mmap page
   faults), ``rchar`` what went through read()/pread() syscalls (cache hits included,
   mmap not), ``write_bytes`` what it dirtied for the storage layer (mmap writes included).
+- Peak RSS over the state: ``peak_rss_over_state`` = peak RSS - ``rss_baseline`` (the
+  child's ``VmRSS`` right after its imports, before it built any state:
+  ``set_rss_baseline``, called first thing in the child) - the logical bytes of the state:
+  the memory the operation needed beyond the state itself.
 - Bytes on disk: allocated blocks (``st_blocks * 512``, like ``du``) of a folder.
+- Physical floors: ``write_raw`` (buffers as raw bytes into one file, fsynced with its
+  folder) and ``read_raw_into`` (``os.preadv`` of such a file into given buffers).
 """
 
 from __future__ import annotations
@@ -25,15 +31,26 @@ from pathlib import Path
 from typing import Any
 
 PAGE = 4096
+IO_CHUNK = 64 << 20  # bytes per write/preadv call of the floors (a single call is capped at ~2 GiB)
+
+_BASELINE: dict[str, int] = {}
 
 
 def _status() -> dict[str, int]:
     out = {}
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
+            if line.startswith(("VmRSS:", "VmHWM:", "RssFile:")):
                 out[line.split(":")[0]] = int(line.split()[1]) * 1024
     return out
+
+
+def set_rss_baseline() -> int:
+    """Record the child's RSS now: right after its imports, before it builds any state.
+    ``measure`` subtracts it (and the state's logical bytes) from the peak."""
+    _BASELINE.clear()
+    _BASELINE.update(_status())
+    return _BASELINE["VmRSS"]
 
 
 def proc_io() -> dict[str, int]:
@@ -99,6 +116,46 @@ def fsync_tree(path: str | os.PathLike) -> None:
                     _fsync_path(full, False)
             _fsync_path(root, True)
     _fsync_path(str(p.parent), True)
+
+
+def write_raw(path: str | os.PathLike, buffers) -> int:
+    """The least a durable save does: write ``buffers`` (bytes-like, e.g. memoryviews of
+    tensors) back to back into one new file, fsync it and its folder. Returns the bytes written."""
+    path = Path(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    total = 0
+    try:
+        for buf in buffers:
+            mv = memoryview(buf).cast("B")
+            pos = 0
+            while pos < len(mv):
+                pos += os.write(fd, mv[pos: pos + IO_CHUNK])
+            total += pos
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_path(str(path.parent), True)
+    return total
+
+
+def read_raw_into(path: str | os.PathLike, buffers) -> int:
+    """Read a ``write_raw`` file back into ``buffers`` (writable bytes-like, in the order
+    written) with ``os.preadv``. Returns the bytes read."""
+    fd = os.open(path, os.O_RDONLY)
+    offset = 0
+    try:
+        for buf in buffers:
+            mv = memoryview(buf).cast("B")
+            pos = 0
+            while pos < len(mv):
+                n = os.preadv(fd, [mv[pos: pos + IO_CHUNK]], offset + pos)
+                if n <= 0:
+                    raise EOFError(f"{path}: short read at {offset + pos}")
+                pos += n
+            offset += pos
+    finally:
+        os.close(fd)
+    return offset
 
 
 def evict_tree(path: str | os.PathLike) -> None:
@@ -222,6 +279,11 @@ def measure(fn: Callable[[], Any], *, logical_bytes: int, disk_path: str | os.Pa
     else:  # no clear_refs: the child's lifetime peak (state building included)
         m["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         m["peak_rss_lifetime"] = 1
+    if _BASELINE:
+        m["rss_baseline"] = _BASELINE["VmRSS"]
+        m["peak_rss_over_state"] = m["peak_rss"] - _BASELINE["VmRSS"] - logical_bytes
+        if "RssFile" in _BASELINE and "RssFile" in st0:
+            m["rss_file_growth_before"] = st0["RssFile"] - _BASELINE["RssFile"]
     if du0 is not None:
         m["bytes_written"] = disk_usage(disk_path) - du0
     return (result if keep else None), m

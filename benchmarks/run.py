@@ -1,6 +1,7 @@
 """Run the benchmark suite: every workload against ckptstore and its peers, in one run.
 
-    .venv/bin/python -m benchmarks.run                 # full default run (~11 min on 2 idle cores, more when busy)
+    .venv/bin/python -m benchmarks.run                 # full default run (~11-12 min on 2 idle cores, more when busy)
+    .venv/bin/python -m benchmarks.run --w1-mib 1024 --w2-mib 1024   # nominal sizes (the baseline's): ~18 min
     .venv/bin/python -m benchmarks.run --smoke         # tiny sizes, 1 repetition
     .venv/bin/python -m benchmarks.run --workloads w1,w5 --repetitions 3 --w1-mib 256
 
@@ -32,13 +33,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .spec import DATA_OF, PEERS, SYSTEMS, WORKLOADS, Sizes
+from .spec import DATA_OF, FLOOR, FLOOR_LABEL, PEERS, SYSTEMS, WORKLOADS, Sizes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_OUTPUT = HERE / "results" / "latest.json"
 ORDER = ["w1", "async", "w2", "w3", "w4", "w5"]
-SCHEMA = 1
+SCHEMA = 2  # 2: the "floor" pseudo-system, floor_ratios, peak_rss_over_state
 
 DURABILITY = (
     "every save is durable for every system: ckptstore through its commit protocol (pack files fsynced, "
@@ -47,7 +48,17 @@ DURABILITY = (
 )
 RSS_METHOD = (
     "VmHWM of the child process (/proc/self/status), reset with /proc/self/clear_refs just before the "
-    "operation: the peak resident set (anonymous + mapped file pages) during it, state already in memory included"
+    "operation: the peak resident set (anonymous + mapped file pages) during it, state already in memory included. "
+    "peak_rss_over_state = peak_rss - rss_baseline (VmRSS of the same child right after its imports, before it built "
+    "any state) - logical bytes of the state: the memory the operation needed beyond the state itself"
+)
+FLOOR_METHOD = (
+    "the 'floor' system is the physical limit, not a product: save = the state's tensor bytes (every column of the "
+    "written rows and both priority trees; W5: parameters and optimizer state) written raw, back to back, into one "
+    "file with os.write, then fsync of the file and of its folder; load = os.preadv of that file into freshly "
+    "allocated tensors (W5: into the fresh policy's parameters and new optimizer state tensors), every page touched; "
+    "load_into_existing = the same into tensors allocated and zeroed beforehand. Tensors are gathered (priority trees "
+    "read out of TorchRL's segment trees) before the timed window"
 )
 
 
@@ -186,6 +197,26 @@ def ratios(results: dict) -> dict:
     return out
 
 
+def floor_ratios(results: dict) -> dict:
+    """Each system's median / the floor's median, per workload, operation, system and metric."""
+    out: dict = {}
+    for wl, ops in results.items():
+        for op, systems in ops.items():
+            fl = systems.get(FLOOR, {})
+            if fl.get("status") != "ok":
+                continue
+            for system, e in systems.items():
+                if system == FLOOR or e.get("status") != "ok":
+                    continue
+                r = {}
+                for k, v in e["metrics"].items():
+                    fm = fl["metrics"].get(k)
+                    if fm is not None and fm["median"]:
+                        r[k] = v["median"] / fm["median"]
+                out.setdefault(wl, {}).setdefault(op, {})[system] = r
+    return out
+
+
 # --- table ----------------------------------------------------------------------------------------
 
 
@@ -236,8 +267,14 @@ def _notes(wl: str, op: str, system: str, e: dict) -> str:
     if op == "commit_async":
         notes.append(f"call returns {fmt_s(med('wall_s'))} s, future resolves {fmt_s(med('resolve_s'))} s (buffers reused); "
                      f"first call {fmt_s(med('first_call_s'))} s, resolves {fmt_s(med('first_resolve_s'))} s; "
-                     f"copy of the changed rows + trees into preallocated memory {fmt_s(med('prealloc_copy_s'))} s")
+                     f"floors, copies into preallocated memory: changed rows + trees {fmt_s(med('prealloc_copy_s'))} s "
+                     f"(call / it {_x(med('call_over_row_copy'))}), changed tensors (whole columns) + trees "
+                     f"{fmt_s(med('prealloc_copy_tensors_s'))} s (call / it {_x(med('call_over_tensor_copy'))})")
     return "; ".join(notes)
+
+
+def _x(v: float | None) -> str:
+    return "" if v is None else f"{v:.3g}x"
 
 
 def print_tables(doc: dict, console: Console) -> None:
@@ -245,13 +282,17 @@ def print_tables(doc: dict, console: Console) -> None:
     console.print(f"\n[bold]ckptstore benchmarks[/bold]: {meta['repetitions']} repetition(s), medians \\[min-max]; "
                   f"reads: {escape(meta['reads'])}")
     console.print(f"Durability: {escape(DURABILITY)}.")
-    console.print("Ratios: ckptstore median / peer median (below 1: ckptstore takes less time / writes less / peaks lower).")
+    console.print("Ratios: ckptstore median / peer median (below 1: ckptstore takes less time / writes less / peaks lower). "
+                  "time/floor: the row's median time / the floor's (1 = at the physical limit).")
+    console.print(f"{FLOOR_LABEL}: not a product; {escape(FLOOR_METHOD)}.")
+    console.print("RSS>state: peak RSS - the child's RSS after its imports - the state's logical bytes.")
     for wl, ops in doc["results"].items():
         spec = WORKLOADS[wl]
         t = Table(title=escape(spec.title.format(**meta["sizes"])), title_justify="left", show_lines=False)
         for col, just in (("op", "left"), ("system", "left"), ("time s \\[min-max]", "right"), ("GB/s", "right"),
-                          ("written", "right"), ("read", "right"), ("peak RSS", "right"), ("ck/peer time", "right"),
-                          ("ck/peer written", "right"), ("ck/peer read", "right"), ("ck/peer RSS", "right"), ("notes", "left")):
+                          ("written", "right"), ("read", "right"), ("peak RSS", "right"), ("RSS>state", "right"),
+                          ("ck/peer time", "right"), ("ck/peer written", "right"), ("ck/peer read", "right"), ("ck/peer RSS", "right"),
+                          ("time/floor", "right"), ("notes", "left")):
             t.add_column(col, justify=just, overflow="fold")
         hidden = set()
         for op, systems in ops.items():
@@ -259,29 +300,34 @@ def print_tables(doc: dict, console: Console) -> None:
                 if e["status"] == "n/a" and e["reason"] == spec.not_compared:
                     hidden.add(system)
                     continue
+                label = FLOOR_LABEL if system == FLOOR else system
+                blank = [""] * 10
                 if e["status"] == "n/a":
-                    t.add_row(op, escape(system), "n/a", "", "", "", "", "", "", "", "", escape(e["reason"]), style="dim")
+                    t.add_row(op, escape(label), "n/a", *blank, escape(e["reason"]), style="dim")
                     continue
                 if e["status"] != "ok":
                     why = e.get("reason") or "; ".join(e.get("errors", []))
-                    t.add_row(op, escape(system), e["status"], "", "", "", "", "", "", "", "", escape(why), style="red")
+                    t.add_row(op, escape(label), e["status"], *blank, escape(why), style="red")
                     continue
                 w = e["metrics"]["wall_s"]
                 r = doc["ratios"].get(wl, {}).get(op, {}).get(system)
+                fr = doc["floor_ratios"].get(wl, {}).get(op, {}).get(system)
                 is_load = op.startswith("load")
                 t.add_row(
-                    op, escape(system),
+                    op, escape(label),
                     escape(f"{fmt_s(w['median'])} [{fmt_s(w['min'])}-{fmt_s(w['max'])}]"),
                     f"{_med(e, 'throughput_gbps'):.3g}",
                     "" if is_load else fmt_bytes(_med(e, "bytes_written")),
                     fmt_bytes(_med(e, "bytes_read")) if is_load else "",
                     fmt_bytes(_med(e, "peak_rss")),
+                    fmt_bytes(_med(e, "peak_rss_over_state")),
                     _ratio(r, "wall_s"),
                     "" if is_load else _ratio(r, "bytes_written"),
                     _ratio(r, "bytes_read") if is_load else "",
                     _ratio(r, "peak_rss"),
+                    _ratio(fr, "wall_s"),
                     escape(_notes(wl, op, system, e)),
-                    style="bold" if system == "ckptstore" else None,
+                    style="bold" if system == "ckptstore" else ("italic cyan" if system == FLOOR else None),
                 )
         if hidden:
             t.caption = escape(f"{', '.join(s for s in SYSTEMS if s in hidden)}: {spec.not_compared}")
@@ -417,11 +463,15 @@ def main(argv: list[str] | None = None) -> int:
                      "warm: outputs were just written and sit in the page cache; bytes_read = /proc/self/io rchar "
                      "(read syscalls only: mmap-based loaders show ~0)",
             "durability": DURABILITY,
+            "floor": FLOOR_METHOD,
             "peak_rss": RSS_METHOD,
             "bytes_written": "growth of the allocated size (st_blocks, like du) of the system's output folder during the save; "
                              "io_write_bytes: /proc/self/io write_bytes of the child during it",
             "throughput": "logical bytes (tensor bytes of the state, the same for every system) / wall time, GB = 1e9 bytes",
-            "ratios": "ckptstore median / peer median",
+            "ratios": "ckptstore median / peer median (the floor included)",
+            "floor_ratios": "each system's median / the floor's median",
+            "w2_noise": f"W2 frames: {sizes.w2_noise:.1%} of the pixels nudged by -3..3"
+                        + (" (0: deterministic renders like ALE's, the Atari-like case)" if not sizes.w2_noise else " (a stress case)"),
             "start_method": args.start_method,
             "host": {**host, "loadavg_end": os.getloadavg()},
             "versions": _versions(),
@@ -431,10 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
     }
     doc["ratios"] = ratios(results)
+    doc["floor_ratios"] = floor_ratios(results)
     out_path = Path(args.output)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-    print_tables(doc, Console(width=max(200, Console().width)))
+    print_tables(doc, Console(width=max(230, Console().width)))
     console.print(f"\nwrote {out_path} ({doc['meta']['wall_s']:.0f} s)")
     failed = any(e["status"] == "error" or e.get("errors") for ops in results.values() for sy in ops.values() for e in sy.values())
     return 1 if failed else 0

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields
 
 # Display order. "torch.load(mmap)" is a load-only variant reading torch.save's file.
+# "floor" is not a product: the physical limit of an operation (raw tensor bytes written
+# to one file and fsynced, or read back with preadv), measured like a peer.
+FLOOR = "floor"
 SYSTEMS = [
     "ckptstore",
     "torch.save",
@@ -18,8 +21,10 @@ SYSTEMS = [
     "rb.dumps",
     "torchrl.Checkpoint",
     "dcp",
+    FLOOR,
 ]
-PEERS = [s for s in SYSTEMS if s != "ckptstore"]
+PEERS = [s for s in SYSTEMS if s != "ckptstore"]  # ratios ckptstore / X are computed for each (the floor included)
+FLOOR_LABEL = "floor (physical limit)"
 
 MIB = 1 << 20
 
@@ -32,6 +37,7 @@ class Sizes:
     w1_obs_dim: int = 1024  # float32 observation width (4 KiB rows)
     w1_change: float = 0.01  # fraction of rows (and their priorities) rewritten before the 2nd save
     w2_mib: float = 512.0  # raw bytes of 84x84 uint8 frames (plus action/reward columns); nominal W2 is 1024
+    w2_noise: float = 0.0  # fraction of pixels nudged by -3..3 (0: deterministic renders, like ALE; > 0: a stress case)
     w3_capacity: int = 1_000_000  # LazyMemmapStorage capacity (the seed example)
     w3_extends: int = 100
     w3_rows: int = 100
@@ -95,12 +101,13 @@ class Workload:
 
 _FLAT = "stores flat tensors only: restoring a replay buffer from them needs custom code"
 _MMAP_SAVE = "load-only variant (reads torch.save's file)"
+_FLOOR_FULL = "floor measured for full saves only (see save: every peer rewrites everything here)"
 
 WORKLOADS: dict[str, Workload] = {
     "w1": Workload(
         name="w1",
         title="W1: {w1_mib:g} MiB prioritized replay buffer (LazyTensorStorage, randn float32 obs x {w1_obs_dim}), {w1_change:.0%} rows changed",
-        save_systems=["ckptstore", "torch.save", "safetensors", "tensordict.memmap", "rb.dumps", "torchrl.Checkpoint", "dcp"],
+        save_systems=["ckptstore", "torch.save", "safetensors", "tensordict.memmap", "rb.dumps", "torchrl.Checkpoint", "dcp", FLOOR],
         save_ops=["save", "save_after_change", "save_unchanged"],
         load_ops=["load", "load_into_existing", "load_sampler_only"],
         variants={"torch.save": ["torch.save", "torch.load(mmap)"]},
@@ -109,13 +116,16 @@ WORKLOADS: dict[str, Workload] = {
             ("load_into_existing", "tensordict.memmap"): _FLAT,
             ("load_into_existing", "dcp"): _FLAT,
             ("load_sampler_only", "torchrl.Checkpoint"): "restores whole registered components only (here the whole replay buffer)",
+            ("save_after_change", FLOOR): _FLOOR_FULL,
+            ("save_unchanged", FLOOR): _FLOOR_FULL,
+            ("load_sampler_only", FLOOR): "floor measured for whole-state loads only",
         },
         shared_data=True,
     ),
     "w2": Workload(
         name="w2",
-        title="W2: {w2_mib:g} MiB of Atari-like 84x84 uint8 frames (compressible), first save",
-        save_systems=["ckptstore", "torch.save", "safetensors", "tensordict.memmap", "rb.dumps", "torchrl.Checkpoint", "dcp"],
+        title="W2: {w2_mib:g} MiB of Atari-like 84x84 uint8 frames (pixel noise {w2_noise:.1%}), first save",
+        save_systems=["ckptstore", "torch.save", "safetensors", "tensordict.memmap", "rb.dumps", "torchrl.Checkpoint", "dcp", FLOOR],
         save_ops=["save"],
         na={("save", "torch.load(mmap)"): "load-only variant; W2 measures saves only"},
         shared_data=True,
@@ -138,7 +148,7 @@ WORKLOADS: dict[str, Workload] = {
     "w5": Workload(
         name="w5",
         title="W5: MLP policy ({w5_params:,} params) + Adam after one update",
-        save_systems=["ckptstore", "torch.save", "safetensors", "dcp", "torchrl.Checkpoint"],
+        save_systems=["ckptstore", "torch.save", "safetensors", "dcp", "torchrl.Checkpoint", FLOOR],
         save_ops=["save"],
         load_ops=["load"],
         variants={"torch.save": ["torch.save", "torch.load(mmap)"]},
@@ -161,5 +171,6 @@ DATA_OF = {"w1": "w1", "w2": "w2", "async": "w1"}
 # Metric directions for compare.py: higher is better for these; lower for the rest;
 # INFO metrics are context, never compared.
 HIGHER_IS_BETTER = {"throughput_gbps"}
-INFO_METRICS = {"logical_bytes", "rss_before", "sampler_stored_bytes", "resident_before", "commits", "changed_rows",
-                "prealloc_copy_s", "peak_rss_lifetime"}
+INFO_METRICS = {"logical_bytes", "rss_before", "rss_baseline", "rss_file_growth_before", "sampler_stored_bytes", "resident_before",
+                "commits", "changed_rows", "prealloc_copy_s", "prealloc_copy_tensors_s", "call_over_row_copy", "call_over_tensor_copy",
+                "peak_rss_lifetime"}

@@ -35,8 +35,8 @@ from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler
 import ckptstore
 import ckptstore.adapters.torchrl  # imported up front like every peer module (ckptstore imports it lazily)
 
-from .measure import apparent_size, evict_tree, fsync_tree, measure, resident_fraction, touch
-from .spec import MIB, Sizes
+from .measure import apparent_size, evict_tree, fsync_tree, measure, read_raw_into, resident_fraction, set_rss_baseline, touch, write_raw
+from .spec import FLOOR, MIB, Sizes
 
 # --- shared data (generated once per run, mapped by every child) ------------------------
 
@@ -111,9 +111,10 @@ def gen_w1(s: Sizes, root: Path) -> dict:
 FRAME = 84
 
 
-def _frames(a: int, b: int, g: torch.Generator) -> torch.Tensor:
+def _frames(a: int, b: int, g: torch.Generator, noise: float = 0.0) -> torch.Tensor:
     """Atari-like frames: banded background, scrolling pillars, a moving sprite, a black
-    score bar, and 2% of the pixels nudged by -3..3 (so no two frames are identical)."""
+    score bar. ``noise``: fraction of the pixels nudged by -3..3 (0 by default: ALE
+    renders are deterministic, with no pixel noise; > 0 is a stress case)."""
     t = torch.arange(a, b, dtype=torch.float32)
     y = torch.arange(FRAME)
     bands = (40 + 20 * ((y // 12) % 3)).to(torch.uint8)[:, None].expand(FRAME, FRAME)
@@ -125,7 +126,9 @@ def _frames(a: int, b: int, g: torch.Generator) -> torch.Tensor:
     frame.masked_fill_(sprite, 200)
     frame[:, :8, :] = 0  # score bar
     flat = frame.view(-1)
-    k = int(0.02 * flat.numel())
+    k = int(noise * flat.numel())
+    if k <= 0:
+        return frame
     pos = torch.randint(0, flat.numel(), (k,), generator=g)
     flat[pos] = (flat[pos].to(torch.int16) + torch.randint(-3, 4, (k,), generator=g, dtype=torch.int16)).clamp_(0, 255).to(torch.uint8)
     return frame
@@ -135,10 +138,10 @@ def gen_w2(s: Sizes, root: Path) -> dict:
     n = max(16, int(s.w2_mib * MIB // (FRAME * FRAME + 8 + 4 + 8)))
     g = torch.Generator().manual_seed(2)
     w = _Writer(root)
-    w.write("pixels", _chunked(n, 2048, lambda a, b: _frames(a, b, g)), (n, FRAME, FRAME), torch.uint8)
+    w.write("pixels", _chunked(n, 2048, lambda a, b: _frames(a, b, g, s.w2_noise)), (n, FRAME, FRAME), torch.uint8)
     w.write("action", [torch.randint(0, 18, (n,), generator=g)], (n,), torch.int64)
     w.write("reward", [(torch.rand(n, generator=g) < 0.05).float()], (n,), torch.float32)
-    return w.close(rows=n)
+    return w.close(rows=n, noise=s.w2_noise)
 
 
 def task_gen(task: dict) -> dict:
@@ -220,7 +223,52 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def peer_path(system: str, out: Path, name: str) -> Path:
     base = out / "saves" / name
-    return {"torch.save": base.with_suffix(".pt"), "torch.load(mmap)": base.with_suffix(".pt"), "safetensors": base.with_suffix(".safetensors")}.get(system, base)
+    return {"torch.save": base.with_suffix(".pt"), "torch.load(mmap)": base.with_suffix(".pt"), "safetensors": base.with_suffix(".safetensors"),
+            FLOOR: base.with_suffix(".bin")}.get(system, base)
+
+
+# --- physical floors: raw tensor bytes in one file ----------------------------------------------
+
+
+def raw_bytes(t: torch.Tensor):
+    """A contiguous tensor's bytes as a flat uint8 numpy array sharing its memory."""
+    t = t.detach()
+    if not t.is_contiguous():
+        raise ValueError("floor buffers must be contiguous")
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def layout(named: list[tuple[str, torch.Tensor]]) -> list[list]:
+    """``[name, shape, dtype]`` of each tensor a floor wrote, in file order (kept in info.json)."""
+    return [[k, list(t.shape), str(t.dtype).removeprefix("torch.")] for k, t in named]
+
+
+def from_layout(lay: list[list], zeros: bool) -> list[torch.Tensor]:
+    """Tensors for a floor file: ``torch.empty`` (fresh, untouched) or ``torch.zeros`` (resident)."""
+    make = torch.zeros if zeros else torch.empty
+    return [make(tuple(shape), dtype=getattr(torch, dt)) for _, shape, dt in lay]
+
+
+def floor_save(p: Path, named: list[tuple[str, torch.Tensor]]) -> int:
+    """The floor of a durable save: the tensors' raw bytes into one file, fsync it and its folder."""
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return write_raw(p, [raw_bytes(t) for _, t in named])
+
+
+def floor_load(p: Path, tensors: list[torch.Tensor]) -> None:
+    """The floor of a load: ``os.preadv`` of the raw file into ``tensors``, then every page touched."""
+    read_raw_into(p, [raw_bytes(t) for t in tensors])
+    touch(tensors)
+
+
+def rb_floor_tensors(rb) -> list[tuple[str, torch.Tensor]]:
+    """What a replay buffer's floor writes: every column of the written rows, then the two
+    priority trees (every leaf, read out of TorchRL's segment trees before the timed window)."""
+    named = [("storage." + (".".join(k) if isinstance(k, tuple) else k), v)
+             for k, v in rows(rb).items(include_nested=True, leaves_only=True)]
+    sampler = sampler_state(rb.sampler)
+    named += [(f"sampler.{k}", sampler[k]) for k in ("sum_tree", "min_tree") if k in sampler]
+    return named
 
 
 def disk_root(system: str, out: Path) -> Path:
@@ -326,6 +374,14 @@ def w1_save(task: dict) -> list[dict]:
     rb = w1_build(data)
     logical = tensor_bytes(rows(rb)) + sampler_logical(rb.sampler)
     out.mkdir(parents=True, exist_ok=True)
+    if system == FLOOR:
+        named = rb_floor_tensors(rb)
+        assert tensor_bytes([t for _, t in named]) == logical
+        p = peer_path(FLOOR, out, "s1")
+        _, m = measure(lambda: floor_save(p, named), logical_bytes=logical, disk_path=disk_root(system, out))
+        info = {"latest": "s1", "logical": logical, "sampler_logical": sampler_logical(rb.sampler), "layout": layout(named)}
+        (out / "info.json").write_text(json.dumps(info))
+        return [{"op": "save", "metrics": m}]
     store = ckptstore.Store(out / "store") if system == "ckptstore" else None
     results = []
     for op, name in (("save", "s1"), ("save_after_change", "s2"), ("save_unchanged", "s3")):
@@ -353,6 +409,9 @@ def w1_load(task: dict):
         target = w1_rb(n) if system in ("rb.dumps", "torchrl.Checkpoint") else None
 
         def fn():
+            if system == FLOOR:  # into freshly allocated tensors
+                floor_load(p, from_layout(info["layout"], zeros=False))
+                return {}
             if system == "ckptstore":
                 store = open_store(out)
                 td = store.checkout("latest")
@@ -379,6 +438,14 @@ def w1_load(task: dict):
         return fn, info["logical"]
 
     if op == "load_into_existing":
+        if system == FLOOR:  # into tensors allocated and zeroed (resident) beforehand
+            existing = from_layout(info["layout"], zeros=True)
+
+            def fn():
+                floor_load(p, existing)
+                return {}
+
+            return fn, info["logical"]
         target = w1_existing(data)
 
         def fn():
@@ -438,7 +505,13 @@ def w2_save(task: dict) -> list[dict]:
     logical = tensor_bytes(rows(rb))
     out.mkdir(parents=True, exist_ok=True)
     store = ckptstore.Store(out / "store") if system == "ckptstore" else None
-    extra, m = measure(lambda: save_rb(system, rb, out, "s1", store), logical_bytes=logical, disk_path=disk_root(system, out), keep=True)
+    if system == FLOOR:  # the frames' (and the other columns') raw bytes, durable
+        named = rb_floor_tensors(rb)
+        assert tensor_bytes([t for _, t in named]) == logical
+        _, m = measure(lambda: floor_save(peer_path(FLOOR, out, "s1"), named), logical_bytes=logical, disk_path=disk_root(system, out))
+        extra = {}
+    else:
+        extra, m = measure(lambda: save_rb(system, rb, out, "s1", store), logical_bytes=logical, disk_path=disk_root(system, out), keep=True)
     m.update(extra)
     m["stored_over_logical"] = m["bytes_written"] / logical
     if store is not None:
@@ -607,6 +680,31 @@ def w5_unflat(policy, optim, tensors: dict[str, torch.Tensor], meta: dict[str, s
     optim.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
 
 
+def w5_floor_tensors(policy, optim) -> list[tuple[str, torch.Tensor]]:
+    """What W5's floor writes: the parameters, then every optimizer state tensor (w5_flat's order)."""
+    tensors, _ = w5_flat(policy, optim)
+    return list(tensors.items())
+
+
+def w5_floor_restore(policy, optim, lay: list[list], p: Path) -> None:
+    """W5's load floor: preadv straight into the policy's parameters (they exist) and into
+    freshly allocated optimizer state tensors, which then become the optimizer's state."""
+    params = policy.state_dict()  # detached views of the parameters: reading into them restores them
+    groups = [q for g in optim.param_groups for q in g["params"]]
+    targets, state = [], {}
+    for name, shape, dt in lay:
+        if name.startswith("policy."):
+            targets.append(params[name[len("policy."):]])
+        else:
+            pid, key = name[len("optim.state."):].split(".", 1)
+            t = torch.empty(tuple(shape), dtype=getattr(torch, dt))
+            state.setdefault(int(pid), {})[key] = t
+            targets.append(t)
+    read_raw_into(p, [raw_bytes(t) for t in targets])
+    for pid, st in state.items():
+        optim.state[groups[pid]] = st
+
+
 def w5_logical(policy, optim) -> int:
     return tensor_bytes(dict(policy.state_dict())) + tensor_bytes([dict(s) for s in optim.state_dict()["state"].values()])
 
@@ -619,8 +717,16 @@ def w5_save(task: dict) -> list[dict]:
     store = ckptstore.Store(out / "store") if system == "ckptstore" else None
     p = peer_path(system, out, "s1")
     p.parent.mkdir(parents=True, exist_ok=True)
+    info = {"latest": "s1", "logical": logical}
+    if system == FLOOR:
+        named = w5_floor_tensors(policy, optim)
+        assert tensor_bytes([t for _, t in named]) == logical
+        info["layout"] = layout(named)
 
     def fn():
+        if system == FLOOR:
+            floor_save(p, named)
+            return
         if system == "ckptstore":
             store.commit({"policy": policy, "optim": optim}, tag="latest")
             return
@@ -639,7 +745,7 @@ def w5_save(task: dict) -> list[dict]:
     _, m = measure(fn, logical_bytes=logical, disk_path=disk_root(system, out))
     if store is not None:
         store.close()
-    (out / "info.json").write_text(json.dumps({"latest": "s1", "logical": logical}))
+    (out / "info.json").write_text(json.dumps(info))
     return [{"op": "save", "metrics": m}]
 
 
@@ -651,7 +757,9 @@ def w5_load(task: dict):
 
     def fn():
         extra = {}
-        if system == "ckptstore":
+        if system == FLOOR:
+            w5_floor_restore(policy, optim, info["layout"], p)
+        elif system == "ckptstore":
             store = open_store(out)
             store.checkout("latest", into={"policy": policy, "optim": optim})
             extra = {"store_io_bytes_read": store.io.bytes_read}
@@ -697,6 +805,44 @@ def _resolve(fut: Any) -> Any:
     return fut
 
 
+def copy_floors(rb, idx: torch.Tensor) -> tuple[float, float]:
+    """The async workload's floors: copies into memory allocated and zeroed (so resident)
+    beforehand, as a snapshot's reused buffers are. Returns (rows, tensors) in seconds.
+
+    rows: the changed rows of every column (``index_select``) and both priority trees, the
+    least a row-level snapshot does. tensors: every tensor that changed (each whole storage
+    column, all of which had rows rewritten) and both trees, with ``Tensor.copy_``, the
+    least a tensor-level snapshot does. The buffers are freed before returning."""
+    cols = dict(rb.storage._storage.items(include_nested=True, leaves_only=True))
+    cap = rb.sampler._max_capacity
+    trees = [torch.zeros(cap, dtype=rb.sampler.dtype) for _ in range(2)]
+
+    def copy_trees():
+        all_idx = torch.arange(cap)
+        trees[0].copy_(torch.as_tensor(rb.sampler._sum_tree[all_idx]))
+        trees[1].copy_(torch.as_tensor(rb.sampler._min_tree[all_idx]))
+
+    def copy_rows(bufs):
+        for k, b in bufs.items():
+            torch.index_select(cols[k], 0, idx, out=b)
+        copy_trees()
+
+    def copy_tensors(bufs):
+        for k, b in bufs.items():
+            b.copy_(cols[k])
+        copy_trees()
+
+    row_bufs = {k: torch.zeros((len(idx),) + tuple(v.shape[1:]), dtype=v.dtype) for k, v in cols.items()}
+    _, mr = measure(lambda: copy_rows(row_bufs), logical_bytes=tensor_bytes(row_bufs) + tensor_bytes(trees))
+    row_bufs.clear()
+    col_bufs = {k: torch.zeros_like(v) for k, v in cols.items()}
+    _, mt = measure(lambda: copy_tensors(col_bufs), logical_bytes=tensor_bytes(col_bufs) + tensor_bytes(trees))
+    col_bufs.clear()
+    trees.clear()
+    gc.collect()
+    return mr["wall_s"], mt["wall_s"]
+
+
 def async_save(task: dict) -> list[dict]:
     if not hasattr(ckptstore.Store, "commit_async"):
         return [{"op": "commit_async", "status": "not available", "reason": "ckptstore.Store has no commit_async"}]
@@ -717,21 +863,7 @@ def async_save(task: dict) -> list[dict]:
     # with the snapshot buffers of the first one reused: the steady state of a training loop.
     idx = w1_change(rb, data)
     logical = tensor_bytes(rows(rb)) + sampler_logical(rb.sampler)
-    # Baseline: copy what changed (the rewritten rows of every column and both priority
-    # trees) into memory allocated beforehand: the least a snapshot must do.
-    src = rows(rb)
-    bufs = {k: torch.empty((len(idx),) + tuple(v.shape[1:]), dtype=v.dtype) for k, v in src.items(include_nested=True, leaves_only=True)}
-    cap = rb.sampler._max_capacity
-    trees = [torch.empty(cap, dtype=rb.sampler.dtype) for _ in range(2)]
-
-    def copy():
-        for k, b in bufs.items():
-            torch.index_select(src.get(k), 0, idx, out=b)
-        all_idx = torch.arange(cap)
-        trees[0].copy_(torch.as_tensor(rb.sampler._sum_tree[all_idx]))
-        trees[1].copy_(torch.as_tensor(rb.sampler._min_tree[all_idx]))
-
-    _, mc = measure(copy, logical_bytes=tensor_bytes(bufs) + tensor_bytes(trees))
+    row_copy_s, tensor_copy_s = copy_floors(rb, idx)  # their buffers are freed again before the measured call
     box: dict = {}
 
     def call():
@@ -746,7 +878,10 @@ def async_save(task: dict) -> list[dict]:
     m["wall_s"] = box["returned"]
     m["throughput_gbps"] = logical / box["resolved"] / 1e9  # of the whole commit (call to resolved future)
     m["resolve_s"] = box["resolved"]
-    m["prealloc_copy_s"] = mc["wall_s"]
+    m["prealloc_copy_s"] = row_copy_s
+    m["prealloc_copy_tensors_s"] = tensor_copy_s
+    m["call_over_row_copy"] = box["returned"] / row_copy_s
+    m["call_over_tensor_copy"] = box["returned"] / tensor_copy_s
     m["first_call_s"] = first_call
     m["first_resolve_s"] = first_resolve
     m["changed_rows"] = len(idx)
@@ -785,6 +920,7 @@ def child_main(task: dict, conn) -> None:
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")
     gc.freeze()  # the imported libraries' objects: keeps gc.collect() before each measurement cheap
+    set_rss_baseline()  # right after the imports (done by the fork server, or by child.entry), before any state
     try:
         result = TASKS[task["kind"]](task)
         conn.send({"ok": True, "result": result})

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import compare
-from benchmarks.spec import SYSTEMS, WORKLOADS
+from benchmarks.measure import read_raw_into, write_raw
+from benchmarks.spec import FLOOR, PEERS, SYSTEMS, WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,8 +54,11 @@ def test_smoke_results_cover_every_entry(smoke: Path):
                 m = {k: v["median"] for k, v in e["metrics"].items()}
                 for k, v in e["metrics"].items():
                     assert v["min"] <= v["median"] <= v["max"], (where, k)
-                for k in ("wall_s", "throughput_gbps", "logical_bytes", "peak_rss", "rss_before"):
+                for k in ("wall_s", "throughput_gbps", "logical_bytes", "peak_rss", "rss_before", "rss_baseline"):
                     assert m[k] > 0, (where, k, m.get(k))
+                # memory beyond the state: peak - the child's RSS after its imports - the state's bytes
+                assert m["peak_rss_over_state"] == m["peak_rss"] - m["rss_baseline"] - m["logical_bytes"], where
+                assert m["rss_baseline"] < m["peak_rss"], where
                 if op.startswith("load"):
                     assert m["bytes_read"] >= 0, where
                     if m.get("resident_before", 1.0) < 0.5:  # the eviction worked (not on tmpfs): cold reads are counted
@@ -64,11 +68,31 @@ def test_smoke_results_cover_every_entry(smoke: Path):
                     assert m["bytes_written"] >= floor, (where, m["bytes_written"])
     r = doc["results"]
     assert r["w2"]["save"]["ckptstore"]["metrics"]["stored_over_logical"]["median"] > 0
+    assert doc["meta"]["sizes"]["w2_noise"] == 0.0 and doc["meta"]["data"]["w2"]["noise"] == 0.0 and "w2_noise" in doc["meta"]
     assert r["w1"]["load_sampler_only"]["ckptstore"]["metrics"]["sampler_stored_bytes"]["median"] > 0
     for system in ("ckptstore", "rb.dumps"):
         m = r["w4"]["rolling_commit"][system]["metrics"]
         assert m["store_bytes"]["median"] > 0 and m["commits"]["median"] == doc["meta"]["sizes"]["w4_commits"]
-    # ratios: ckptstore median / peer median for every measured peer
+    # the physical floor: measured where defined, n/a with a reason elsewhere, not hidden behind errors
+    assert FLOOR in PEERS and "floor" in doc["meta"]
+    measured = {(wl, op) for wl, ops in r.items() for op, sy in ops.items() if sy[FLOOR]["status"] == "ok"}
+    assert measured == {("w1", "save"), ("w1", "load"), ("w1", "load_into_existing"), ("w2", "save"), ("w5", "save"), ("w5", "load")}
+    for wl, op in measured:
+        fm = r[wl][op][FLOOR]["metrics"]
+        if not op.startswith("load"):  # raw bytes, durable: it writes at least the logical bytes
+            assert fm["bytes_written"]["median"] >= fm["logical_bytes"]["median"], (wl, op)
+        for system, e in r[wl][op].items():  # every measured system / the floor
+            if system != FLOOR and e["status"] == "ok":
+                got = doc["floor_ratios"][wl][op][system]["wall_s"]
+                assert got == pytest.approx(e["metrics"]["wall_s"]["median"] / fm["wall_s"]["median"]), (wl, op, system)
+    # async: both copy floors and the call's ratio to each
+    a = r["async"]["commit_async"]["ckptstore"]
+    if a["status"] == "ok":
+        am = {k: v["median"] for k, v in a["metrics"].items()}
+        assert 0 < am["prealloc_copy_s"] and 0 < am["prealloc_copy_tensors_s"]
+        assert am["call_over_row_copy"] == pytest.approx(am["wall_s"] / am["prealloc_copy_s"])
+        assert am["call_over_tensor_copy"] == pytest.approx(am["wall_s"] / am["prealloc_copy_tensors_s"])
+    # ratios: ckptstore median / peer median for every measured peer (the floor included)
     for wl, ops in r.items():
         for op, systems in ops.items():
             if systems["ckptstore"]["status"] != "ok":
@@ -109,3 +133,17 @@ def test_compare_passes_identical_and_flags_worse(smoke: Path, tmp_path: Path, c
     del better["results"]["w5"]["load"]["dcp"]
     path.write_text(json.dumps(better))
     assert compare.main([str(path), str(smoke)]) == 1
+
+
+def test_raw_floor_io_round_trips(tmp_path: Path):
+    import numpy as np
+
+    bufs = [np.arange(100_000, dtype=np.float32), np.array([True, False, True]), np.arange(7, dtype=np.int64)]
+    path = tmp_path / "raw.bin"
+    assert write_raw(path, bufs) == sum(b.nbytes for b in bufs) == path.stat().st_size
+    back = [np.empty_like(b) for b in bufs]
+    assert read_raw_into(path, back) == path.stat().st_size
+    for a, b in zip(bufs, back):
+        assert np.array_equal(a, b)
+    with pytest.raises(EOFError):
+        read_raw_into(path, [np.empty(path.stat().st_size + 1, dtype=np.uint8)])
