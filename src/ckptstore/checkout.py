@@ -30,11 +30,11 @@ _INLINE_BYTES = 4 << 20  # below this, reading in threads costs more than it sav
 class BlobReader:
     """Reads tensor leaves of one commit for one checkout, in threads."""
 
-    def __init__(self, store: Store, cid: str, verify: bool):
+    def __init__(self, store: Store, cid: str, verify: bool, sparse: bool = False):
         self.store = store
         self.cid = cid
         self.verify = verify
-        self.packs = PackReader(store.root)
+        self.packs = PackReader(store.root, sparse)
 
     def lazy(self, rec: LeafRecord) -> LazyTensor:
         where = f"commit {self.cid[:12]}, leaf {rec.path}"

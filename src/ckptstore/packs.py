@@ -225,8 +225,9 @@ class PackReader:
     cached per pack; ``pread`` makes concurrent reads from threads safe.
     """
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, sparse: bool = False):
         self.root = root
+        self.sparse = sparse  # reading a few blobs: no readahead past them
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self.blobs_read = 0
@@ -238,6 +239,8 @@ class PackReader:
             if fd is None:
                 try:
                     fd = os.open(pack_path(self.root, pack), os.O_RDONLY)
+                    if self.sparse:
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 except FileNotFoundError:
                     raise BlobMissingError(f"{where}: pack file {pack}.pack is missing") from None
                 self._fds[pack] = fd
