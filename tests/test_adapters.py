@@ -304,7 +304,7 @@ print(json.dumps(streams(g, tg, rb)))
     assert __import__("json").loads(proc.stdout.strip().splitlines()[-1]) == reference
     with ckptstore.Store(tmp_path / "s") as s:  # a deleted record is an error naming it, never a silent skip
         with s.catalog.write():
-            s.catalog.conn.execute("DELETE FROM shards WHERE commit_id = ? AND path = 'rng/numpy/key'", (cid,))
+            s.catalog.conn.execute("DELETE FROM shards WHERE leaf_id = (SELECT id FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key')", (cid,))
             s.catalog.conn.execute("DELETE FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key'", (cid,))
         with pytest.raises(ckptstore.errors.MissingLeafError, match="rng/numpy/key"):
             s.checkout("rng", into={"rng": ckptstore.RNGState()}, partial=["rng"])

@@ -24,7 +24,8 @@ def layers(changed: int, value: float) -> dict:
 
 
 def blob_ids(store, ref) -> set[int]:
-    return {r["blob_id"] for r in store.catalog.rows("SELECT blob_id FROM shards WHERE commit_id = ?", (store.resolve(ref),))}
+    return {r["blob_id"] for r in store.catalog.rows(
+        "SELECT s.blob_id FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE l.commit_id = ?", (store.resolve(ref),))}
 
 
 def test_durations_and_bad_arguments(store):
@@ -179,7 +180,8 @@ def test_fsck_orphans_are_reported_not_errors(store):
 def test_deleted_pack_and_bad_header(store):
     store.commit({"a": torch.randn(1000), "b": torch.randn(1000)}, tag="t")
     rows = {r["path"]: r for r in store.catalog.rows(
-        "SELECT s.path, b.* FROM shards s JOIN blobs b ON b.id = s.blob_id WHERE s.commit_id = ?", (store.resolve("t"),))}
+        "SELECT l.path, b.* FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ?",
+        (store.resolve("t"),))}
     pack = store.root / "blobs" / rows["a"]["pack"][:2] / f"{rows['a']['pack']}.pack"
     raw = bytearray(pack.read_bytes())
     raw[rows["a"]["offset"] + 5] = 7  # codec byte of a's blob header

@@ -60,7 +60,7 @@ def test_missing_numpy_record_is_an_error_not_a_silent_skip(store):
     store.commit({"rng": ckptstore.RNGState()}, tag="rng")
     cid = store.resolve("rng")
     with store.catalog.write():
-        store.catalog.conn.execute("DELETE FROM shards WHERE commit_id = ? AND path = 'rng/numpy/key'", (cid,))
+        store.catalog.conn.execute("DELETE FROM shards WHERE leaf_id = (SELECT id FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key')", (cid,))
         store.catalog.conn.execute("DELETE FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key'", (cid,))
     state_before = torch.get_rng_state()
     with pytest.raises(MissingLeafError, match="rng/numpy/key"):

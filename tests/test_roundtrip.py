@@ -134,8 +134,8 @@ def test_c08_zero_element_tensors_keep_key_shape_dtype(store, tmp_path):
         assert isinstance(back, TensorDict)
         for key in ("empty", "e3", ("sub", "e"), "x"):
             assert_bit_equal(back[key], td[key])
-    rows = store.catalog.rows("SELECT l.path, b.hash, b.raw_len FROM shards s JOIN blobs b ON b.id = s.blob_id JOIN leaves l "
-                              "ON l.commit_id = s.commit_id AND l.path = s.path WHERE l.nbytes = 0")
+    rows = store.catalog.rows("SELECT l.path, b.hash, b.raw_len FROM leaves l JOIN shards s ON s.leaf_id = l.id "
+                              "JOIN blobs b ON b.id = s.blob_id WHERE l.nbytes = 0")
     assert len(rows) == 3 and len({bytes(r["hash"]) for r in rows}) == 1 and {r["raw_len"] for r in rows} == {0}
     other.close()
 

@@ -31,7 +31,7 @@ from .errors import CatalogBusyError, CatalogCorruptError, SchemaVersionError, S
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 10_000
 BUSY_RETRIES = 6
-_CHUNK = 500  # bound on SQL variables per statement
+_CHUNK = 4000  # bound on SQL variables per statement (SQLite allows 32766)
 
 
 @dataclass(frozen=True)
@@ -79,18 +79,19 @@ def _v1(db: sqlite_utils.Database) -> None:
     )
     db["leaves"].create(
         {
-            "commit_id": str, "path": str, "component": str, "kind": str,
+            "id": int, "commit_id": str, "path": str, "component": str, "kind": str,
             "dtype": str, "shape": str, "stride": str, "nbytes": int, "shard_bytes": int, "value": str,
         },
-        pk=("commit_id", "path"),
+        pk="id",
         foreign_keys=[("commit_id", "commits", "id")],
-        not_null={"component", "kind", "nbytes"},
+        not_null={"commit_id", "path", "component", "kind", "nbytes"},
     )
-    db["shards"].create(
-        {"commit_id": str, "path": str, "seq": int, "blob_id": int},
-        pk=("commit_id", "path", "seq"),
-        foreign_keys=[("commit_id", "commits", "id"), ("blob_id", "blobs", "id")],
-        not_null={"blob_id"},
+    db["leaves"].create_index(["commit_id", "path"], unique=True)
+    # One row per shard of every commit: kept narrow (integer keys, no rowid) since a
+    # commit of a large buffer writes thousands of them, unchanged shards included.
+    db.execute(
+        "CREATE TABLE shards (leaf_id INTEGER NOT NULL REFERENCES leaves(id), seq INTEGER NOT NULL, "
+        "blob_id INTEGER NOT NULL REFERENCES blobs(id), PRIMARY KEY (leaf_id, seq)) WITHOUT ROWID"
     )
     db["shards"].create_index(["blob_id"])
     db["tags"].create(

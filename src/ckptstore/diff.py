@@ -46,7 +46,8 @@ def _leaves(store, cid: str) -> dict[str, dict]:
     rows = store.catalog.rows("SELECT path, kind, dtype, shape, stride, value FROM leaves WHERE commit_id = ?", (cid,))
     out = {r["path"]: {**dict(r), "blobs": []} for r in rows}
     for r in store.catalog.rows(
-        "SELECT s.path, s.blob_id, b.raw_len FROM shards s JOIN blobs b ON b.id = s.blob_id WHERE s.commit_id = ? ORDER BY s.path, s.seq",
+        "SELECT l.path, s.blob_id, b.raw_len FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
+        "WHERE l.commit_id = ? ORDER BY l.path, s.seq",
         (cid,),
     ):
         out[r["path"]]["blobs"].append((r["blob_id"], r["raw_len"]))

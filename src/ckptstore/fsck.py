@@ -78,13 +78,13 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         leaves = cat.rows(f"SELECT commit_id, path, dtype, shape, nbytes, shard_bytes, kind FROM leaves {where}", params)
         shards: dict[tuple[str, str], list] = {}
         for r in cat.rows(
-            f"SELECT s.commit_id, s.path, s.seq, b.* FROM shards s JOIN blobs b ON b.id = s.blob_id {where.replace('commit_id', 's.commit_id')} "
-            "ORDER BY s.commit_id, s.path, s.seq",
+            f"SELECT l.commit_id, l.path, s.seq, b.* FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
+            f"{where.replace('commit_id', 'l.commit_id')} ORDER BY l.commit_id, l.path, s.seq",
             params,
         ):
             shards.setdefault((r["commit_id"], r["path"]), []).append(r)
         blob_rows = (
-            cat.rows("SELECT * FROM blobs WHERE id IN (SELECT blob_id FROM shards WHERE commit_id = ?)", params)
+            cat.rows("SELECT * FROM blobs WHERE id IN (SELECT s.blob_id FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE l.commit_id = ?)", params)
             if commit else cat.rows("SELECT * FROM blobs")
         )
         packs = {r["id"]: r for r in cat.rows("SELECT * FROM packs")}

@@ -178,7 +178,8 @@ class Collector:
                     report.dropped += victims
                     break
                 batch = victims[:_BATCH_COMMITS]
-                for table in ("shards", "leaves", "components", "parents"):
+                self.cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", batch)
+                for table in ("leaves", "components", "parents"):
                     self.cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", batch)
                 self.cat.chunked("DELETE FROM commits WHERE id IN ({})", batch)
                 report.dropped += batch
@@ -197,7 +198,7 @@ class Collector:
                 self.cat.conn.executemany("INSERT INTO gc_dropped VALUES (?)", [(c,) for c in report.dropped])
                 row = self.cat.rows(
                     "SELECT COUNT(*) AS n, COALESCE(SUM(stored_len + ?), 0) AS bytes FROM blobs b WHERE created_at < ? AND NOT EXISTS "
-                    "(SELECT 1 FROM shards s WHERE s.blob_id = b.id AND s.commit_id NOT IN (SELECT id FROM gc_dropped))",
+                    "(SELECT 1 FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE s.blob_id = b.id AND l.commit_id NOT IN (SELECT id FROM gc_dropped))",
                     (BLOB_HEADER.size, cutoff),
                 )[0]
             report.blobs_deleted, report.blob_bytes = row["n"], row["bytes"]

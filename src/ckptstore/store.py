@@ -23,6 +23,7 @@ A crash before step 4 commits leaves only orphan pack files, which GC removes.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import time
 import weakref
@@ -573,13 +574,12 @@ class Store:
                 current = {r["name"]: r["commit_id"] for r in self.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
                 parents = list(dict.fromkeys(current[t] for t in tags if t in current))
             manifest = [
-                [r.path, r.component, r.kind, r.dtype, list(r.shape) if r.shape is not None else None, r.stride, r.value,
-                 [address(d, n) for d, n in keys_of] if r.kind == "tensor" else None]
+                [r.path, r.component, r.kind, r.dtype, r.shape, r.stride, r.value, " ".join(address(d, n) for d, n in keys_of)]
                 for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys))
             ]
-            record = jsonvalue.dumps(
-                [parents, created_at, message, meta_json, [[c.path, c.adapter, c.version, c.meta] for c in components], manifest]
-            )
+            components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]
+            # plain json (no tagging needed: every field is already a string, number or list of them)
+            record = json.dumps([parents, created_at, message, meta_json, components_json, manifest], separators=(",", ":"))
             cid = digest(record.encode()).hex()
             seconds = time.perf_counter() - t0
             new_bytes = sum(n for _, n in written)
@@ -590,8 +590,8 @@ class Store:
             })
             db["parents"].insert_all({"commit_id": cid, "position": i, "parent_id": p} for i, p in enumerate(parents))
             db["components"].insert_all(
-                {"commit_id": cid, "path": c.path, "adapter": c.adapter, "version": c.version, "meta": jsonvalue.dumps(c.meta, c.path)}
-                for c in components
+                {"commit_id": cid, "path": c.path, "adapter": c.adapter, "version": c.version, "meta": meta}
+                for c, (_, _, _, meta) in zip(components, components_json)
             )
             run_many(
                 "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
@@ -602,9 +602,10 @@ class Store:
                     for r in leaves
                 ],
             )
+            leaf_ids = {r["path"]: r["id"] for r in self.catalog.rows("SELECT id, path FROM leaves WHERE commit_id = ?", (cid,))}
             run_many(
-                "INSERT INTO shards (commit_id, path, seq, blob_id) VALUES (?, ?, ?, ?)",
-                [(cid, r.path, s, ids[k]) for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys)) for s, k in enumerate(keys_of)],
+                "INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)",
+                [(leaf_ids[r.path], s, ids[k]) for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys)) for s, k in enumerate(keys_of)],
             )
             for t in tags:
                 self._move_tag(t, cid, "commit", created_at)
@@ -759,9 +760,9 @@ class Store:
         stats = {
             r["path"]: r
             for r in self.catalog.rows(
-                "SELECT s.path, COUNT(*) AS shards, SUM(b.stored_len + ?) AS stored, "
-                "SUM(s.blob_id IN (SELECT blob_id FROM shards WHERE commit_id = ?)) AS shared "
-                "FROM shards s JOIN blobs b ON b.id = s.blob_id WHERE s.commit_id = ? GROUP BY s.path",
+                "SELECT l.path, COUNT(*) AS shards, SUM(b.stored_len + ?) AS stored, "
+                "SUM(s.blob_id IN (SELECT s2.blob_id FROM shards s2 JOIN leaves l2 ON l2.id = s2.leaf_id WHERE l2.commit_id = ?)) AS shared "
+                "FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? GROUP BY l.path",
                 (BLOB_HEADER.size, parent, info.id),
             )
         }
@@ -899,9 +900,9 @@ class Store:
             for r in rows
         }
         shard_rows = self.catalog.rows(
-            "SELECT s.path, s.seq, b.hash, b.raw_len, b.pack, b.offset, b.stored_len, b.codec, s.blob_id AS blob_id, b.id AS present "
-            f"FROM shards s LEFT JOIN blobs b ON b.id = s.blob_id JOIN leaves l ON l.commit_id = s.commit_id AND l.path = s.path "
-            f"WHERE s.commit_id = ?{where} ORDER BY s.path, s.seq",
+            "SELECT l.path, s.seq, b.hash, b.raw_len, b.pack, b.offset, b.stored_len, b.codec, s.blob_id AS blob_id, b.id AS present "
+            "FROM leaves l JOIN shards s ON s.leaf_id = l.id LEFT JOIN blobs b ON b.id = s.blob_id "
+            f"WHERE l.commit_id = ?{where} ORDER BY l.path, s.seq",
             (cid, *params),
         )
         for r in shard_rows:
