@@ -253,16 +253,23 @@ class Catalog:
             finally:
                 self.conn.execute("ROLLBACK")
 
-    def rows(self, sql: str, params: Iterable = ()) -> list[sqlite3.Row]:
+    def rows(self, sql: str, params: Iterable = (), raw: bool = False) -> list:
+        """All result rows: ``sqlite3.Row`` objects, or plain tuples with ``raw`` (faster)."""
         with self.lock:
-            return self._retry(lambda: self.conn.execute(sql, tuple(params)).fetchall())
+            def run():
+                cursor = self.conn.cursor()
+                if raw:
+                    cursor.row_factory = None
+                return cursor.execute(sql, tuple(params)).fetchall()
 
-    def chunked(self, sql: str, values: list, extra: tuple = ()) -> list[sqlite3.Row]:
+            return self._retry(run)
+
+    def chunked(self, sql: str, values: list, extra: tuple = (), raw: bool = False) -> list:
         """Run ``sql`` (with one ``{}`` for a list of ``?``) over ``values`` in chunks."""
-        out: list[sqlite3.Row] = []
+        out: list = []
         for i in range(0, len(values), _CHUNK):
             part = values[i : i + _CHUNK]
-            out += self.rows(sql.format(",".join("?" * len(part))), (*extra, *part))
+            out += self.rows(sql.format(",".join("?" * len(part))), (*extra, *part), raw)
         return out
 
     def close(self) -> None:

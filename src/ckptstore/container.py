@@ -413,9 +413,10 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
             codec, payload = fetch(address(*key))
             return writer.append_encoded(key[0], key[1], codec, payload)
 
-        return store._commit(
+        info, _ = store._commit(
             components, records, keys, write, tags, commit["message"] if message is None else message, commit["metadata"], None, t0,
         )
+        return info
     finally:
         source.close()
 

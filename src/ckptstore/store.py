@@ -434,21 +434,26 @@ class Store:
         for shard_views in views:
             for d, mv in shard_views:
                 unique.setdefault((d, len(mv)), mv)
-        reused = {(d, len(mv)) for i in cached for d, mv in views[i]}
+        prior = {(d, len(mv)): blob for i, blobs in cached.items() for (d, mv), blob in zip(views[i], blobs)}
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
-            if key in reused and digest(unique[key]) != key[0]:  # a hash taken from the cache no longer fits the bytes
+            if key in prior and digest(unique[key]) != key[0]:  # a hash taken from the cache no longer fits the bytes
                 raise StoreWriteError(f"a tensor changed while it was being committed (blob {address(*key)}); commit again")
             return writer.append(unique[key], key[0])
 
-        info = self._commit(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0)
-        self._remember_digests(views, tokens)
+        info, ids = self._commit(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
+        self._remember_digests(views, tokens, ids)
         return info
 
-    def _commit(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0) -> CommitInfo:
-        """Steps 3 and 4 of the commit protocol; ``write(writer, key)`` writes one new blob."""
+    def _commit(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None):
+        """Steps 3 and 4 of the commit protocol; ``write(writer, key)`` writes one new blob.
+
+        ``prior`` maps addresses to blob ids believed to exist (the transaction
+        checks them). Returns the CommitInfo and every address's blob id.
+        """
         meta_json = jsonvalue.dumps(metadata, "metadata")
-        known = self._lookup(list(dict.fromkeys(keys)))
+        known = dict(prior or {})
+        known.update(self._lookup([k for k in dict.fromkeys(keys) if k not in known]))
         with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
             written: dict[tuple[bytes, int], BlobLoc] = {}
             todo = [k for k in dict.fromkeys(keys) if k not in known]
@@ -458,7 +463,7 @@ class Store:
                 writer.finish()
                 try:
                     created_at = time.time()
-                    cid, parent_ids, seconds = self._commit_txn(
+                    cid, parent_ids, seconds, ids = self._commit_txn(
                         components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0
                     )
                     break
@@ -466,7 +471,7 @@ class Store:
                     todo = gone.keys
                     for k in todo:
                         known.pop(k, None)
-        return CommitInfo(
+        info = CommitInfo(
             id=cid,
             tags=tuple(tags),
             parents=tuple(parent_ids),
@@ -480,6 +485,7 @@ class Store:
             shards_new=len(written),
             seconds=seconds,
         )
+        return info, ids
 
     def _leaves(self, components: list[Captured]):
         """Manifest records; for each tensor leaf its shards' (digest, bytes);
@@ -488,7 +494,7 @@ class Store:
         records: list[LeafRecord] = []
         views: list[list[tuple[bytes, memoryview]]] = []
         tokens: list[tuple[Any, Any] | None] = []
-        cached: set[int] = set()
+        cached: dict[int, list[int]] = {}  # leaf index -> blob ids, for hashes taken from the cache
         todo: list[tuple[int, memoryview]] = []
         for comp in components:
             for path, value in comp.leaves.items():
@@ -502,10 +508,10 @@ class Store:
                     mv = tensor_bytes(phys, path)
                     known = self._cached_digests(tokens[-1], p.count)
                     if known:
-                        cached.add(len(records))
+                        cached[len(records)] = [blob for _, blob in known]
                     for s in range(p.count):
                         shard = mv[slice(*p.bounds(s))]
-                        shards.append((known[s] if known else b"", shard))
+                        shards.append((known[s][0] if known else b"", shard))
                         if not known:
                             todo.append((len(records), s))
                 else:
@@ -519,8 +525,8 @@ class Store:
             views[i][s] = (d, views[i][s][1])
         return records, views, tokens, cached
 
-    def _cached_digests(self, entry: tuple[Any, Any] | None, count: int) -> list[bytes] | None:
-        """Shard hashes from the last commit of the same, unchanged tensor, if any."""
+    def _cached_digests(self, entry: tuple[Any, Any] | None, count: int) -> list[tuple[bytes, int]] | None:
+        """``(shard hash, blob id)`` from the last commit of the same, unchanged tensor, if any."""
         if entry is None or not self.reuse_hashes:
             return None
         owner, token = entry
@@ -530,12 +536,12 @@ class Store:
         known = cached[1].get(token)
         return known if known is not None and len(known) == count else None
 
-    def _remember_digests(self, views: list, tokens: list) -> None:
+    def _remember_digests(self, views: list, tokens: list, ids: dict[tuple[bytes, int], int]) -> None:
         fresh: dict[int, tuple[Any, dict]] = {}
         for shards, entry in zip(views, tokens):
             if entry is not None:
                 owner, token = entry
-                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][token] = [d for d, _ in shards]
+                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][token] = [(d, ids[(d, len(mv))]) for d, mv in shards]
         self._digest_cache.update(fresh)
 
     def _map(self, fn, items: list) -> list:
@@ -550,13 +556,13 @@ class Store:
     def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
         """Blob ids of the addresses the catalog already holds."""
         wanted = set(keys)
-        rows = self.catalog.chunked("SELECT id, hash, raw_len FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}))
-        return {(bytes(r["hash"]), r["raw_len"]): r["id"] for r in rows if (bytes(r["hash"]), r["raw_len"]) in wanted}
+        rows = self.catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
+        return {(h, n): i for h, n, i in rows if (h, n) in wanted}
 
     def _commit_txn(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0):
         with self.catalog.write() as db:
             if known:
-                alive = {r["id"] for r in self.catalog.chunked("SELECT id FROM blobs WHERE id IN ({})", list(set(known.values())))}
+                alive = {i for (i,) in self.catalog.chunked("SELECT id FROM blobs WHERE id IN ({})", list(set(known.values())), raw=True)}
                 gone = [k for k, i in known.items() if i not in alive]
                 if gone:
                     raise _ReusedBlobsGone(gone)
@@ -609,7 +615,7 @@ class Store:
             )
             for t in tags:
                 self._move_tag(t, cid, "commit", created_at)
-        return cid, parents, seconds
+        return cid, parents, seconds, ids
 
     @staticmethod
     def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
