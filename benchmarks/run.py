@@ -277,6 +277,54 @@ def _x(v: float | None) -> str:
     return "" if v is None else f"{v:.3g}x"
 
 
+COLUMNS = (("op", "left"), ("system", "left"), ("time s [min-max]", "right"), ("GB/s", "right"),
+           ("written", "right"), ("read", "right"), ("peak RSS", "right"), ("RSS>state", "right"),
+           ("ck/peer time", "right"), ("ck/peer written", "right"), ("ck/peer read", "right"), ("ck/peer RSS", "right"),
+           ("time/floor", "right"), ("notes", "left"))
+
+
+def table_rows(doc: dict, wl: str) -> tuple[str, list[tuple[list[str], str | None]], str | None]:
+    """One workload's table: its title, rows of plain-text cells (one per COLUMNS entry) with a
+    style name (None, "bold", "floor", "dim", "red"), and a caption naming hidden systems (or None)."""
+    spec = WORKLOADS[wl]
+    rows, hidden = [], set()
+    for op, systems in doc["results"][wl].items():
+        for system, e in systems.items():
+            if e["status"] == "n/a" and e["reason"] == spec.not_compared:
+                hidden.add(system)
+                continue
+            label = FLOOR_LABEL if system == FLOOR else system
+            blank = [""] * 10
+            if e["status"] == "n/a":
+                rows.append(([op, label, "n/a", *blank, e["reason"]], "dim"))
+                continue
+            if e["status"] != "ok":
+                why = e.get("reason") or "; ".join(e.get("errors", []))
+                rows.append(([op, label, e["status"], *blank, why], "red"))
+                continue
+            w = e["metrics"]["wall_s"]
+            r = doc["ratios"].get(wl, {}).get(op, {}).get(system)
+            fr = doc["floor_ratios"].get(wl, {}).get(op, {}).get(system)
+            is_load = op.startswith("load")
+            rows.append(([
+                op, label,
+                f"{fmt_s(w['median'])} [{fmt_s(w['min'])}-{fmt_s(w['max'])}]",
+                f"{_med(e, 'throughput_gbps'):.3g}",
+                "" if is_load else fmt_bytes(_med(e, "bytes_written")),
+                fmt_bytes(_med(e, "bytes_read")) if is_load else "",
+                fmt_bytes(_med(e, "peak_rss")),
+                fmt_bytes(_med(e, "peak_rss_over_state")),
+                _ratio(r, "wall_s"),
+                "" if is_load else _ratio(r, "bytes_written"),
+                _ratio(r, "bytes_read") if is_load else "",
+                _ratio(r, "peak_rss"),
+                _ratio(fr, "wall_s"),
+                _notes(wl, op, system, e),
+            ], "bold" if system == "ckptstore" else ("floor" if system == FLOOR else None)))
+    caption = f"{', '.join(s for s in SYSTEMS if s in hidden)}: {spec.not_compared}" if hidden else None
+    return spec.title.format(**doc["meta"]["sizes"]), rows, caption
+
+
 def print_tables(doc: dict, console: Console) -> None:
     meta = doc["meta"]
     console.print(f"\n[bold]ckptstore benchmarks[/bold]: {meta['repetitions']} repetition(s), medians \\[min-max]; "
@@ -286,53 +334,33 @@ def print_tables(doc: dict, console: Console) -> None:
                   "time/floor: the row's median time / the floor's (1 = at the physical limit).")
     console.print(f"{FLOOR_LABEL}: not a product; {escape(FLOOR_METHOD)}.")
     console.print("RSS>state: peak RSS - the child's RSS after its imports - the state's logical bytes.")
-    for wl, ops in doc["results"].items():
-        spec = WORKLOADS[wl]
-        t = Table(title=escape(spec.title.format(**meta["sizes"])), title_justify="left", show_lines=False)
-        for col, just in (("op", "left"), ("system", "left"), ("time s \\[min-max]", "right"), ("GB/s", "right"),
-                          ("written", "right"), ("read", "right"), ("peak RSS", "right"), ("RSS>state", "right"),
-                          ("ck/peer time", "right"), ("ck/peer written", "right"), ("ck/peer read", "right"), ("ck/peer RSS", "right"),
-                          ("time/floor", "right"), ("notes", "left")):
-            t.add_column(col, justify=just, overflow="fold")
-        hidden = set()
-        for op, systems in ops.items():
-            for system, e in systems.items():
-                if e["status"] == "n/a" and e["reason"] == spec.not_compared:
-                    hidden.add(system)
-                    continue
-                label = FLOOR_LABEL if system == FLOOR else system
-                blank = [""] * 10
-                if e["status"] == "n/a":
-                    t.add_row(op, escape(label), "n/a", *blank, escape(e["reason"]), style="dim")
-                    continue
-                if e["status"] != "ok":
-                    why = e.get("reason") or "; ".join(e.get("errors", []))
-                    t.add_row(op, escape(label), e["status"], *blank, escape(why), style="red")
-                    continue
-                w = e["metrics"]["wall_s"]
-                r = doc["ratios"].get(wl, {}).get(op, {}).get(system)
-                fr = doc["floor_ratios"].get(wl, {}).get(op, {}).get(system)
-                is_load = op.startswith("load")
-                t.add_row(
-                    op, escape(label),
-                    escape(f"{fmt_s(w['median'])} [{fmt_s(w['min'])}-{fmt_s(w['max'])}]"),
-                    f"{_med(e, 'throughput_gbps'):.3g}",
-                    "" if is_load else fmt_bytes(_med(e, "bytes_written")),
-                    fmt_bytes(_med(e, "bytes_read")) if is_load else "",
-                    fmt_bytes(_med(e, "peak_rss")),
-                    fmt_bytes(_med(e, "peak_rss_over_state")),
-                    _ratio(r, "wall_s"),
-                    "" if is_load else _ratio(r, "bytes_written"),
-                    _ratio(r, "bytes_read") if is_load else "",
-                    _ratio(r, "peak_rss"),
-                    _ratio(fr, "wall_s"),
-                    escape(_notes(wl, op, system, e)),
-                    style="bold" if system == "ckptstore" else ("italic cyan" if system == FLOOR else None),
-                )
-        if hidden:
-            t.caption = escape(f"{', '.join(s for s in SYSTEMS if s in hidden)}: {spec.not_compared}")
+    styles = {"floor": "italic cyan"}
+    for wl in doc["results"]:
+        title, rows, caption = table_rows(doc, wl)
+        t = Table(title=escape(title), title_justify="left", show_lines=False)
+        for col, just in COLUMNS:
+            t.add_column(escape(col), justify=just, overflow="fold")
+        for cells, style in rows:
+            t.add_row(*map(escape, cells), style=styles.get(style, style))
+        if caption:
+            t.caption = escape(caption)
             t.caption_justify = "left"
         console.print(t)
+
+
+def markdown_tables(doc: dict) -> str:
+    """The tables of print_tables as GitHub Markdown (ckptstore's rows in bold, the floor's in italics)."""
+    out = []
+    for wl in doc["results"]:
+        title, rows, caption = table_rows(doc, wl)
+        out += [f"**{title}**", "", "| " + " | ".join(c for c, _ in COLUMNS) + " |",
+                "|" + "|".join("---:" if j == "right" else "---" for _, j in COLUMNS) + "|"]
+        for cells, style in rows:
+            mark = {"bold": "**", "floor": "*"}.get(style, "")
+            cells = [f"{mark}{c}{mark}" if c and i < 2 else c for i, c in enumerate(cells)]
+            out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        out += (["", caption] if caption else []) + [""]
+    return "\n".join(out)
 
 
 # --- main ----------------------------------------------------------------------------------------
