@@ -480,7 +480,7 @@ def w1_load(task: dict):
                 touch(torch_load(p, mmap)["_sampler"])
             elif system == "safetensors":
                 with safe_open(str(p), framework="pt") as f:
-                    touch({k: f.get_tensor(k) for k in f.keys() if k.startswith("sampler.")})  # noqa: SIM118 - safe_open is not iterable
+                    touch({k: f.get_tensor(k) for k in f.keys() if k.startswith("sampler.")})
             elif system == "tensordict.memmap":
                 touch(TensorDict.load_memmap(p / "sampler"))
             elif system == "rb.dumps":
@@ -771,7 +771,7 @@ def w5_load(task: dict):
         elif system == "safetensors":
             with safe_open(str(p), framework="pt") as f:
                 meta = f.metadata()
-                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
             w5_unflat(policy, optim, tensors, meta)
         elif system == "dcp":
             msd, osd = get_state_dict(policy, optim)

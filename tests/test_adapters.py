@@ -118,7 +118,7 @@ def test_buffer_generator_and_transform_state(store):
         rb.append_transform(norm)
         return rb, g, norm
 
-    rb, g, norm = build(99)
+    rb, _, norm = build(99)
     rb.extend(TensorDict({"obs": torch.randn(20, 3)}, [20]))
     with torch.no_grad():
         norm.loc.fill_(0.5)

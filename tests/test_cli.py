@@ -55,7 +55,7 @@ def test_log_tags_show_du_json(filled, monkeypatch, capsys):
 
 
 def test_tables_and_env_var(filled, monkeypatch, capsys):
-    path, a, b = filled
+    path, _, b = filled
     monkeypatch.setenv("CKPTSTORE_PATH", str(path))
     for args in (("log",), ("tags",), ("show", b.id[:10]), ("du",), ("reflog", "t")):
         code, out, err = cli(monkeypatch, capsys, *args)
@@ -75,7 +75,7 @@ def test_errors_are_one_line_and_non_zero(tmp_path, filled, monkeypatch, capsys)
 
 
 def test_export_import_commands(filled, tmp_path, monkeypatch, capsys):
-    path, _, b = filled
+    path, _, _ = filled
     code, _, err = cli(monkeypatch, capsys, "export", "t", str(tmp_path / "e.zip"), "--store", str(path))
     assert code == 0, err
     code, out, err = cli(monkeypatch, capsys, "import", str(tmp_path / "e.zip"), "--tag", "back", "--store", str(tmp_path / "other"), "--json")

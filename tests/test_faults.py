@@ -228,7 +228,7 @@ def test_sigkill_during_gc(tmp_path):
     for trial in range(20):
         path = tmp_path / f"t{trial}"
         shutil.copytree(template, path)
-        pid = fork(lambda: ckptstore.Store(path).gc(grace=0))
+        pid = fork(lambda path=path: ckptstore.Store(path).gc(grace=0))
         time.sleep(rng.uniform(0, duration * 1.5))
         kill(pid)
         with ckptstore.Store(path) as s:

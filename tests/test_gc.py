@@ -53,9 +53,8 @@ def test_retention_keep_last_keep_tag_keep_within(store):
 
 
 def test_two_gcs_at_once(store):
-    with gc_lock(store.root):
-        with pytest.raises(GCLockedError, match="another GC"):
-            store.gc(grace=0)
+    with gc_lock(store.root), pytest.raises(GCLockedError, match="another GC"):
+        store.gc(grace=0)
 
 
 def test_grace_period_keeps_unreferenced_blobs_and_packs(store):

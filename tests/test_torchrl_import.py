@@ -92,7 +92,7 @@ def assert_prioritized_restored(fresh, rb) -> None:
 def leaves(td: TensorDictBase, prefix: tuple = ()) -> dict:
     """``{nested key: tensor or JSON value}`` of a checkout without ``into``."""
     out = {}
-    for key in td.keys():  # noqa: SIM118 - iterating a TensorDict walks its batch dimension, not its keys
+    for key in td.keys():
         value = td.get(key)
         if is_non_tensor(value):
             out[(*prefix, key)] = value.data

@@ -16,4 +16,4 @@ from .store import CommitInfo, IOStats, Store
 
 __version__ = "0.1.0"
 
-__all__ = ["Store", "CommitInfo", "IOStats", "Checkpointer", "Progress", "RNGState", "NamedOptimizer", "Adapter", "ComponentState", "Json", "register_adapter", "errors", "__version__"]
+__all__ = ["Adapter", "Checkpointer", "CommitInfo", "ComponentState", "IOStats", "Json", "NamedOptimizer", "Progress", "RNGState", "Store", "__version__", "errors", "register_adapter"]

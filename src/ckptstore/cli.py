@@ -14,7 +14,7 @@ import datetime
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -85,9 +85,9 @@ def commit_table(infos: list[CommitInfo], title: str | None = None) -> Table:
 
 @app.command()
 def log(
-    ref: Annotated[Optional[str], typer.Argument(help="Tag or commit; all commits when omitted.")] = None,
+    ref: Annotated[str | None, typer.Argument(help="Tag or commit; all commits when omitted.")] = None,
     store: StorePath = Path("."),
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Show at most this many commits.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many commits.")] = None,
     as_json: AsJson = False,
 ) -> None:
     """Lineage of REF (the commit and its ancestors), newest first."""
@@ -117,7 +117,7 @@ def tags(store: StorePath = Path("."), as_json: AsJson = False) -> None:
 
 
 @app.command()
-def reflog(tag: Annotated[Optional[str], typer.Argument(help="Only this tag.")] = None, store: StorePath = Path("."), as_json: AsJson = False) -> None:
+def reflog(tag: Annotated[str | None, typer.Argument(help="Only this tag.")] = None, store: StorePath = Path("."), as_json: AsJson = False) -> None:
     """Every tag move (commit, tag, delete), newest first."""
     with open_store(store) as s:
         rows = s.reflog(tag)
@@ -211,8 +211,8 @@ def du(store: StorePath = Path("."), as_json: AsJson = False) -> None:
 def gc(
     store: StorePath = Path("."),
     keep_last: Annotated[int, typer.Option(help="Keep the N newest commits of each tag's lineage (the tagged commit counts).")] = 1,
-    keep_tag: Annotated[Optional[list[str]], typer.Option(help="Keep the whole lineage of tags matching this glob (repeatable).")] = None,
-    keep_within: Annotated[Optional[str], typer.Option(help="Keep commits younger than this (30m, 12h, 7d).")] = None,
+    keep_tag: Annotated[list[str] | None, typer.Option(help="Keep the whole lineage of tags matching this glob (repeatable).")] = None,
+    keep_within: Annotated[str | None, typer.Option(help="Keep commits younger than this (30m, 12h, 7d).")] = None,
     grace: Annotated[str, typer.Option(help="Never free blobs, packs or files younger than this.")] = "1h",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be freed; change nothing.")] = False,
     as_json: AsJson = False,
@@ -289,7 +289,7 @@ def export_cmd(
 @app.command("import")
 def import_cmd(
     src: Annotated[Path, typer.Argument(help="A .zip archive or folder made by export.")],
-    tag: Annotated[Optional[str], typer.Option(help="Tag to point at the imported commit.")] = None,
+    tag: Annotated[str | None, typer.Option(help="Tag to point at the imported commit.")] = None,
     store: StorePath = Path("."),
     as_json: AsJson = False,
 ) -> None:
@@ -306,7 +306,7 @@ def import_cmd(
 @app.command("import-torchrl")
 def import_torchrl_cmd(
     src: Annotated[Path, typer.Argument(help="A ReplayBuffer.dumps folder, or a torchrl.checkpoint folder or .zip.")],
-    tag: Annotated[Optional[str], typer.Option(help="Tag to point at the imported commit.")] = None,
+    tag: Annotated[str | None, typer.Option(help="Tag to point at the imported commit.")] = None,
     store: StorePath = Path("."),
     as_json: AsJson = False,
 ) -> None:

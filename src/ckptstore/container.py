@@ -355,7 +355,7 @@ def check_export(src: str | os.PathLike, registry) -> None:
         source.close()
 
 
-def _verified(source: "_Source", src: Path, registry):
+def _verified(source: _Source, src: Path, registry):
     """Parse the manifest and check every blob; returns ``(commit, comps, leaves, fetch)``."""
     size = source.size(MANIFEST)
     if size is None:
@@ -397,7 +397,7 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
         ContainerError: malformed, truncated, unsafe or unknown content, naming
             the entry (and the leaf that uses it); the store is unchanged.
     """
-    from .store import LeafRecord, _check_tag  # noqa: PLC0415 - store imports this module
+    from .store import LeafRecord, _check_tag
 
     t0 = time.perf_counter()
     tags = [] if tag is None else [_check_tag(tag)]

@@ -133,7 +133,7 @@ def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, c
 
     # Full restore into freshly built objects, then sample from both: identical.
     reference = [rb.sample() for _ in range(3)]  # continues from the RNG state captured at the last commit
-    _, actor3, _, loss3, _, optim3, rb3 = build(scratch / "rb3", frames, seed + 2)
+    _, actor3, _, _, _, optim3, rb3 = build(scratch / "rb3", frames, seed + 2)
     store.checkout("latest", into={"rb": rb3, "policy": actor3, "optim": optim3, "rng": RNGState()})
     restored = [rb3.sample() for _ in range(3)]
     same = all(

@@ -46,7 +46,7 @@ _BATCH_BLOBS = 2000
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
-def parse_duration(text: str | float | int) -> float:
+def parse_duration(text: str | float) -> float:
     """Seconds from ``"90s"``, ``"15m"``, ``"1h"``, ``"2d"``, ``"1w"``, ``"0"`` or a number.
 
     Raises:

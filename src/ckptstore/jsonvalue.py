@@ -33,7 +33,7 @@ from typing import Any
 
 from .errors import CkptStoreError, UnsupportedTypeError
 
-__all__ = ["encode", "decode", "dumps", "loads", "JSON_SAFE_TYPES"]
+__all__ = ["JSON_SAFE_TYPES", "decode", "dumps", "encode", "loads"]
 
 JSON_SAFE_TYPES = (type(None), bool, int, float, str, list, tuple, dict, slice, type(Ellipsis))
 _MAX_DEPTH = 64

@@ -33,6 +33,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import zstandard
 
@@ -209,7 +210,7 @@ class PackWriter:
             os.close(pack.fd)
         self._packs = []
 
-    def __enter__(self) -> PackWriter:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

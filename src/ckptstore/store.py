@@ -25,14 +25,15 @@ from __future__ import annotations
 import gc
 import json
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from tensordict import TensorDict
@@ -299,7 +300,7 @@ class Store:
             self._pool = None
         self.catalog.close()
 
-    def __enter__(self) -> Store:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -519,7 +520,7 @@ class Store:
                 records.append(rec)
                 views.append(shards)
         total = sum(len(views[i][s][1]) for i, s in todo)
-        hash_one = lambda item: digest(views[item[0]][item[1]][1])  # noqa: E731
+        hash_one = lambda item: digest(views[item[0]][item[1]][1])
         digests = self._map(hash_one, todo) if total > _INLINE_HASH_BYTES else [hash_one(item) for item in todo]
         for (i, s), d in zip(todo, digests):
             views[i][s] = (d, views[i][s][1])
@@ -550,8 +551,24 @@ class Store:
         if len(items) <= 1 or self.workers == 1:
             return [fn(x) for x in items]
         size = -(-len(items) // (4 * self.workers))
-        chunks = [items[i : i + size] for i in range(0, len(items), size)]
-        return [y for part in self.pool.map(lambda chunk: [fn(x) for x in chunk], chunks) for y in part]
+        failed = threading.Event()
+
+        def run(chunk: list) -> list:
+            out = []
+            for x in chunk:
+                if failed.is_set():  # another chunk failed: the result is discarded anyway
+                    break
+                try:
+                    out.append(fn(x))
+                except BaseException:
+                    failed.set()
+                    raise
+            return out
+
+        futures = [self.pool.submit(run, items[i : i + size]) for i in range(0, len(items), size)]
+        # No task may outlive this call, even on error: callers close the pack files `fn` writes to.
+        wait(futures)
+        return [y for f in futures for y in f.result()]
 
     def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
         """Blob ids of the addresses the catalog already holds."""
@@ -1044,4 +1061,4 @@ class Store:
         return out
 
 
-__all__ = ["Store", "CommitInfo", "IOStats", "CkptStoreError"]
+__all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store"]

@@ -23,6 +23,18 @@ from .base import (
 from .rng import RNGState
 
 __all__ = [
-    "REGISTRY", "Adapter", "ComponentState", "Json", "LazyTensor", "Registry", "RNGState", "StateDictAdapter",
-    "capture", "flatten", "join", "migrate", "register_adapter", "unflatten",
+    "REGISTRY",
+    "Adapter",
+    "ComponentState",
+    "Json",
+    "LazyTensor",
+    "RNGState",
+    "Registry",
+    "StateDictAdapter",
+    "capture",
+    "flatten",
+    "join",
+    "migrate",
+    "register_adapter",
+    "unflatten",
 ]

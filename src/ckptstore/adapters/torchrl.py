@@ -129,7 +129,7 @@ class TensorStorageAdapter(Adapter):
     direct = True
 
     def to_state(self, obj: TensorStorage) -> dict:
-        state: dict[str, Any] = {"max_size": int(obj.max_size), "ndim": int(obj.ndim), "len": int(len(obj)), "initialized": bool(obj.initialized)}
+        state: dict[str, Any] = {"max_size": int(obj.max_size), "ndim": int(obj.ndim), "len": len(obj), "initialized": bool(obj.initialized)}
         if obj.initialized:
             data = obj._storage
             rows = obj._len_along_dim0

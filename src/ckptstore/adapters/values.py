@@ -212,4 +212,4 @@ class TensorDictAdapter(Adapter):
         return obj
 
 
-__all__ = ["TensorAdapter", "JsonAdapter", "DictAdapter", "TensorDictAdapter", "REGISTRY", "NonTensorData"]
+__all__ = ["REGISTRY", "DictAdapter", "JsonAdapter", "NonTensorData", "TensorAdapter", "TensorDictAdapter"]
