@@ -380,3 +380,41 @@ def test_unchanged_storage_is_not_rehashed_and_changes_always_are(store, monkeyp
     no_reuse.commit(rb, tag="c")
     assert sum(hashed) == 2 * storage_bytes
     no_reuse.close()
+
+
+def test_changed_storage_looks_up_only_changed_shards(tmp_path, monkeypatch):
+    store = ckptstore.Store(tmp_path / "store", shard_bytes=4096)
+    looked_up = []
+    real = ckptstore.Store._lookup
+    monkeypatch.setattr(ckptstore.Store, "_lookup", lambda self, keys: looked_up.extend(keys) or real(self, keys))
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), batch_size=4)
+    rb.extend(TensorDict({"obs": torch.randn(1000, 64)}, [1000]))  # obs: 63 shards of 16 rows
+    store.commit(rb, tag="a")
+    rb.storage._storage["obs"][3] += 1
+    looked_up.clear()
+    info = store.commit(rb, tag="a")
+    # obs is rehashed; its 62 unchanged shards take their blob ids from the last commit, the changed one is
+    # looked up, then looked up again once written; the index column's hashes come from the cache.
+    assert info.shards_new == 1 and len(looked_up) == 2 and looked_up[0] == looked_up[1]
+    assert_bit_equal(store.checkout("a")["storage", "data", "obs"], rb.storage._storage["obs"])
+    store.close()
+
+
+def test_cached_blob_ids_freed_and_reused_by_gc_are_rewritten(tmp_path):
+    """A blob id cached from the last commit may be freed by a GC in another process and
+    taken by a new blob; the next commit must not point at that blob."""
+    root = tmp_path / "store"
+    store = ckptstore.Store(root, shard_bytes=4096)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(100), batch_size=4)
+    rb.extend(TensorDict({"obs": torch.randn(100, 64)}, [100]))
+    store.commit(rb, tag="a")
+    other = ckptstore.Store(root)
+    other.delete_tag("a")
+    other.gc(grace=0)  # every blob freed: SQLite gives the next blobs the same ids
+    other.commit({"x": torch.randn(100 * 64 + 100 * 2)}, tag="other")
+    other.close()
+    info = store.commit(rb, tag="a")  # unchanged: its blob ids come from the digest cache
+    assert info.shards_new == info.shards_total
+    assert_bit_equal(store.checkout("a")["storage", "data", "obs"], rb.storage._storage["obs"])
+    assert store.fsck(deep=True).ok
+    store.close()

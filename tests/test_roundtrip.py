@@ -244,3 +244,21 @@ def test_unpicklable_object_error_names_path_and_type(store):
 
         store.commit({"progress": {"step": np.int64(3)}}, tag="x")
     assert row_count(store) == before
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "shard_bytes", "count"),
+    [
+        ((10000, 1024), torch.float32, 256 << 10, 157),  # 4 KiB rows: 64 rows per shard
+        ((1 << 20, 1), torch.float32, 4096 * 4, 256),  # a narrow column: 4096 rows per shard
+        ((1 << 24,), torch.float32, 4096 * 4, 4096),  # exactly MAX_SHARDS shards: the cap holds
+        ((1 + (1 << 24),), torch.float32, 8192 * 4, 2049),  # one row more: the cap doubles once
+        ((1 << 28,), torch.float32, 256 << 10, 4096),  # 1 GiB 1-d: target-sized shards
+        ((3, 1 << 20), torch.uint8, 256 << 10, 12),  # rows larger than the target are cut
+    ],
+)
+def test_shard_plan(shape, dtype, shard_bytes, count):
+    from ckptstore.shards import plan
+
+    p = plan(shape, dtype)
+    assert (p.shard_bytes, p.count) == (shard_bytes, count)

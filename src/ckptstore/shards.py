@@ -24,7 +24,8 @@ import xxhash
 from .errors import UnsupportedDtypeError, UnsupportedTypeError
 
 DEFAULT_SHARD_BYTES = 256 << 10  # 256 KiB; docs/performance.md has the measurement behind it
-MAX_ROWS = 4096  # rows per shard at most
+MAX_ROWS = 4096  # rows per shard at most, for leaves of up to MAX_SHARDS shards
+MAX_SHARDS = 4096  # past this many shards a leaf's row cap doubles until it needs no more (or shards reach the target)
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("ckptstore stores tensors little-endian and needs a little-endian host")
@@ -170,8 +171,12 @@ def plan(shape: tuple[int, ...], dtype: torch.dtype, target: int = DEFAULT_SHARD
     along dim 0) that fits in ``target`` bytes, at least one row and at most
     ``max_rows`` rows: narrow columns of a replay buffer (actions, rewards,
     priorities) then change in blocks of rows as small as the wide ones, not
-    whole. A row larger than ``target`` is cut every ``target`` bytes rounded
-    down to whole elements. 0-d and 1-d tensors count one element as a row.
+    whole. For a leaf that would need more than ``MAX_SHARDS`` shards (a 1-d
+    float32 tensor over 64 MiB) the row cap doubles until it does not, or until
+    shards reach ``target``: per-shard catalog costs stay bounded, and
+    boundaries move only when a growing buffer crosses a power of two. A row
+    larger than ``target`` is cut every ``target`` bytes rounded down to whole
+    elements. 0-d and 1-d tensors count one element as a row.
     """
     itemsize = dtype.itemsize
     numel = 1
@@ -184,6 +189,9 @@ def plan(shape: tuple[int, ...], dtype: torch.dtype, target: int = DEFAULT_SHARD
     if row == 0:
         return ShardPlan(nbytes, max(itemsize, 1))
     if row <= target:
+        rows = nbytes // row
+        while -(-rows // max_rows) > MAX_SHARDS and max_rows * row < target:
+            max_rows *= 2
         shard_bytes = row * min(target // row, max_rows)
     else:
         shard_bytes = max(itemsize, target - target % itemsize)

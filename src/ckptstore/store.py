@@ -391,7 +391,8 @@ class Store:
                     leaves[path] = jsonvalue.loads(jsonvalue.dumps(value, path))
                     continue
                 token = comp.fingerprints.get(path)
-                if self._cached_digests(None if token is None else (comp.owner, (path, self.shard_bytes, token)), plan(tuple(value.shape), value.dtype, self.shard_bytes).count):
+                entry = self._cached(comp.owner, path, token, plan(tuple(value.shape), value.dtype, self.shard_bytes).count)
+                if entry is not None and entry[0] == token:
                     leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
                     continue
                 check_tensor(value, path)
@@ -429,16 +430,15 @@ class Store:
         jsonvalue.encode(metadata, "metadata")
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
-        leaves, views, tokens, cached = self._leaves(components)
+        leaves, views, tokens, prior, from_cache = self._leaves(components)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
         for shard_views in views:
             for d, mv in shard_views:
                 unique.setdefault((d, len(mv)), mv)
-        prior = {(d, len(mv)): blob for i, blobs in cached.items() for (d, mv), blob in zip(views[i], blobs)}
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
-            if key in prior and digest(unique[key]) != key[0]:  # a hash taken from the cache no longer fits the bytes
+            if key in from_cache and digest(unique[key]) != key[0]:  # a hash taken from the cache no longer fits the bytes
                 raise StoreWriteError(f"a tensor changed while it was being committed (blob {address(*key)}); commit again")
             return writer.append(unique[key], key[0])
 
@@ -490,31 +490,45 @@ class Store:
 
     def _leaves(self, components: list[Captured]):
         """Manifest records; for each tensor leaf its shards' (digest, bytes);
-        ``(owner, token)`` per leaf whose hashes the digest cache can keep; and the
-        indices of the leaves whose hashes came from that cache."""
+        ``(owner, path, token)`` per leaf whose hashes the digest cache can keep;
+        the blob ids the digest cache suggests for addresses (``prior``); and the
+        addresses whose hashes came from that cache, unverified (``from_cache``).
+
+        A leaf whose fingerprint is unchanged takes its hashes from the cache. A
+        changed one is hashed, and each shard whose hash equals the one at the same
+        position last time takes that blob id: no catalog lookup (the commit's
+        transaction checks every such id still holds that address).
+        """
         records: list[LeafRecord] = []
         views: list[list[tuple[bytes, memoryview]]] = []
-        tokens: list[tuple[Any, Any] | None] = []
-        cached: dict[int, list[int]] = {}  # leaf index -> blob ids, for hashes taken from the cache
+        tokens: list[tuple[Any, str, Any] | None] = []
+        prior: dict[tuple[bytes, int], int] = {}
+        from_cache: set[tuple[bytes, int]] = set()
+        previous: dict[int, list[tuple[bytes, int]]] = {}  # leaf index -> last commit's (hash, blob id) per shard
         todo: list[tuple[int, memoryview]] = []
         for comp in components:
             for path, value in comp.leaves.items():
                 token = comp.fingerprints.get(path)
-                tokens.append(None if token is None else (comp.owner, (path, self.shard_bytes, token)))
+                tokens.append(None if token is None else (comp.owner, path, token))
                 shards: list[tuple[bytes, memoryview]] = []
                 if isinstance(value, torch.Tensor):
                     phys, stride = physical(value, path)
                     p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
                     rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
                     mv = tensor_bytes(phys, path)
-                    known = self._cached_digests(tokens[-1], p.count)
-                    if known:
-                        cached[len(records)] = [blob for _, blob in known]
+                    entry = self._cached(comp.owner, path, token, p.count)
+                    known = entry[1] if entry is not None and entry[0] == token else None
+                    if entry is not None and known is None:
+                        previous[len(records)] = entry[1]
                     for s in range(p.count):
                         shard = mv[slice(*p.bounds(s))]
-                        shards.append((known[s][0] if known else b"", shard))
-                        if not known:
+                        if known:
+                            key = (known[s][0], len(shard))
+                            prior[key] = known[s][1]
+                            from_cache.add(key)
+                        else:
                             todo.append((len(records), s))
+                        shards.append((known[s][0] if known else b"", shard))
                 else:
                     rec = LeafRecord(path, comp.path, "json", None, None, 0, None, jsonvalue.dumps(value, path))
                 records.append(rec)
@@ -524,25 +538,30 @@ class Store:
         digests = self._map(hash_one, todo) if total > _INLINE_HASH_BYTES else [hash_one(item) for item in todo]
         for (i, s), d in zip(todo, digests):
             views[i][s] = (d, views[i][s][1])
-        return records, views, tokens, cached
+        for i, last in previous.items():
+            for (d, mv), (last_d, blob) in zip(views[i], last):
+                if d == last_d:
+                    prior[(d, len(mv))] = blob
+        return records, views, tokens, prior, from_cache
 
-    def _cached_digests(self, entry: tuple[Any, Any] | None, count: int) -> list[tuple[bytes, int]] | None:
-        """``(shard hash, blob id)`` from the last commit of the same, unchanged tensor, if any."""
-        if entry is None or not self.reuse_hashes:
+    def _cached(self, owner: Any, path: str, token: Any, count: int) -> tuple[Any, list[tuple[bytes, int]]] | None:
+        """``(fingerprint, [(shard hash, blob id)])`` of leaf ``path`` of ``owner`` as this
+        store last committed it, if it had ``count`` shards at the current shard size."""
+        if token is None or not self.reuse_hashes:
             return None
-        owner, token = entry
         cached = self._digest_cache.get(id(owner))
         if cached is None or cached[0]() is not owner:
             return None
-        known = cached[1].get(token)
-        return known if known is not None and len(known) == count else None
+        entry = cached[1].get((path, self.shard_bytes))
+        return entry if entry is not None and len(entry[1]) == count else None
 
     def _remember_digests(self, views: list, tokens: list, ids: dict[tuple[bytes, int], int]) -> None:
         fresh: dict[int, tuple[Any, dict]] = {}
         for shards, entry in zip(views, tokens):
             if entry is not None:
-                owner, token = entry
-                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][token] = [(d, ids[(d, len(mv))]) for d, mv in shards]
+                owner, path, token = entry
+                hashes = [(d, ids[(d, len(mv))]) for d, mv in shards]
+                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][(path, self.shard_bytes)] = (token, hashes)
         self._digest_cache.update(fresh)
 
     def _map(self, fn, items: list) -> list:
@@ -579,8 +598,10 @@ class Store:
     def _commit_txn(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0):
         with self.catalog.write() as db:
             if known:
-                alive = {i for (i,) in self.catalog.chunked("SELECT id FROM blobs WHERE id IN ({})", list(set(known.values())), raw=True)}
-                gone = [k for k, i in known.items() if i not in alive]
+                # An id must still hold the same address: GC may have freed it and a new blob taken the id since.
+                rows = self.catalog.chunked("SELECT id, hash, raw_len FROM blobs WHERE id IN ({})", list(set(known.values())), raw=True)
+                held = {i: (h, n) for i, h, n in rows}
+                gone = [k for k, i in known.items() if held.get(i) != k]
                 if gone:
                     raise _ReusedBlobsGone(gone)
             db["packs"].insert_all(({"id": pid, "size": size, "created_at": created_at} for pid, size in writer.pack_ids), ignore=True)
