@@ -114,6 +114,9 @@ class _OpenPack:
         os.pwrite(self.fd, PACK_HEADER.pack(PACK_MAGIC, FORMAT_VERSION, 0, 0), 0)
         self.size = PACK_HEADER.size
         self.renamed = False
+        self.writing = 0  # blob writes reserved in this pack and not yet done
+        self.sealed = False  # a newer pack took over: no more reservations
+        self.flushing = False  # its early flush has started
 
 
 def _pwrite_all(fd: int, parts: list, offset: int) -> None:
@@ -165,12 +168,26 @@ class PackWriter:
             with self._lock:
                 pack = self._packs[-1] if self._packs else None
                 if pack is None or (pack.size > PACK_HEADER.size and pack.size + need > self.pack_bytes):
+                    if pack is not None:
+                        pack.sealed = True
                     pack = _OpenPack(self.root)
                     self._packs.append(pack)
                 offset = pack.size
                 pack.size += need
+                pack.writing += 1
                 self.stored_bytes += need
-            _pwrite_all(pack.fd, [header, payload], offset)
+            try:
+                _pwrite_all(pack.fd, [header, payload], offset)
+            finally:
+                with self._lock:
+                    pack.writing -= 1
+                    ready = [p for p in self._packs if p.sealed and not p.flushing and p.writing == 0]
+                    for p in ready:
+                        p.flushing = True
+            # Write back full packs now, while other threads fill the next one: the kernel
+            # would otherwise keep every dirty page until finish(), flushing after writing.
+            for p in ready:
+                os.fdatasync(p.fd)
         except OSError as exc:
             raise StoreWriteError(f"writing a blob to {self.root / 'tmp'} failed: {exc}") from exc
         return BlobLoc(digest, raw_len, pack.id, offset, len(payload), codec)
