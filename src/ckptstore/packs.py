@@ -33,7 +33,6 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
 
 import zstandard
 
@@ -227,7 +226,7 @@ class PackWriter:
             os.close(pack.fd)
         self._packs = []
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> PackWriter:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -33,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import torch
 from tensordict import TensorDict
@@ -300,7 +300,7 @@ class Store:
             self._pool = None
         self.catalog.close()
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> Store:
         return self
 
     def __exit__(self, *exc) -> None:
