@@ -120,6 +120,13 @@ def test_bad_settings_are_refused_before_anything_is_saved(tmp_path):
         assert (s.shard_bytes, s.compression_level) == (256 << 10, 3)
 
 
+def test_tensor_under_an_invalid_key_names_the_key(store):
+    for bad, key in (({"a/b": torch.zeros(3)}, "'a/b'"), ({"x": {"": torch.zeros(3)}}, "''"), ({"x": {2: torch.zeros(3)}}, "2")):
+        with pytest.raises(InvalidNameError, match=f"key {key} is not a valid state-tree key"):
+            store.commit(bad, tag="t")
+    assert store.tags() == {}
+
+
 def test_unencodable_strings_fail_before_writing_a_pack(store):
     store.commit({"x": torch.ones(2)}, tag="t")
     before = row_count(store)

@@ -70,8 +70,15 @@ def test_errors_are_one_line_and_non_zero(tmp_path, filled, monkeypatch, capsys)
         code, out, err = cli(monkeypatch, capsys, *args)
         assert code == 1 and out == ""
         assert err.startswith("error: ") and err.count("\n") == 1, err
-    code, _, err = cli(monkeypatch, capsys, "show", "--store", str(path))
-    assert code == 2  # usage error
+    usage = {
+        ("show", "--store", str(path)): "error: Missing argument 'ref'.",
+        ("gc", "--keep-last", "abc", "--store", str(path)): "error: Invalid value for '--keep-last'",
+        ("--store", str(path), "tags"): "error: No such option: --store",
+        ("nosuchcmd",): "error: No such command 'nosuchcmd'.",
+    }
+    for args, start in usage.items():  # click's usage errors: one line too, exit 2
+        code, out, err = cli(monkeypatch, capsys, *args)
+        assert code == 2 and out == "" and err.startswith(start) and err.count("\n") == 1, err
 
 
 def test_export_import_commands(filled, tmp_path, monkeypatch, capsys):

@@ -107,6 +107,9 @@ def test_checkpointer_arguments(store):
         Checkpointer(store, {"a": 1}, every_n_steps=0)
     with pytest.raises(InvalidArgumentError):
         Checkpointer(store, {"a": 1}, components=["b"])
+    for objects in (5, {}, TensorDict({"w": torch.ones(2)}, []), {1: torch.ones(2)}):
+        with pytest.raises(InvalidArgumentError, match="objects must be a non-empty dict"):
+            Checkpointer(store, objects)
     ckpt = Checkpointer(store, {"n": 5, "w": torch.ones(2)}, every_n_steps=3, tag_format=None)
     assert [ckpt.step() is not None for _ in range(7)] == [False, False, True, False, False, True, False]
     assert store.tags().keys() == {"latest"}

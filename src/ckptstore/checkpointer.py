@@ -70,8 +70,8 @@ class Checkpointer:
     The step count itself is committed as component ``checkpointer``.
 
     Raises:
-        InvalidArgumentError: ``every_n_steps`` < 1, unknown component names,
-            or a name ``checkpointer``.
+        InvalidArgumentError: ``objects`` not a non-empty dict with str keys,
+            ``every_n_steps`` < 1, unknown component names, or a name ``checkpointer``.
     """
 
     def __init__(
@@ -84,6 +84,8 @@ class Checkpointer:
         latest_tag: str = "latest",
         components: Iterable[str] | None = None,
     ):
+        if type(objects) is not dict or not objects or not all(type(k) is str for k in objects):
+            raise InvalidArgumentError(f"objects must be a non-empty dict of name -> object, got {type(objects).__name__}")
         if type(every_n_steps) is not int or every_n_steps < 1:
             raise InvalidArgumentError(f"every_n_steps must be an int >= 1, got {every_n_steps!r}")
         names = list(objects) if components is None else list(components)

@@ -338,18 +338,26 @@ def demo(
 
 
 def main() -> None:
-    """Entry point: one-line errors, non-zero exit."""
+    """Entry point: one-line errors, non-zero exit (2 for usage errors, as click)."""
     try:
-        app()
+        code = app(standalone_mode=False)  # click's own usage errors come here, not as a boxed message
+    except typer.TyperException as exc:  # click's errors, vendored by typer
+        if exc.format_message():  # empty when the help was printed instead (no arguments)
+            err.print(f"error: {exc.format_message()} (see ckptstore --help)", soft_wrap=True, markup=False)
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        err.print("error: aborted", soft_wrap=True)
+        raise SystemExit(1) from None
     except GCLockedError as exc:
-        err.print(f"error: {exc}", soft_wrap=True)
+        err.print(f"error: {exc}", soft_wrap=True, markup=False)
         raise SystemExit(3) from None
     except CkptStoreError as exc:
-        err.print(f"error: {exc}", soft_wrap=True)
+        err.print(f"error: {exc}", soft_wrap=True, markup=False)
         raise SystemExit(1) from None
     except OSError as exc:
-        err.print(f"error: {exc}", soft_wrap=True)
+        err.print(f"error: {exc}", soft_wrap=True, markup=False)
         raise SystemExit(1) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

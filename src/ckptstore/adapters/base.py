@@ -99,6 +99,8 @@ def flatten(tree: Any, path: str = "") -> dict[str, Any]:
 
     Raises:
         UnsupportedTypeError: a value that is neither, naming its path and type.
+        InvalidNameError: a dict holding tensors under a key that is not a
+            non-empty ``str`` without ``/``.
     """
     out: dict[str, Any] = {}
 
@@ -113,7 +115,10 @@ def flatten(tree: Any, path: str = "") -> dict[str, Any]:
                 walk(v, join(p, k))
             return
         if _holds_tensor(node):
-            raise UnsupportedTypeError(f"{p or '<root>'}: tensors inside lists, tuples or non-str-key dicts are not supported")
+            bad = [k for k in node if not _valid_key(k)] if type(node) is dict else []
+            if bad:
+                raise InvalidNameError(f"{p or '<root>'}: key {bad[0]!r} is not a valid state-tree key (non-empty str without '/')")
+            raise UnsupportedTypeError(f"{p or '<root>'}: tensors inside lists, tuples or non-dict containers are not supported")
         jsonvalue.encode(node, p)  # validates, raises with the path
         out[p] = node
 
