@@ -176,6 +176,11 @@ def aggregate(samples: dict, errors: dict, statuses: dict, names: list[str]) -> 
     return results
 
 
+def _median_ratios(num: dict, den: dict) -> dict:
+    """``num``'s median / ``den``'s median for every metric both have (``den``'s non-zero)."""
+    return {k: v["median"] / d["median"] for k, v in num["metrics"].items() if (d := den["metrics"].get(k)) is not None and d["median"]}
+
+
 def ratios(results: dict) -> dict:
     """ckptstore median / peer median, per workload, operation, peer and metric."""
     out: dict = {}
@@ -188,12 +193,7 @@ def ratios(results: dict) -> dict:
                 pe = systems.get(peer, {})
                 if pe.get("status") != "ok":
                     continue
-                r = {}
-                for k, v in ck["metrics"].items():
-                    pm = pe["metrics"].get(k)
-                    if pm is not None and pm["median"]:
-                        r[k] = v["median"] / pm["median"]
-                out.setdefault(wl, {}).setdefault(op, {})[peer] = r
+                out.setdefault(wl, {}).setdefault(op, {})[peer] = _median_ratios(ck, pe)
     return out
 
 
@@ -208,12 +208,7 @@ def floor_ratios(results: dict) -> dict:
             for system, e in systems.items():
                 if system == FLOOR or e.get("status") != "ok":
                     continue
-                r = {}
-                for k, v in e["metrics"].items():
-                    fm = fl["metrics"].get(k)
-                    if fm is not None and fm["median"]:
-                        r[k] = v["median"] / fm["median"]
-                out.setdefault(wl, {}).setdefault(op, {})[system] = r
+                out.setdefault(wl, {}).setdefault(op, {})[system] = _median_ratios(e, fl)
     return out
 
 

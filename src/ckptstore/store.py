@@ -617,9 +617,10 @@ class Store:
             else:
                 current = {r["name"]: r["commit_id"] for r in self.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
                 parents = list(dict.fromkeys(current[t] for t in tags if t in current))
+            per_leaf = self._keys_per_leaf(leaves, keys)
             manifest = [
                 [r.path, r.component, r.kind, r.dtype, r.shape, r.stride, r.value, " ".join(address(d, n) for d, n in keys_of)]
-                for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys))
+                for r, keys_of in zip(leaves, per_leaf)
             ]
             components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]
             # plain json (no tagging needed: every field is already a string, number or list of them)
@@ -649,7 +650,7 @@ class Store:
             leaf_ids = {r["path"]: r["id"] for r in self.catalog.rows("SELECT id, path FROM leaves WHERE commit_id = ?", (cid,))}
             run_many(
                 "INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)",
-                [(leaf_ids[r.path], s, ids[k]) for r, keys_of in zip(leaves, self._keys_per_leaf(leaves, keys)) for s, k in enumerate(keys_of)],
+                [(leaf_ids[r.path], s, ids[k]) for r, keys_of in zip(leaves, per_leaf) for s, k in enumerate(keys_of)],
             )
             for t in tags:
                 self._move_tag(t, cid, "commit", created_at)
@@ -1034,25 +1035,25 @@ class Store:
             IntegrityError: a missing or corrupt blob (names leaf, blob, commit).
             AdapterVersionError: state written by a newer adapter version.
         """
-        with paused_gc(), self.catalog.read():
-            cid = self.resolve(ref)
-            comps = self.components(cid)
-            prefixes = self._select(cid, partial, comps)
-            reader = BlobReader(self, cid, verify, sparse=prefixes is not None)
-            if into is None:
-                states = self._states(cid, prefixes, comps, reader)
-            else:
-                steps = plan_restore(into, comps, prefixes, self.registry, cid)
-                if not steps:
-                    return into
-                states = self._states(cid, [s.path for s in steps], comps, reader)
-        try:
-            with paused_gc():
+        with paused_gc():
+            with self.catalog.read():
+                cid = self.resolve(ref)
+                comps = self.components(cid)
+                prefixes = self._select(cid, partial, comps)
+                reader = BlobReader(self, cid, verify, sparse=prefixes is not None)
+                if into is None:
+                    states = self._states(cid, prefixes, comps, reader)
+                else:
+                    steps = plan_restore(into, comps, prefixes, self.registry, cid)
+                    if not steps:
+                        return into
+                    states = self._states(cid, [s.path for s in steps], comps, reader)
+            try:
                 if into is None:
                     return self._as_tensordict(states, reader)
                 return restore(into, steps, states, self.registry, reader)
-        finally:
-            reader.close()
+            finally:
+                reader.close()
 
     def _as_tensordict(self, states: dict[str, ComponentState], reader: BlobReader) -> Any:
         reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))
