@@ -54,6 +54,18 @@ def run_fresh(code: str, *args: str, expect_ok: bool = True) -> subprocess.Compl
     return proc
 
 
+def commit_edited(store: ckptstore.Store, obj, tag: str, version: dict | None = None, drop: tuple[str, ...] = ()) -> str:
+    """Commit ``obj`` as an older or newer writer would have: component ``version``
+    overrides (``{component path: version}``) and leaves ``drop``-ped. The catalog's
+    rows cannot be edited for that: checkout reads the manifest from the commit record."""
+    comps = ckptstore.adapters.capture(obj, store.registry)
+    for c in comps:
+        c.version = (version or {}).get(c.path, c.version)
+        for path in drop:
+            c.leaves.pop(path, None)
+    return store.commit_components(comps, tag=tag).id
+
+
 def row_count(s: ckptstore.Store) -> dict[str, int]:
     """Rows per catalog table: proves a failed call changed nothing."""
     tables = ("commits", "parents", "components", "leaves", "shards", "blobs", "packs", "tags", "reflog")

@@ -20,7 +20,7 @@ from torchrl.data.replay_buffers import (
 import ckptstore
 from ckptstore.errors import AdapterVersionError, TargetMismatchError, UnsupportedTypeError
 
-from .conftest import assert_bit_equal, run_fresh
+from .conftest import assert_bit_equal, commit_edited, run_fresh
 
 
 def seeded(fn, seed=5):
@@ -303,11 +303,18 @@ print(json.dumps(streams(g, tg, rb)))
     )
     assert __import__("json").loads(proc.stdout.strip().splitlines()[-1]) == reference
     with ckptstore.Store(tmp_path / "s") as s:  # a deleted record is an error naming it, never a silent skip
+        # Editing the catalog's rows cannot remove it: checkout reads the manifest from the verified commit record.
         with s.catalog.write():
             s.catalog.conn.execute("DELETE FROM shards WHERE leaf_id = (SELECT id FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key')", (cid,))
             s.catalog.conn.execute("DELETE FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key'", (cid,))
+        assert not s.fsck().ok
+        s.checkout("rng", into={"rng": ckptstore.RNGState()}, partial=["rng"])
+        # A commit made without it (an older writer, a hand-built state) is refused naming the leaf.
+        (comp,) = ckptstore.adapters.capture({"rng": ckptstore.RNGState()}, s.registry)
+        del comp.leaves["rng/numpy/key"]
+        s.commit_components([comp], tag="no-numpy")
         with pytest.raises(ckptstore.errors.MissingLeafError, match="rng/numpy/key"):
-            s.checkout("rng", into={"rng": ckptstore.RNGState()}, partial=["rng"])
+            s.checkout("no-numpy", into={"rng": ckptstore.RNGState()}, partial=["rng"])
 
 
 def test_global_rng_state_of_torchrl_checkpoint(store):
@@ -361,8 +368,6 @@ def test_loss_module_target_updater_and_collector_counters(store):
 def test_newer_adapter_version_names_both_versions(store):
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(5), batch_size=1)
     rb.extend(TensorDict({"x": torch.arange(3)}, [3]))
-    store.commit(rb, tag="v")
-    with store.catalog.write():
-        store.catalog.conn.execute("UPDATE components SET version = 7 WHERE commit_id = ? AND path = 'writer'", (store.resolve("v"),))
+    commit_edited(store, rb, "v", version={"writer": 7})
     with pytest.raises(AdapterVersionError, match=r"torchrl.writer.round_robin version 7.*version 2"):
         store.checkout("v", into=TensorDictReplayBuffer(storage=LazyTensorStorage(5), batch_size=1))

@@ -197,7 +197,7 @@ def test_corrupt_blob_in_store_names_leaf_blob_commit_and_spares_other_leaves(st
     torch.manual_seed(0)
     data = {"w": torch.randn(1000, 1000), "b": torch.zeros(1000)}
     info = store.commit(data, tag="t")
-    loc = store._manifest(info.id, ["w"])[0].shards[1]
+    loc = store.manifest(info.id, ["w"])[0].shards[1]
     pack = store.root / "blobs" / loc.pack[:2] / f"{loc.pack}.pack"
     raw = bytearray(pack.read_bytes())
     raw[loc.offset + 100] ^= 0xFF

@@ -19,7 +19,7 @@ from torchrl.data.replay_buffers import RandomSampler, SamplerWithoutReplacement
 import ckptstore
 from ckptstore.errors import PartialPathError, ShapeMismatchError, TargetMismatchError
 
-from .conftest import assert_bit_equal, row_count, run_fresh
+from .conftest import assert_bit_equal, commit_edited, row_count, run_fresh
 
 CAP = 50
 
@@ -208,11 +208,7 @@ print("ok")
 def test_c03_variant_writer_record_without_write_count_uses_documented_default(store):
     ns: dict = {}
     exec(C03_BUILD, ns)
-    store.commit(ns["original"](), tag="old")
-    cid = store.resolve("old")
-    with store.catalog.write():  # rewrite the writer record as version 1 (cursor only)
-        store.catalog.conn.execute("UPDATE components SET version = 1 WHERE commit_id = ? AND path = 'writer'", (cid,))
-        store.catalog.conn.execute("DELETE FROM leaves WHERE commit_id = ? AND path = 'writer/write_count'", (cid,))
+    commit_edited(store, ns["original"](), "old", version={"writer": 1}, drop=("writer/write_count",))  # a version-1 writer record (cursor only)
     fresh = ns["build"]()
     store.checkout("old", into=fresh)
     assert fresh.writer._cursor == 5

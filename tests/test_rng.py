@@ -12,7 +12,7 @@ import torch
 import ckptstore
 from ckptstore.errors import MissingLeafError
 
-from .conftest import run_fresh
+from .conftest import commit_edited, run_fresh
 
 
 def draws() -> dict:
@@ -57,11 +57,7 @@ print(json.dumps(out))
 
 
 def test_missing_numpy_record_is_an_error_not_a_silent_skip(store):
-    store.commit({"rng": ckptstore.RNGState()}, tag="rng")
-    cid = store.resolve("rng")
-    with store.catalog.write():
-        store.catalog.conn.execute("DELETE FROM shards WHERE leaf_id = (SELECT id FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key')", (cid,))
-        store.catalog.conn.execute("DELETE FROM leaves WHERE commit_id = ? AND path = 'rng/numpy/key'", (cid,))
+    commit_edited(store, {"rng": ckptstore.RNGState()}, "rng", drop=("rng/numpy/key",))
     state_before = torch.get_rng_state()
     with pytest.raises(MissingLeafError, match="rng/numpy/key"):
         store.checkout("rng", into={"rng": ckptstore.RNGState()})

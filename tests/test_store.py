@@ -15,7 +15,7 @@ from ckptstore.errors import (
     TargetMismatchError,
 )
 
-from .conftest import assert_bit_equal, row_count
+from .conftest import assert_bit_equal, commit_edited, row_count
 
 
 def test_refs_tags_prefixes_and_lineage(store):
@@ -147,10 +147,7 @@ def test_custom_adapter_registration_and_versions(store):
         class CounterOld(CounterAdapter):
             version = 1
 
-        store.commit({"c": Counter(1)}, tag="c")
-        cid = store.resolve("c")
-        with store.catalog.write():
-            store.catalog.conn.execute("UPDATE components SET version = 9 WHERE commit_id = ?", (cid,))
+        commit_edited(store, {"c": Counter(1)}, "c", version={"c": 9})
         with pytest.raises(ckptstore.errors.AdapterVersionError, match="version 9.*version 1"):
             store.checkout("c", into={"c": c})
     finally:

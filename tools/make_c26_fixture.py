@@ -8,8 +8,10 @@ It holds, as written by version-1 adapters:
 - a TensorDict record whose index leaf ``idx`` uses the legacy untagged encoding
   (a list of ``[start, stop, step]`` lists and ``"..."``).
 
-Usage: ``python tools/make_c26_fixture.py tests/fixtures/c26_schema_v1``. The
-fixture is committed; rerun only to rebuild it deliberately.
+Usage: ``python tools/make_c26_fixture.py tests/fixtures/c26_schema_v1``, run with
+the code of catalog schema version 1 (commit 860e783), since the fixture also
+freezes that catalog schema (opening it migrates it). The fixture is committed;
+rerun only to rebuild it deliberately.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
 
 import ckptstore
-from ckptstore import jsonvalue
 
 
 def main(dest: Path) -> None:
@@ -36,13 +37,13 @@ def main(dest: Path) -> None:
     rb.sampler._max_priority = ((value + 1e-8) ** 0.5, index)  # version 1 stored it transformed
     td = TensorDict({"x": torch.arange(3)}, [])
     td.set_non_tensor("idx", [[0, 2, None], "..."])  # version 1: untagged index
-    cid = store.commit({"rb": rb, "td": td}, tag="v1").id
-    with store.catalog.write():
-        run = store.catalog.conn.execute
-        run("UPDATE components SET version = 1 WHERE commit_id = ?", (cid,))
-        run("DELETE FROM leaves WHERE commit_id = ? AND path = 'rb/writer/write_count'", (cid,))
-        meta = jsonvalue.loads(store.catalog.rows("SELECT meta FROM components WHERE commit_id = ? AND path = 'td'", (cid,))[0]["meta"])
-        run("UPDATE components SET meta = ? WHERE commit_id = ? AND path = 'td'", (jsonvalue.dumps({**meta, "indices": ["idx"]}), cid))
+    comps = ckptstore.adapters.capture({"rb": rb, "td": td}, store.registry)
+    for c in comps:  # as the version-1 adapters wrote them
+        c.version = 1
+        c.leaves.pop("rb/writer/write_count", None)
+        if c.path == "td":
+            c.meta = {**c.meta, "indices": ["idx"]}
+    store.commit_components(comps, tag="v1")
     store.close()
     for leftover in ("catalog.sqlite-wal", "catalog.sqlite-shm"):
         (dest / leftover).unlink(missing_ok=True)

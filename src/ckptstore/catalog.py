@@ -23,12 +23,15 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import sqlite_utils
 
-from .errors import CatalogBusyError, CatalogCorruptError, SchemaVersionError, StoreWriteError
+from . import jsonvalue
+from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, SchemaVersionError, StoreWriteError
+from .records import commit_id, commit_text
+from .shards import address
 
-_SQLITE_MAGIC = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 10_000
 BUSY_RETRIES = 6
 _CHUNK = 4000  # bound on SQL variables per statement (SQLite allows 32766)
@@ -108,9 +111,61 @@ def _v1(db: sqlite_utils.Database) -> None:
     db["reflog"].create_index(["tag"])
 
 
+def _v2(db: sqlite_utils.Database) -> None:
+    db.execute("ALTER TABLE commits ADD COLUMN record TEXT")
+    # Where each record (records.py) lives in the packs: the catalog can be rebuilt from them.
+    db.execute(
+        "CREATE TABLE records (id INTEGER PRIMARY KEY, kind INTEGER NOT NULL, name TEXT NOT NULL, seq INTEGER, "
+        "digest BLOB NOT NULL, pack TEXT NOT NULL REFERENCES packs(id), offset INTEGER NOT NULL, "
+        "raw_len INTEGER NOT NULL, stored_len INTEGER NOT NULL)"
+    )
+    db.execute("CREATE INDEX idx_records_kind_name ON records (kind, name)")
+    db.execute("CREATE INDEX idx_records_pack ON records (pack)")
+    for (cid,) in db.execute("SELECT id FROM commits").fetchall():
+        text = rebuild_record(db.conn, cid)
+        if text is not None and commit_id(text) == cid:  # else checkout and fsck report the commit as damaged
+            db.execute("UPDATE commits SET record = ? WHERE id = ?", (text, cid))
+
+
+def rebuild_record(conn: sqlite3.Connection, cid: str) -> str | None:
+    """The commit record (records.py) as the catalog's rows describe commit ``cid``.
+
+    Equal to the stored record exactly when the rows agree with it: ``fsck``
+    compares the two; migration 2 fills in the records of older stores with it.
+    ``None`` when rows are missing.
+    """
+    head = conn.execute("SELECT created_at, message, metadata FROM commits WHERE id = ?", (cid,)).fetchone()
+    if head is None:
+        return None
+    parents = [r[0] for r in conn.execute("SELECT parent_id FROM parents WHERE commit_id = ? ORDER BY position", (cid,))]
+    comps = [list(r) for r in conn.execute("SELECT path, adapter, version, meta FROM components WHERE commit_id = ? ORDER BY rowid", (cid,))]
+    shards: dict[int, list[str]] = {}
+    for leaf_id, h, n in conn.execute(
+        "SELECT s.leaf_id, b.hash, b.raw_len FROM leaves l JOIN shards s ON s.leaf_id = l.id LEFT JOIN blobs b ON b.id = s.blob_id "
+        "WHERE l.commit_id = ? ORDER BY s.leaf_id, s.seq",
+        (cid,),
+    ):
+        if h is None:
+            return None
+        shards.setdefault(leaf_id, []).append(address(bytes(h), n))
+    manifest = []
+    try:
+        for leaf_id, path, comp, kind, dtype, shape, stride, value in conn.execute(
+            "SELECT id, path, component, kind, dtype, shape, stride, value FROM leaves WHERE commit_id = ? ORDER BY id", (cid,)
+        ):
+            manifest.append([
+                path, comp, kind, dtype, None if shape is None else jsonvalue.loads(shape),
+                None if stride is None else jsonvalue.loads(stride), value, " ".join(shards.get(leaf_id, [])),
+            ])
+    except CkptStoreError:
+        return None
+    return commit_text(parents, head[0], head[1], head[2], comps, manifest)
+
+
 #: Ordered schema migrations; the last one's version is the current schema.
 MIGRATIONS: list[Migration] = [
     Migration(1, "initial schema: settings, packs, blobs, commits, parents, components, leaves, shards, tags, reflog", _v1),
+    Migration(2, "commit records in the catalog and in packs (records table): manifests verifiable, catalog rebuildable", _v2),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -121,20 +176,44 @@ def is_busy(exc: BaseException) -> bool:
 
 def translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
     """The ckptstore error for an SQLite error that is not a busy lock."""
-    if "disk is full" in str(exc) or "I/O error" in str(exc):
+    if "disk is full" in str(exc) or "I/O error" in str(exc) or "readonly" in str(exc):
         return StoreWriteError(f"{path}: writing the catalog failed: {exc}")
+    if "not a database" in str(exc):
+        return CatalogCorruptError(f"{path} is not an SQLite database ({exc})")
     return CatalogCorruptError(f"{path}: {exc}")
+
+
+class CatalogMissing(CkptStoreError):
+    """No initialised catalog at the path (the file is absent or empty); the store decides what that means."""
+
+
+def _uri(path: Path, **params: str) -> str:
+    query = "&".join(f"{k}={v}" for k, v in params.items())
+    return f"file:{quote(str(path.absolute()))}?{query}"
 
 
 class Catalog:
     """One connection to a store's catalog.
 
+    Only SQLite ever opens the catalog file and its ``-wal``/``-shm``: closing any
+    other descriptor of them would drop the POSIX locks SQLite holds in this
+    process for other connections (invariant 6). Whether the catalog exists, is
+    empty or is a database at all is asked of SQLite, never of the filesystem,
+    so concurrent creators and a crash in the middle of creation are safe:
+    SQLite rolls back a hot journal, and the schema is created inside one
+    ``BEGIN IMMEDIATE`` transaction that first checks nobody else did.
+
+    A catalog that cannot be written (read-only mount, another user's store, a
+    full disk) is opened for reading; ``writable`` tells, and a write raises
+    StoreWriteError.
+
     Args:
         path: the ``catalog.sqlite`` file.
-        create: create and initialise the file when it is missing.
+        create: create and initialise the catalog when it is missing or empty.
         migrations: the migration list (tests pass their own).
 
     Raises:
+        CatalogMissing: no initialised catalog and ``create`` is false.
         CatalogCorruptError: the file is not SQLite, or not a ckptstore catalog.
         SchemaVersionError: the catalog is newer than ``migrations`` know, or
             predates schema versioning (version 0 with tables).
@@ -144,26 +223,70 @@ class Catalog:
         self.path = path
         self.migrations = migrations
         self.lock = threading.RLock()  # one connection, shared by the store's threads
-        exists = path.exists() and path.stat().st_size > 0
-        if exists:
-            with open(path, "rb") as f:
-                if f.read(16) != _SQLITE_MAGIC:
-                    raise CatalogCorruptError(f"{path} is not an SQLite database")
-        elif not create:
-            raise CatalogCorruptError(f"{path} does not exist")
+        self.writable = True
+        self.migrated_from: int | None = None
         try:
-            self.conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
-            self.conn.row_factory = sqlite3.Row
-            self.conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
-            self._retry(lambda: self.conn.execute("PRAGMA journal_mode=WAL"))
-            self.conn.execute("PRAGMA synchronous=FULL")
-            self.conn.execute("PRAGMA foreign_keys=ON")
+            self.conn = self._connect(create)
             self.db = sqlite_utils.Database(self.conn, execute_plugins=False)
-            self._upgrade(exists)
+            self._upgrade(create)
         except sqlite3.DatabaseError as exc:
+            if getattr(self, "conn", None) is not None:
+                self.conn.close()
             if is_busy(exc):
                 raise CatalogBusyError(f"{path}: the catalog stayed locked: {exc}") from None
             raise translate(path, exc) from None
+        except BaseException:
+            if getattr(self, "conn", None) is not None:
+                self.conn.close()
+            raise
+
+    def _connect(self, create: bool) -> sqlite3.Connection:
+        """Open read-write (creating the file only with ``create``); fall back to read-only."""
+        def open_(uri: str) -> sqlite3.Connection:
+            conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+            return conn
+
+        try:
+            conn = open_(_uri(self.path, mode="rw"))
+        except sqlite3.OperationalError:
+            if not create:
+                raise CatalogMissing(f"{self.path} does not exist") from None
+            conn = open_(_uri(self.path, mode="rwc"))
+        if not create and conn.execute("PRAGMA page_count").fetchone()[0] == 0:
+            conn.close()  # an empty file: not initialised, and left exactly as it is
+            raise CatalogMissing(f"{self.path} is empty")
+        try:
+            for attempt in range(BUSY_RETRIES):  # switching a new catalog to WAL needs a moment alone
+                try:
+                    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+                    break
+                except sqlite3.OperationalError as exc:
+                    if not is_busy(exc) or attempt == BUSY_RETRIES - 1:
+                        raise
+                    time.sleep(0.05 * (attempt + 1))
+            if mode.lower() != "wal":
+                raise sqlite3.OperationalError("attempt to write a readonly database")
+            conn.execute("PRAGMA synchronous=FULL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            return conn
+        except sqlite3.OperationalError as exc:
+            conn.close()
+            if not any(m in str(exc) for m in ("readonly", "unable to open", "disk is full", "disk I/O error")):
+                raise
+        # Read-only (mount, permissions, full disk): a plain read-only open reads a WAL catalog
+        # whose -shm exists; without one, only an immutable open can read it.
+        self.writable = False
+        for params in ({"mode": "ro"}, {"mode": "ro", "immutable": "1"}):
+            try:
+                conn = open_(_uri(self.path, **params))
+                conn.execute("PRAGMA user_version").fetchone()
+                conn.execute("PRAGMA foreign_keys=ON")
+                return conn
+            except sqlite3.OperationalError:
+                conn.close()
+        raise StoreWriteError(f"{self.path}: the catalog can be neither written nor read here")
 
     # --- versions -----------------------------------------------------------------
 
@@ -171,7 +294,7 @@ class Catalog:
     def user_version(self) -> int:
         return self.conn.execute("PRAGMA user_version").fetchone()[0]
 
-    def _upgrade(self, existed: bool) -> None:
+    def _upgrade(self, create: bool) -> None:
         latest = self.migrations[-1].version
         version = self.user_version
         if version > latest:
@@ -187,13 +310,20 @@ class Catalog:
                 f"{self.path}: unsupported schema version 0 (a catalog from before schema versioning, tables {sorted(tables)}); "
                 "ckptstore cannot migrate it"
             )
+        if version == 0 and not (create and self.writable):
+            raise CatalogMissing(f"{self.path} is empty: the store was never initialised")
+        if not self.writable:
+            raise SchemaVersionError(f"{self.path}: schema version {version} must be migrated to {latest}, and the catalog cannot be written here")
         if version > 0:
+            self.migrated_from = version
             backup = self.path.with_name(f"{self.path.name}.v{version}.bak")
             with sqlite3.connect(backup) as dst:
                 self.conn.backup(dst)
             dst.close()
         with self.write():
             version = self.user_version  # another process may have done it meanwhile
+            if version == 0 and self.db.table_names():
+                raise SchemaVersionError(f"{self.path}: unsupported schema version 0 with tables")
             for m in self.migrations:
                 if m.version > version:
                     m.apply(self.db)
@@ -223,6 +353,8 @@ class Catalog:
         Rolls back on any exception. Raises CatalogBusyError when the write
         lock cannot be had after the bounded retries.
         """
+        if not self.writable:
+            raise StoreWriteError(f"{self.path}: the store is read-only here (mount, permissions or a full disk); it can only be read")
         with self.lock:
             self._retry(lambda: self.conn.execute("BEGIN IMMEDIATE"))
             try:
@@ -271,6 +403,15 @@ class Catalog:
             part = values[i : i + _CHUNK]
             out += self.rows(sql.format(",".join("?" * len(part))), (*extra, *part), raw)
         return out
+
+    def replace_with(self, other: Catalog) -> None:
+        """Overwrite this catalog with ``other``'s content, through SQLite's backup API
+        (which takes the locks a writer takes): used by recovery."""
+        with self.lock:
+            try:
+                other.conn.backup(self.conn)
+            except sqlite3.DatabaseError as exc:
+                raise translate(self.path, exc) from None
 
     def close(self) -> None:
         self.conn.close()

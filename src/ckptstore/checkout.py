@@ -34,7 +34,7 @@ class BlobReader:
         self.store = store
         self.cid = cid
         self.verify = verify
-        self.packs = PackReader(store.root, sparse)
+        self.packs = PackReader(store.root, sparse, locate=store.relocate)
 
     def lazy(self, rec: LeafRecord) -> LazyTensor:
         where = f"commit {self.cid[:12]}, leaf {rec.path}"

@@ -83,7 +83,7 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
     cid = store.resolve(ref)
     info = store.info(cid)
     comps = store.components(cid)
-    leaves = store._manifest(cid, None)
+    leaves = store.manifest(cid)
     manifest = {
         "format": FORMAT,
         "version": VERSION,

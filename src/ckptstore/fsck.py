@@ -1,7 +1,9 @@
 """Integrity checks of a store (``ckptstore fsck`` and ``ckptstore verify``).
 
 Problems (non-zero exit): a catalog that fails SQLite's integrity or foreign-key
-check; a tag naming a missing commit; a manifest row inconsistent with its
+check; a commit whose record does not hash to its id, whose catalog rows
+disagree with its record, or that has no copy of its record in a pack (with
+``deep``: whose record in the pack is damaged); a tag naming a missing commit; a manifest row inconsistent with its
 shards; a pack file missing or shorter than its blobs; with ``deep``, a blob
 whose header or content hash is wrong. Each bad blob is mapped to the commits
 and tags it hurts.
@@ -18,8 +20,10 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from .errors import CkptStoreError, InvalidArgumentError
-from .packs import BLOB_HEADER, BlobLoc, PackReader, pack_path
+from .catalog import rebuild_record
+from .errors import CkptStoreError, IntegrityError, InvalidArgumentError
+from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, pack_path
+from .records import KIND_COMMIT, KIND_REF, parse_commit
 from .shards import DTYPES, ShardPlan, address
 
 
@@ -88,10 +92,29 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
             if commit else cat.rows("SELECT * FROM blobs")
         )
         packs = {r["id"]: r for r in cat.rows("SELECT * FROM packs")}
+        commit_ids = [commit] if commit else [r[0] for r in cat.rows("SELECT id FROM commits")]
+        texts = {r[0]: r[1] for r in cat.chunked("SELECT id, record FROM commits WHERE id IN ({})", commit_ids, raw=True)}
+        rebuilt = {cid: rebuild_record(cat.conn, cid) for cid in commit_ids}
+        rec_rows = cat.chunked(f"SELECT * FROM records WHERE kind = {KIND_COMMIT} AND name IN ({{}})", commit_ids)
+        if commit is None:
+            rec_rows += cat.rows(f"SELECT * FROM records WHERE kind = {KIND_REF}")
         if commit is None:
             rep.unreferenced_blobs = cat.rows("SELECT COUNT(*) FROM blobs b WHERE NOT EXISTS (SELECT 1 FROM shards s WHERE s.blob_id = b.id)")[0][0]
 
     bad_commits: set[str] = set()
+    in_packs = {r["name"] for r in rec_rows if r["kind"] == KIND_COMMIT}
+    for cid in commit_ids:  # the manifest against the commit id, the rows against the manifest
+        try:
+            parse_commit(texts.get(cid), cid)
+        except IntegrityError as exc:
+            rep.problems.append(str(exc))
+            bad_commits.add(cid)
+            continue
+        if rebuilt[cid] != texts[cid]:
+            rep.problems.append(f"commit {cid}: the catalog's rows (leaves, shards, components, parents or message) disagree with its record")
+            bad_commits.add(cid)
+        if cid not in in_packs:
+            rep.problems.append(f"commit {cid}: no copy of its record in a pack (recover could not rebuild it)")
     for r in leaves:
         if r["kind"] != "tensor":
             continue
@@ -142,6 +165,17 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
                 bad_blobs.add(r["id"])
             rep.blobs_checked += 1
             rep.bytes_checked += r["raw_len"]
+        for r in rec_rows:
+            loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
+            try:
+                text = bytes(reader.read(loc, "fsck", magic=RECORD_MAGIC))
+            except CkptStoreError as exc:
+                rep.problems.append(f"record of {r['name']} in pack {r['pack']}: {exc}")
+                if r["kind"] == KIND_COMMIT:
+                    bad_commits.add(r["name"])
+                continue
+            if r["kind"] == KIND_COMMIT and text.decode(errors="replace") != texts.get(r["name"]):
+                rep.problems.append(f"commit {r['name']}: its record in pack {r['pack']} differs from the catalog's")
         reader.close()
         if rep.corrupt_blobs:
             rep.problems.append(f"{len(rep.corrupt_blobs)} corrupt blob(s): {', '.join(rep.corrupt_blobs[:5])}")

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import GCLockedError, InvalidArgumentError
-from .packs import BLOB_HEADER, BlobLoc, PackReader, PackWriter, fsync_dir, pack_path
+from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, fsync_dir, pack_path
+from .records import KIND_COMMIT, KIND_REF
 
 DEFAULT_GRACE = 3600.0
 REPACK_BELOW = 0.5
@@ -181,11 +182,18 @@ class Collector:
                 self.cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", batch)
                 for table in ("leaves", "components", "parents"):
                     self.cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", batch)
+                self.cat.chunked(f"DELETE FROM records WHERE kind = {KIND_COMMIT} AND name IN ({{}})", batch)
                 self.cat.chunked("DELETE FROM commits WHERE id IN ({})", batch)
                 report.dropped += batch
             if len(victims) <= _BATCH_COMMITS:
                 break
         report.commits_dropped = len(report.dropped)
+        if not report.dry_run:  # of each tag's ref-move records, the newest is what recovery needs
+            with self.cat.write():
+                self.cat.conn.execute(
+                    f"DELETE FROM records WHERE kind = {KIND_REF} AND seq < "
+                    f"(SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)"
+                )
 
     # --- blobs ---------------------------------------------------------------------------
 
@@ -219,10 +227,13 @@ class Collector:
     # --- packs -----------------------------------------------------------------------------
 
     def pack_stats(self) -> list:
+        """Per pack: id, size, created_at, retired_at, ``n`` live entries (blobs and records), ``live`` bytes."""
         return self.cat.rows(
-            "SELECT p.id, p.size, p.created_at, p.retired_at, COUNT(b.id) AS n, COALESCE(SUM(b.stored_len + ?), 0) AS live "
-            "FROM packs p LEFT JOIN blobs b ON b.pack = p.id GROUP BY p.id",
-            (BLOB_HEADER.size,),
+            "SELECT p.id, p.size, p.created_at, p.retired_at, COALESCE(b.n, 0) + COALESCE(r.n, 0) AS n, "
+            "COALESCE(b.live, 0) + COALESCE(r.live, 0) AS live FROM packs p "
+            "LEFT JOIN (SELECT pack, COUNT(*) AS n, SUM(stored_len + ?) AS live FROM blobs GROUP BY pack) b ON b.pack = p.id "
+            "LEFT JOIN (SELECT pack, COUNT(*) AS n, SUM(stored_len + ?) AS live FROM records GROUP BY pack) r ON r.pack = p.id",
+            (BLOB_HEADER.size, BLOB_HEADER.size),
         )
 
     def repack(self, report: GCReport) -> None:
@@ -232,22 +243,27 @@ class Collector:
         for p in self.pack_stats():
             if p["retired_at"] is not None or p["n"] == 0 or p["created_at"] > cutoff or p["live"] >= self.repack_below * p["size"]:
                 continue
-            rows = self.cat.rows("SELECT * FROM blobs WHERE pack = ?", (p["id"],))
+            where = f"repacking pack {p['id']}"
+            blobs = self.cat.rows("SELECT * FROM blobs WHERE pack = ?", (p["id"],))
+            recs = self.cat.rows("SELECT * FROM records WHERE pack = ?", (p["id"],))
             reader = PackReader(self.store.root)
             with PackWriter(self.store.root, self.store.compression_level, self.store.pack_bytes) as writer:
                 moved = []
-                for r in rows:
+                for r in blobs:
                     loc = BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
-                    raw = reader.read(loc, f"repacking pack {p['id']}")
-                    moved.append((r["id"], writer.append(memoryview(raw), loc.digest)))
+                    moved.append(("blobs", r["id"], writer.append(memoryview(reader.read(loc, where)), loc.digest)))
+                for r in recs:
+                    loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
+                    moved.append(("records", r["id"], writer.append_record(r["kind"], bytes(reader.read(loc, where, magic=RECORD_MAGIC)))))
                 reader.close()
                 writer.finish()
                 with self.cat.write() as db:
                     db["packs"].insert_all({"id": pid, "size": size, "created_at": self.now} for pid, size in writer.pack_ids)
-                    for blob_id, loc in moved:
+                    for table, row_id, loc in moved:
+                        codec = ", codec = ?" if table == "blobs" else ""
                         self.cat.conn.execute(
-                            "UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE id = ? AND pack = ?",
-                            (loc.pack, loc.offset, loc.stored_len, loc.codec, blob_id, p["id"]),
+                            f"UPDATE {table} SET pack = ?, offset = ?, stored_len = ?{codec} WHERE id = ? AND pack = ?",
+                            (loc.pack, loc.offset, loc.stored_len, *((loc.codec,) if codec else ()), row_id, p["id"]),
                         )
                     self.cat.conn.execute("UPDATE packs SET retired_at = ? WHERE id = ?", (self.now, p["id"]))
             report.packs_repacked += 1
@@ -265,7 +281,7 @@ class Collector:
                 report.bytes_pending += p["size"]
                 continue
             with self.cat.write():  # rows, then the file, then commit
-                if self.cat.rows("SELECT 1 FROM blobs WHERE pack = ? LIMIT 1", (p["id"],)):
+                if self.cat.rows("SELECT 1 FROM blobs WHERE pack = ? UNION ALL SELECT 1 FROM records WHERE pack = ? LIMIT 1", (p["id"], p["id"])):
                     continue
                 self.cat.conn.execute("DELETE FROM packs WHERE id = ?", (p["id"],))
                 report.bytes_freed += _unlink(pack_path(self.store.root, p["id"]))

@@ -9,18 +9,27 @@ after the rename.
 Pack layout (all integers little-endian)::
 
     pack header  16 bytes  b"CKPK", u16 format version (1), u16 0, u64 0
-    blob         40-byte header + payload, repeated
+    entry        40-byte header + payload, repeated: a blob or a record
 
-    blob header  b"CKBL", u8 format version (1), u8 codec (0 raw, 1 zstd),
-                 u16 0, u64 raw length, u64 payload length,
+    entry header b"CKBL" (blob) or b"CKRC" (record), u8 format version (1),
+                 u8 codec (0 raw, 1 zstd), u16 record kind (0 for blobs),
+                 u64 raw length, u64 payload length,
                  16 bytes XXH3-128 of the raw bytes
+
+A record is a small JSON document the catalog can be rebuilt from (see
+:mod:`ckptstore.records`): a commit record or a ref-move record. Like a blob it
+is addressed by the hash of its bytes, so any copy of it can be checked.
 
 A blob is zstandard-compressed (RFC 8878) only when a probe of its start
 (1/32 of it, 4 to 32 KiB) shrinks by more than 10 % and the whole blob then does too.
 
 While a commit is in flight its process holds an exclusive ``flock`` on each
 of its pack files; GC never removes a locked pack, and the lock vanishes with
-the process, so a pack orphaned by a crash becomes collectable.
+the process, so a pack orphaned by a crash becomes collectable. A pack is
+created under its temporary name, locked, and then checked to still be linked
+there (a GC may have removed the file between the two): only a locked, linked
+file is written to. ``finish`` seals every pack it makes durable: a later
+``append`` starts a new pack, so a pack is never written after its rename.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import os
 import struct
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +53,7 @@ from .shards import digest as xxh3
 PACK_MAGIC = b"CKPK"
 PACK_HEADER = struct.Struct("<4sHHQ")
 BLOB_MAGIC = b"CKBL"
+RECORD_MAGIC = b"CKRC"
 BLOB_HEADER = struct.Struct("<4sBBHQQ16s")
 FORMAT_VERSION = 1
 CODEC_RAW = 0
@@ -105,11 +116,16 @@ def encode_blob(raw: memoryview, level: int) -> tuple[int, bytes | memoryview]:
 
 class _OpenPack:
     def __init__(self, root: Path):
-        self.id = uuid.uuid4().hex
-        self.tmp = root / "tmp" / f"{self.id}.pack.tmp"
-        self.final = pack_path(root, self.id)
-        self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        (root / "tmp").mkdir(exist_ok=True)
+        while True:
+            self.id = uuid.uuid4().hex
+            self.tmp = root / "tmp" / f"{self.id}.pack.tmp"
+            self.final = pack_path(root, self.id)
+            self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+            if os.fstat(self.fd).st_nlink:  # a GC may unlink it between create and lock: then take a new name
+                break
+            os.close(self.fd)
         os.pwrite(self.fd, PACK_HEADER.pack(PACK_MAGIC, FORMAT_VERSION, 0, 0), 0)
         self.size = PACK_HEADER.size
         self.renamed = False
@@ -159,14 +175,18 @@ class PackWriter:
         codec, payload = encode_blob(raw, self.level)
         return self.append_encoded(digest, len(raw), codec, payload)
 
-    def append_encoded(self, digest: bytes, raw_len: int, codec: int, payload) -> BlobLoc:
+    def append_record(self, kind: int, raw: bytes) -> BlobLoc:
+        """Write one record (``kind``, JSON bytes) and return its location; see :mod:`ckptstore.records`."""
+        return self.append_encoded(xxh3(raw), len(raw), CODEC_RAW, raw, RECORD_MAGIC, kind)
+
+    def append_encoded(self, digest: bytes, raw_len: int, codec: int, payload, magic: bytes = BLOB_MAGIC, kind: int = 0) -> BlobLoc:
         """Write a blob already encoded (verified by the caller) as it is."""
-        header = BLOB_HEADER.pack(BLOB_MAGIC, FORMAT_VERSION, codec, 0, raw_len, len(payload), digest)
+        header = BLOB_HEADER.pack(magic, FORMAT_VERSION, codec, kind, raw_len, len(payload), digest)
         need = len(header) + len(payload)
         try:
             with self._lock:
                 pack = self._packs[-1] if self._packs else None
-                if pack is None or (pack.size > PACK_HEADER.size and pack.size + need > self.pack_bytes):
+                if pack is None or pack.sealed or (pack.size > PACK_HEADER.size and pack.size + need > self.pack_bytes):
                     if pack is not None:
                         pack.sealed = True
                     pack = _OpenPack(self.root)
@@ -203,6 +223,8 @@ class PackWriter:
             for pack in self._packs:
                 if pack.renamed:
                     continue
+                with self._lock:
+                    pack.sealed = pack.flushing = True  # durable under its final name from here: never written again
                 os.fsync(pack.fd)
                 pack.final.parent.mkdir(parents=True, exist_ok=True)
                 os.rename(pack.tmp, pack.final)
@@ -214,6 +236,15 @@ class PackWriter:
                 fsync_dir(self.root / "blobs")
         except OSError as exc:
             raise StoreWriteError(f"making packs durable in {self.root / 'blobs'} failed: {exc}") from exc
+
+    def discard(self) -> None:
+        """Remove every pack of this writer, renamed or not (its transaction did not commit)."""
+        for pack in self._packs:
+            for path in (pack.tmp, pack.final):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
 
     def close(self) -> None:
         """Unlock every pack; remove the ones never renamed."""
@@ -233,67 +264,95 @@ class PackWriter:
         self.close()
 
 
-class PackReader:
-    """Reads blobs out of pack files, checking everything before use.
+Locate = Callable[[BlobLoc], "BlobLoc | None"]
 
-    Each read checks the blob header against the catalog row (magic, version,
+
+class PackReader:
+    """Reads blobs and records out of pack files, checking everything before use.
+
+    Each read checks the location's numbers against the pack's size before
+    allocating, the entry header against the expected location (magic, version,
     codec, lengths, digest), decompresses with the raw length as a hard limit,
-    and rehashes the raw bytes (invariants 5 and 6). File descriptors are
-    cached per pack; ``pread`` makes concurrent reads from threads safe.
+    and rehashes the raw bytes (invariant 5). File descriptors are cached per
+    pack; ``pread`` makes concurrent reads from threads safe.
+
+    Args:
+        root: the store folder.
+        sparse: reading a few blobs: no readahead past them.
+        locate: asked for a blob's current location when its pack is gone (a
+            GC repacked it and, with a grace period shorter than this read,
+            already unlinked the old pack); the read is retried there.
     """
 
-    def __init__(self, root: Path, sparse: bool = False):
+    def __init__(self, root: Path, sparse: bool = False, locate: Locate | None = None):
         self.root = root
-        self.sparse = sparse  # reading a few blobs: no readahead past them
-        self._fds: dict[str, int] = {}
+        self.sparse = sparse
+        self.locate = locate
+        self._fds: dict[str, tuple[int, int]] = {}
         self._lock = threading.Lock()
         self.blobs_read = 0
         self.bytes_read = 0
 
-    def _fd(self, pack: str, where: str) -> int:
+    def _fd(self, pack: str, where: str) -> tuple[int, int]:
+        """``(fd, size in bytes)`` of pack ``pack``."""
         with self._lock:
-            fd = self._fds.get(pack)
-            if fd is None:
+            got = self._fds.get(pack)
+            if got is None:
                 try:
                     fd = os.open(pack_path(self.root, pack), os.O_RDONLY)
-                    if self.sparse:
-                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 except FileNotFoundError:
                     raise BlobMissingError(f"{where}: pack file {pack}.pack is missing") from None
-                self._fds[pack] = fd
-            return fd
+                except OSError as exc:
+                    raise BlobMissingError(f"{where}: pack file {pack}.pack cannot be opened: {exc}") from None
+                if self.sparse:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+                got = self._fds[pack] = (fd, os.fstat(fd).st_size)
+            return got
 
-    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True) -> None:
+    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> None:
         """Read blob ``loc`` into ``dest`` (exactly ``loc.raw_len`` bytes).
 
         ``where`` names the leaf, commit and so on for error messages.
 
         Raises:
-            BlobMissingError: the pack file is gone.
-            BlobCorruptError: short read, bad header, bad codec payload or hash.
+            BlobMissingError: the pack file is gone (and ``locate`` knows no other place).
+            BlobCorruptError: bad location numbers, short read, bad header, bad codec payload or hash.
         """
+        try:
+            self._read_into(loc, dest, where, verify, magic)
+        except BlobMissingError:
+            moved = self.locate(loc) if self.locate is not None else None
+            if moved is None or moved == loc:
+                raise
+            self._read_into(moved, dest, where, verify, magic)
+
+    def _read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool, magic: bytes) -> None:
         where = f"{where}, blob {loc.address}"
         if len(dest) != loc.raw_len:
             raise BlobCorruptError(f"{where}: destination holds {len(dest)} bytes, blob {loc.raw_len}")
-        fd = self._fd(loc.pack, where)
-        header = bytearray(BLOB_HEADER.size)
-        if loc.codec == CODEC_RAW:
-            if loc.stored_len != loc.raw_len:
-                raise BlobCorruptError(f"{where}: raw blob with payload length {loc.stored_len}")
-            got = os.preadv(fd, [header, dest], loc.offset)
-            payload = dest
-        elif loc.codec == CODEC_ZSTD:
-            buf = bytearray(loc.stored_len)
-            got = os.preadv(fd, [header, buf], loc.offset)
-            payload = buf
-        else:
+        if loc.codec not in CODECS:
             raise BlobCorruptError(f"{where}: unknown codec {loc.codec} in the catalog")
+        fd, size = self._fd(loc.pack, where)
+        if loc.offset < PACK_HEADER.size or not 0 <= loc.stored_len <= loc.raw_len:
+            raise BlobCorruptError(f"{where}: invalid location in the catalog (offset {loc.offset}, {loc.stored_len} stored bytes)")
+        if loc.offset + BLOB_HEADER.size + loc.stored_len > size:
+            raise BlobCorruptError(
+                f"{where}: pack {loc.pack}.pack is truncated ({size} bytes; the entry ends at byte {loc.offset + BLOB_HEADER.size + loc.stored_len})"
+            )
+        if loc.codec == CODEC_RAW and loc.stored_len != loc.raw_len:
+            raise BlobCorruptError(f"{where}: raw blob with payload length {loc.stored_len}")
+        header = bytearray(BLOB_HEADER.size)
+        payload = dest if loc.codec == CODEC_RAW else bytearray(loc.stored_len)
+        try:
+            got = os.preadv(fd, [header, payload], loc.offset)
+        except OSError as exc:
+            raise BlobCorruptError(f"{where}: reading pack {loc.pack}.pack failed: {exc}") from None
         with self._lock:
             self.blobs_read += 1
             self.bytes_read += got
         if got != BLOB_HEADER.size + loc.stored_len:
             raise BlobCorruptError(f"{where}: pack {loc.pack}.pack is truncated ({got} of {BLOB_HEADER.size + loc.stored_len} bytes)")
-        check_header(bytes(header), loc, where)
+        check_header(bytes(header), loc, where, magic)
         if loc.codec == CODEC_ZSTD:
             try:
                 raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=loc.raw_len)
@@ -303,34 +362,87 @@ class PackReader:
                 raise BlobCorruptError(f"{where}: decodes to {len(raw)} bytes, expected {loc.raw_len}")
             dest[:] = raw
         if verify and xxh3(dest) != loc.digest:
-            raise BlobCorruptError(f"{where}: content hash mismatch (corrupt blob)")
+            raise BlobCorruptError(f"{where}: content hash mismatch: the bytes hash to {xxh3(dest).hex()}, not to the address")
 
-    def read(self, loc: BlobLoc, where: str, verify: bool = True) -> bytearray:
-        """Read blob ``loc`` into a new ``bytearray`` (see :meth:`read_into`)."""
+    def read(self, loc: BlobLoc, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> bytearray:
+        """Read blob (or, with ``magic=RECORD_MAGIC``, record) ``loc`` into a new ``bytearray``
+        (see :meth:`read_into`)."""
         out = bytearray(loc.raw_len)
-        self.read_into(loc, memoryview(out), where, verify)
+        self.read_into(loc, memoryview(out), where, verify, magic)
         return out
+
+    def stored(self, loc: BlobLoc, where: str) -> bytes:
+        """The entry at ``loc`` as stored (header and payload), after verifying it."""
+        self.read(loc, where)
+        fd, _ = self._fd(loc.pack, where)
+        return os.pread(fd, BLOB_HEADER.size + loc.stored_len, loc.offset)
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
+            for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
 
 
-def check_header(header: bytes, loc: BlobLoc, where: str) -> None:
-    """Check a 40-byte blob header against the expected location record.
+def check_header(header: bytes, loc: BlobLoc, where: str, want_magic: bytes = BLOB_MAGIC) -> None:
+    """Check a 40-byte entry header against the expected location record.
 
     Raises:
-        BlobCorruptError: any field differs.
+        BlobCorruptError: naming each field that differs.
     """
     magic, version, codec, _, raw_len, stored_len, dig = BLOB_HEADER.unpack(header)
-    if magic != BLOB_MAGIC:
-        raise BlobCorruptError(f"{where}: bad blob header magic {magic!r}")
+    if magic != want_magic:
+        raise BlobCorruptError(f"{where}: bad entry header magic {magic!r} (expected {want_magic!r})")
     if version != FORMAT_VERSION:
         raise BlobCorruptError(f"{where}: unknown blob format version {version}")
-    if (codec, raw_len, stored_len, dig) != (loc.codec, loc.raw_len, loc.stored_len, loc.digest):
-        raise BlobCorruptError(
-            f"{where}: blob header (codec {codec}, raw {raw_len} B, stored {stored_len} B) does not match the catalog "
-            f"(codec {loc.codec}, raw {loc.raw_len} B, stored {loc.stored_len} B) or its hash differs"
-        )
+    diffs = [
+        f"{name} {got} in the pack, {want} in the catalog"
+        for name, got, want in (("codec", codec, loc.codec), ("raw length", raw_len, loc.raw_len), ("stored length", stored_len, loc.stored_len))
+        if got != want
+    ]
+    if dig != loc.digest:
+        diffs.append(f"hash {dig.hex()} in the pack, {loc.digest.hex()} in the catalog")
+    if diffs:
+        raise BlobCorruptError(f"{where}: the entry header does not match the catalog: {'; '.join(diffs)}")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry found by :func:`scan`: a blob, or a record (``kind`` > 0)."""
+
+    loc: BlobLoc
+    kind: int
+    magic: bytes
+
+
+def scan(path: Path, pack_id: str) -> tuple[list[Entry], str | None]:
+    """Walk a pack file's entry headers (no payload is read).
+
+    Returns the entries whose headers are well formed and lie inside the file,
+    and a description of the first problem that stopped the walk (``None`` if
+    the walk reached the end cleanly). Payload hashes are not checked here.
+    """
+    entries: list[Entry] = []
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        return entries, f"cannot open: {exc}"
+    try:
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, PACK_HEADER.size, 0)
+        if len(head) != PACK_HEADER.size or PACK_HEADER.unpack(head)[:2] != (PACK_MAGIC, FORMAT_VERSION):
+            return entries, "bad pack header"
+        offset = PACK_HEADER.size
+        while offset < size:
+            header = os.pread(fd, BLOB_HEADER.size, offset)
+            if len(header) != BLOB_HEADER.size:
+                return entries, f"truncated entry header at offset {offset}"
+            magic, version, codec, kind, raw_len, stored_len, dig = BLOB_HEADER.unpack(header)
+            end = offset + BLOB_HEADER.size + stored_len
+            if magic not in (BLOB_MAGIC, RECORD_MAGIC) or version != FORMAT_VERSION or codec not in CODECS or end > size:
+                return entries, f"bad entry header at offset {offset}"
+            entries.append(Entry(BlobLoc(dig, raw_len, pack_id, offset, stored_len, codec), kind, magic))
+            offset = end
+        return entries, None
+    finally:
+        os.close(fd)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import threading
 import time
 import weakref
@@ -38,15 +39,17 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 
-from . import jsonvalue
+from . import jsonvalue, records
 from .adapters import REGISTRY, ComponentState, Registry, capture, join, migrate
 from .adapters.base import Captured, under
-from .catalog import Catalog
+from .catalog import Catalog, CatalogMissing
 from .checkout import BlobReader, plan_restore, restore
 from .container import export_commit, import_commit
 from .diff import DiffReport, diff_commits
+from .records import LeafRecord
 from .errors import (
     AdapterError,
+    BlobMissingError,
     AmbiguousRefError,
     CatalogCorruptError,
     CkptStoreError,
@@ -76,6 +79,7 @@ from .shards import (
 )
 
 CATALOG = "catalog.sqlite"
+_STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|\.v\d+\.bak)?|blobs|tmp|gc\.lock)$")
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
 
 
@@ -126,25 +130,6 @@ class IOStats:
 
     blobs_read: int = 0
     bytes_read: int = 0
-
-
-@dataclass
-class LeafRecord:
-    """One manifest row: a tensor (dtype, shape, shards) or a JSON value.
-
-    ``value`` is the JSON text when committing, the decoded value when read back.
-    """
-
-    path: str
-    component: str
-    kind: str
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    nbytes: int
-    shard_bytes: int | None
-    value: Any = None
-    stride: tuple[int, ...] | None = None  # recorded for dense non-contiguous layouts
-    shards: list[BlobLoc] = field(default_factory=list)
 
 
 class _ReusedBlobsGone(Exception):
@@ -225,32 +210,9 @@ class Store:
         reuse_hashes: bool = True,
     ):
         self.root = Path(path)
-        catalog = self.root / CATALOG
         shard_bytes = _setting("shard_bytes", shard_bytes, 1, 1 << 34)
         compression_level = _setting("compression_level", compression_level, 0, 22)
-        if self.root.exists() and not self.root.is_dir():
-            raise NotAStoreError(f"{self.root} is a file, not a ckptstore store")
-        if catalog.exists() and not catalog.is_file():
-            raise NotAStoreError(f"{catalog} is not a file; {self.root} is not a ckptstore store")
-        fresh = not catalog.exists() or catalog.stat().st_size == 0
-        if fresh and self.root.exists():
-            others = sorted(
-                p.name for p in self.root.iterdir()
-                if p.name != CATALOG and not (p.name in ("blobs", "tmp") and p.is_dir() and not any(p.iterdir()))
-            )
-            if others and catalog.exists():
-                raise CatalogCorruptError(f"{catalog} is empty but the store holds {', '.join(others)}: the catalog was lost")
-            if others:
-                raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG}) and is not empty")
-        if fresh and not create:
-            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self.catalog = Catalog(catalog, create=fresh)
-            (self.root / "blobs").mkdir(exist_ok=True)
-            (self.root / "tmp").mkdir(exist_ok=True)
-        except OSError as exc:
-            raise NotAStoreError(f"cannot open a store at {self.root}: {exc}") from None
+        self.catalog = self._open_catalog(create)
         settings = self._settings({  # the first open saves them; later opens read them
             "shard_bytes": DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes,
             "compression_level": 3 if compression_level is None else compression_level,
@@ -261,7 +223,7 @@ class Store:
                 compression_level if compression_level is not None else _setting("compression_level", settings["compression_level"], 0, 22)
             )
         except InvalidArgumentError as exc:
-            raise CatalogCorruptError(f"{catalog}: stored setting is invalid: {exc}") from None
+            raise CatalogCorruptError(f"{self.root / CATALOG}: stored setting is invalid: {exc}") from None
         self.pack_bytes = pack_bytes
         self.workers = workers or os.cpu_count() or 1
         self.registry = registry
@@ -272,13 +234,66 @@ class Store:
         self._committer: ThreadPoolExecutor | None = None  # runs asynchronous commits, one at a time
         self._pending: Future | None = None
         self._snapshots: dict[str, torch.Tensor] = {}
+        self._records: dict[str, records.CommitRecord] = {}  # verified commit records by id (immutable)
+        if self.catalog.migrated_from is not None:
+            self._backfill_records()
 
     # --- lifecycle -------------------------------------------------------------------
+
+    def _open_catalog(self, create: bool) -> Catalog:
+        """Open the catalog; only SQLite looks at the catalog file (invariant 6)."""
+        catalog = self.root / CATALOG
+        if self.root.exists() and not self.root.is_dir():
+            raise NotAStoreError(f"{self.root} is a file, not a ckptstore store")
+        for attempt in range(2):
+            try:
+                return Catalog(catalog, create=False)
+            except CatalogMissing:
+                pass
+            except (CatalogCorruptError, StoreWriteError) as exc:
+                raise type(exc)(f"{exc}; if the catalog is lost or damaged, `ckptstore recover --store {self.root}` rebuilds it from the packs") from None
+            packs = next(iter(self.root.glob("blobs/*/*.pack")), None)
+            if packs is None:
+                break
+            if attempt:  # packs and no catalog: the catalog was deleted
+                raise CatalogCorruptError(
+                    f"{catalog} is missing or empty but {self.root / 'blobs'} holds packs: the catalog was lost; "
+                    f"`ckptstore recover --store {self.root}` rebuilds it from the packs"
+                )
+            time.sleep(0.05)  # or a concurrent creator has just made its first commit: look again
+        others = sorted(p.name for p in self.root.iterdir() if not _STORE_NAMES.match(p.name)) if self.root.is_dir() else []
+        if others:
+            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG}) and is not empty: {', '.join(others[:5])}")
+        if not create:
+            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            cat = Catalog(catalog, create=True)
+        except OSError as exc:
+            raise NotAStoreError(f"cannot create a store at {self.root}: {exc}") from None
+        except CatalogMissing:
+            raise StoreWriteError(f"cannot create a store at {self.root}: the folder cannot be written") from None
+        for sub in ("blobs", "tmp"):
+            (self.root / sub).mkdir(exist_ok=True)
+        return cat
+
+    def _backfill_records(self) -> None:
+        """Write the records a store migrated from schema 1 lacks: each commit's, and each tag's last move."""
+        with self._write() as batch:
+            for cid, text in self.catalog.rows(
+                f"SELECT id, record FROM commits WHERE record IS NOT NULL AND id NOT IN (SELECT name FROM records WHERE kind = {records.KIND_COMMIT})"
+            ):
+                batch.append((records.KIND_COMMIT, cid, None, text))
+            for seq, tag, old, new, at, action in self.catalog.rows(
+                "SELECT id, tag, old_commit, new_commit, at, action FROM reflog WHERE id IN (SELECT MAX(id) FROM reflog GROUP BY tag) "
+                f"AND tag NOT IN (SELECT name FROM records WHERE kind = {records.KIND_REF})"
+            ):
+                batch.append((records.KIND_REF, tag, seq, records.ref_text(seq, tag, old, new, at, action)))
 
     def _settings(self, defaults: dict) -> dict:
         rows = {r["key"]: jsonvalue.loads(r["value"]) for r in self.catalog.rows("SELECT key, value FROM settings")}
         missing = {k: v for k, v in defaults.items() if k not in rows}
-        if missing:
+        if missing and self.catalog.writable:
             with self.catalog.write() as db:
                 db["settings"].insert_all(({"key": k, "value": jsonvalue.dumps(v)} for k, v in missing.items()), ignore=True)
             rows.update(missing)
@@ -499,7 +514,7 @@ class Store:
         position last time takes that blob id: no catalog lookup (the commit's
         transaction checks every such id still holds that address).
         """
-        records: list[LeafRecord] = []
+        recs: list[LeafRecord] = []
         views: list[list[tuple[bytes, memoryview]]] = []
         tokens: list[tuple[Any, str, Any] | None] = []
         prior: dict[tuple[bytes, int], int] = {}
@@ -519,7 +534,7 @@ class Store:
                     entry = self._cached(comp.owner, path, token, p.count)
                     known = entry[1] if entry is not None and entry[0] == token else None
                     if entry is not None and known is None:
-                        previous[len(records)] = entry[1]
+                        previous[len(recs)] = entry[1]
                     for s in range(p.count):
                         shard = mv[slice(*p.bounds(s))]
                         if known:
@@ -527,11 +542,11 @@ class Store:
                             prior[key] = known[s][1]
                             from_cache.add(key)
                         else:
-                            todo.append((len(records), s))
+                            todo.append((len(recs), s))
                         shards.append((known[s][0] if known else b"", shard))
                 else:
                     rec = LeafRecord(path, comp.path, "json", None, None, 0, None, jsonvalue.dumps(value, path))
-                records.append(rec)
+                recs.append(rec)
                 views.append(shards)
         total = sum(len(views[i][s][1]) for i, s in todo)
         hash_one = lambda item: digest(views[item[0]][item[1]][1])
@@ -542,7 +557,7 @@ class Store:
             for (d, mv), (last_d, blob) in zip(views[i], last):
                 if d == last_d:
                     prior[(d, len(mv))] = blob
-        return records, views, tokens, prior, from_cache
+        return recs, views, tokens, prior, from_cache
 
     def _cached(self, owner: Any, path: str, token: Any, count: int) -> tuple[Any, list[tuple[bytes, int]]] | None:
         """``(fingerprint, [(shard hash, blob id)])`` of leaf ``path`` of ``owner`` as this
@@ -595,8 +610,35 @@ class Store:
         rows = self.catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
         return {(h, n): i for h, n, i in rows if (h, n) in wanted}
 
+    @contextmanager
+    def _write(self):
+        """A catalog write transaction that may add records (commit, ref moves).
+
+        Yields a list to append ``(kind, name, seq, text)`` to. Before COMMIT the
+        records are written to a new pack, made durable, and indexed, so every
+        record the catalog describes exists in a pack (invariant 7); if the
+        transaction does not commit, the pack is removed again.
+        """
+        batch: list[tuple[int, str, int | None, str]] = []
+        with PackWriter(self.root, 0, self.pack_bytes) as writer:
+            try:
+                with self.catalog.write() as db:
+                    yield batch
+                    if batch:
+                        locs = [writer.append_record(kind, text.encode()) for kind, _, _, text in batch]
+                        writer.finish()
+                        db["packs"].insert_all({"id": pid, "size": size, "created_at": time.time()} for pid, size in writer.pack_ids)
+                        self.catalog.conn.executemany(
+                            "INSERT INTO records (kind, name, seq, digest, pack, offset, raw_len, stored_len) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            [(k, n, q, loc.digest, loc.pack, loc.offset, loc.raw_len, loc.stored_len) for (k, n, q, _), loc in zip(batch, locs)],
+                        )
+            except BaseException:
+                writer.discard()
+                raise
+
     def _commit_txn(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0):
-        with self.catalog.write() as db:
+        with self._write() as batch:
+            db = self.catalog.db
             if known:
                 # An id must still hold the same address: GC may have freed it and a new blob taken the id since.
                 rows = self.catalog.chunked("SELECT id, hash, raw_len FROM blobs WHERE id IN ({})", list(set(known.values())), raw=True)
@@ -618,21 +660,19 @@ class Store:
                 current = {r["name"]: r["commit_id"] for r in self.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
                 parents = list(dict.fromkeys(current[t] for t in tags if t in current))
             per_leaf = self._keys_per_leaf(leaves, keys)
-            manifest = [
-                [r.path, r.component, r.kind, r.dtype, r.shape, r.stride, r.value, " ".join(address(d, n) for d, n in keys_of)]
-                for r, keys_of in zip(leaves, per_leaf)
-            ]
+            manifest = [records.manifest_entry(r, keys_of) for r, keys_of in zip(leaves, per_leaf)]
             components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]
-            # plain json (no tagging needed: every field is already a string, number or list of them)
-            record = json.dumps([parents, created_at, message, meta_json, components_json, manifest], separators=(",", ":"))
-            cid = digest(record.encode()).hex()
+            record = records.commit_text(parents, created_at, message, meta_json, components_json, manifest)
+            cid = records.commit_id(record)
             seconds = time.perf_counter() - t0
             new_bytes = sum(n for _, n in written)
             db["commits"].insert({
                 "id": cid, "created_at": created_at, "message": message, "metadata": meta_json,
                 "logical_bytes": sum(r.nbytes for r in leaves if r.kind == "tensor"), "new_bytes": new_bytes,
                 "stored_bytes": writer.stored_bytes, "shards_total": len(keys), "shards_new": len(written), "seconds": seconds,
+                "record": record,
             })
+            batch.append((records.KIND_COMMIT, cid, None, record))
             db["parents"].insert_all({"commit_id": cid, "position": i, "parent_id": p} for i, p in enumerate(parents))
             db["components"].insert_all(
                 {"commit_id": cid, "path": c.path, "adapter": c.adapter, "version": c.version, "meta": meta}
@@ -653,7 +693,7 @@ class Store:
                 [(leaf_ids[r.path], s, ids[k]) for r, keys_of in zip(leaves, per_leaf) for s, k in enumerate(keys_of)],
             )
             for t in tags:
-                self._move_tag(t, cid, "commit", created_at)
+                self._move_tag(batch, t, cid, "commit", created_at)
         return cid, parents, seconds, ids
 
     @staticmethod
@@ -665,8 +705,9 @@ class Store:
             i += n
         return out
 
-    def _move_tag(self, name: str, cid: str | None, action: str, at: float) -> None:
-        """Point tag ``name`` at ``cid`` (None deletes it) and log it; inside a write."""
+    def _move_tag(self, batch: list, name: str, cid: str | None, action: str, at: float) -> None:
+        """Point tag ``name`` at ``cid`` (None deletes it), log it, and add its
+        ref-move record to ``batch``; inside :meth:`_write`."""
         old = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
         old_id = old[0]["commit_id"] if old else None
         if cid is None:
@@ -677,7 +718,10 @@ class Store:
                 "ON CONFLICT(name) DO UPDATE SET commit_id = excluded.commit_id, updated_at = excluded.updated_at",
                 (name, cid, at),
             )
-        self.catalog.db["reflog"].insert({"tag": name, "old_commit": old_id, "new_commit": cid, "at": at, "action": action})
+        seq = self.catalog.conn.execute(
+            "INSERT INTO reflog (tag, old_commit, new_commit, at, action) VALUES (?, ?, ?, ?, ?)", (name, old_id, cid, at, action)
+        ).lastrowid
+        batch.append((records.KIND_REF, name, seq, records.ref_text(seq, name, old_id, cid, at, action)))
 
     # --- refs ------------------------------------------------------------------------
 
@@ -690,9 +734,11 @@ class Store:
         """
         if type(ref) is not str or not ref or not jsonvalue.is_text(ref):
             raise RefNotFoundError(f"invalid ref {ref!r}")
-        rows = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (ref,))
+        rows = self.catalog.rows("SELECT t.commit_id, c.id FROM tags t LEFT JOIN commits c ON c.id = t.commit_id WHERE t.name = ?", (ref,))
         if rows:
-            return rows[0]["commit_id"]
+            if rows[0][1] is None:
+                raise IntegrityError(f"tag {ref!r} points to commit {rows[0][0]}, which is not in the catalog (damaged catalog; see ckptstore fsck)")
+            return rows[0][0]
         ref_l = ref.lower()
         if all(c in "0123456789abcdef" for c in ref_l):
             rows = self.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
@@ -713,9 +759,9 @@ class Store:
         Atomic: one transaction moves the tag and appends a reflog row.
         """
         _check_tag(name)
-        with self.catalog.write():
+        with self._write() as batch:
             cid = self.resolve(ref)
-            self._move_tag(name, cid, "tag", time.time())
+            self._move_tag(batch, name, cid, "tag", time.time())
         return cid
 
     def delete_tag(self, name: str) -> str:
@@ -724,11 +770,11 @@ class Store:
         Raises:
             RefNotFoundError: no such tag.
         """
-        with self.catalog.write():
+        with self._write() as batch:
             rows = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
             if not rows:
                 raise RefNotFoundError(f"no tag named {name!r} in {self.root}")
-            self._move_tag(name, None, "delete", time.time())
+            self._move_tag(batch, name, None, "delete", time.time())
         return rows[0]["commit_id"]
 
     def reflog(self, tag: str | None = None) -> list[dict]:
@@ -917,47 +963,65 @@ class Store:
 
     # --- checkout ----------------------------------------------------------------------
 
+    def record(self, ref: str) -> records.CommitRecord:
+        """The commit record of ``ref`` (see :mod:`ckptstore.records`), checked against its id.
+
+        Checkout, export, diff and verify read a commit's manifest only from
+        here, so a catalog row edited or rotted after the commit is detected
+        (IntegrityError naming the commit), never returned.
+
+        Raises:
+            RefNotFoundError / AmbiguousRefError: bad ref.
+            IntegrityError: the record is missing, damaged or malformed.
+        """
+        cid = self.resolve(ref)
+        cached = self._records.get(cid)
+        if cached is None:
+            rows = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))
+            cached = records.parse_commit(rows[0]["record"] if rows else None, cid)
+            if len(self._records) > 8:
+                self._records.clear()
+            self._records[cid] = cached
+        return cached
+
     def components(self, ref: str) -> dict[str, dict]:
         """``{component path: {"adapter", "version", "meta"}}`` of a commit."""
-        cid = self.resolve(ref)
-        rows = self.catalog.rows("SELECT path, adapter, version, meta FROM components WHERE commit_id = ? ORDER BY rowid", (cid,))
-        return {r["path"]: {"adapter": r["adapter"], "version": r["version"], "meta": jsonvalue.loads(r["meta"])} for r in rows}
+        return self.record(ref).components
 
-    def _manifest(self, cid: str, prefixes: list[str] | None) -> list[LeafRecord]:
-        """Leaf records of commit ``cid`` under ``prefixes``, shards resolved; selected in SQL."""
-        where, params = "", []
-        if prefixes:
-            terms = []
-            for p in prefixes:
-                terms.append("(l.path = ? OR substr(l.path, 1, ?) = ?)")
-                params += [p, len(p) + 1, p + "/"]
-            where = " AND (" + " OR ".join(terms) + ")"
-        rows = self.catalog.rows(
-            f"SELECT l.* FROM leaves l WHERE l.commit_id = ?{where} ORDER BY l.rowid", (cid, *params)
+    def manifest(self, ref: str, prefixes: list[str] | None = None) -> list[LeafRecord]:
+        """Leaf records of a commit (under path ``prefixes`` if given), each tensor
+        leaf's ``shards`` located in the packs.
+
+        Raises:
+            IntegrityError: the record is damaged (see :meth:`record`).
+            BlobMissingError: a shard's blob is not in the catalog.
+        """
+        rec = self.record(ref)
+        leaves = [
+            LeafRecord(r.path, r.component, r.kind, r.dtype, r.shape, r.nbytes, r.shard_bytes, r.value, r.stride, keys=r.keys)
+            for r in rec.leaves
+            if prefixes is None or any(under(r.path, p) for p in prefixes)
+        ]
+        found = self._locate([k for r in leaves for k in r.keys])
+        for r in leaves:
+            for i, key in enumerate(r.keys):
+                loc = found.get(key)
+                if loc is None:
+                    raise BlobMissingError(f"commit {rec.id}, leaf {r.path}: shard {i} (blob {address(*key)}) is not in the catalog")
+                r.shards.append(loc)
+        return leaves
+
+    def _locate(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], BlobLoc]:
+        """Where the catalog says each blob is."""
+        wanted = set(keys)
+        rows = self.catalog.chunked(
+            "SELECT hash, raw_len, pack, offset, stored_len, codec FROM blobs WHERE hash IN ({})", list({d for d, _ in wanted}), raw=True
         )
-        records = {
-            r["path"]: LeafRecord(
-                r["path"], r["component"], r["kind"], r["dtype"],
-                None if r["shape"] is None else tuple(jsonvalue.loads(r["shape"])),
-                r["nbytes"], r["shard_bytes"], None if r["value"] is None else jsonvalue.loads(r["value"]),
-                None if r["stride"] is None else tuple(jsonvalue.loads(r["stride"])),
-            )
-            for r in rows
-        }
-        shard_rows = self.catalog.rows(
-            "SELECT l.path, s.seq, b.hash, b.raw_len, b.pack, b.offset, b.stored_len, b.codec, s.blob_id AS blob_id, b.id AS present "
-            "FROM leaves l JOIN shards s ON s.leaf_id = l.id LEFT JOIN blobs b ON b.id = s.blob_id "
-            f"WHERE l.commit_id = ?{where} ORDER BY l.path, s.seq",
-            (cid, *params),
-        )
-        for r in shard_rows:
-            rec = records.get(r["path"])
-            if rec is None:
-                continue
-            if r["present"] is None:
-                raise IntegrityError(f"commit {cid}, leaf {r['path']}: shard {r['seq']} references blob row {r['blob_id']}, which is gone")
-            rec.shards.append(BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"]))
-        return list(records.values())
+        return {(h, n): BlobLoc(h, n, p, o, sl, c) for h, n, p, o, sl, c in rows if (h, n) in wanted}
+
+    def relocate(self, loc: BlobLoc) -> BlobLoc | None:
+        """The current location of the blob at ``loc`` (a GC may have repacked it), or ``None``."""
+        return self._locate([(loc.digest, loc.raw_len)]).get((loc.digest, loc.raw_len))
 
     def _select(self, cid: str, partial: Iterable[str] | None, comps: dict[str, dict]) -> list[str] | None:
         """Normalise ``partial`` prefixes and check each matches something."""
@@ -969,18 +1033,13 @@ class Store:
         if not partial:
             raise PartialPathError("partial is empty: name at least one path prefix, or pass None to read everything")
         prefixes = []
-        leaf_paths = None
         for p in partial:
             if type(p) is not str or not jsonvalue.is_text(p):
                 raise PartialPathError(f"partial prefixes must be strings, got {p!r}")
             p = p.strip("/")
             if not p:
                 return None
-            hit = any(under(c, p) for c in comps)  # whole components; a path inside one must name leaves
-            if not hit:
-                if leaf_paths is None:
-                    leaf_paths = [r["path"] for r in self.catalog.rows("SELECT path FROM leaves WHERE commit_id = ?", (cid,))]
-                hit = any(under(lp, p) for lp in leaf_paths)
+            hit = any(under(c, p) for c in comps) or any(under(r.path, p) for r in self.record(cid).leaves)
             if not hit:
                 names = ", ".join(c or "<root>" for c in comps) or "(none)"
                 raise PartialPathError(f"partial path {p!r} matches nothing in commit {cid[:12]}; components: {names}")
@@ -994,7 +1053,7 @@ class Store:
         for c, row in comps.items():
             if prefixes is None or any(under(c, p) or under(p, c) for p in prefixes):
                 states[c] = ComponentState(c, row["adapter"], row["version"], row["meta"])
-        for rec in self._manifest(cid, prefixes):
+        for rec in self.manifest(cid, prefixes):
             state = states.get(rec.component)
             if state is None:
                 raise IntegrityError(f"commit {cid}, leaf {rec.path}: its component {rec.component!r} is not in the catalog")

@@ -1,0 +1,230 @@
+"""Commit records and ref-move records: the self-verifying objects the catalog indexes.
+
+A **commit record** is the canonical text of one commit: a compact JSON array
+``[parents, created_at, message, metadata, components, manifest]`` where
+
+- ``parents`` is a list of commit ids (first parent first), ``created_at`` seconds
+  since the epoch (a float), ``message`` a string, ``metadata`` the commit
+  metadata in ckptstore's type-preserving JSON (:mod:`ckptstore.jsonvalue`), as a string;
+- ``components`` is a list of ``[path, adapter, version, meta]`` (``meta`` a
+  type-preserving JSON string);
+- ``manifest`` is a list of leaves ``[path, component, kind, dtype, shape,
+  stride, value, shards]``: ``kind`` is ``"tensor"`` or ``"json"``; tensors give
+  a dtype name, a shape (list of ints), a stride list for dense permuted layouts
+  (else ``null``) and ``shards``, the space-separated blob addresses
+  (``<32 hex>-<length>``) in order; JSON leaves give ``value`` (a type-preserving
+  JSON string) and empty ``shards``.
+
+The commit id is the XXH3-128 of the record's UTF-8 bytes (32 hex digits), so a
+record read from the catalog or from a pack is checked against its id before
+use (:func:`parse_commit`). Each shard's length follows from the lengths in its
+addresses; the shard size of a leaf is the first shard's length.
+
+A **ref-move record** is ``{"action", "at", "new", "old", "seq", "tag"}`` as
+compact JSON with sorted keys: tag ``tag`` moved from commit ``old`` to ``new``
+(``null`` when created or deleted) by ``action`` (``commit``, ``tag``,
+``delete``, ``import``) at time ``at``; ``seq`` is the catalog's reflog row id,
+which orders the moves of one store.
+
+Both kinds are written inside packs (kind 1 and 2 in the entry header, see
+:mod:`ckptstore.packs`) before the catalog transaction that makes them true
+commits, so the catalog can be rebuilt from the packs alone (:mod:`ckptstore.recover`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import jsonvalue
+from .errors import CkptStoreError, IntegrityError
+from .packs import BlobLoc
+from .shards import DTYPES, ShardPlan, address, dense_order, digest
+
+KIND_COMMIT = 1
+KIND_REF = 2
+_MAX_DIMS = 64
+
+
+@dataclass
+class LeafRecord:
+    """One manifest entry: a tensor (dtype, shape, shards) or a JSON value.
+
+    ``value`` is the JSON text when committing, the decoded value when read back.
+    ``keys`` are the shards' ``(XXH3-128 digest, length)`` addresses in order;
+    ``shards`` their locations, filled in when a checkout looks them up.
+    """
+
+    path: str
+    component: str
+    kind: str
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    nbytes: int
+    shard_bytes: int | None
+    value: Any = None
+    stride: tuple[int, ...] | None = None  # recorded for dense non-contiguous layouts
+    shards: list[BlobLoc] = field(default_factory=list)
+    keys: list[tuple[bytes, int]] = field(default_factory=list)
+
+
+@dataclass
+class CommitRecord:
+    """A parsed, verified commit record."""
+
+    id: str
+    parents: list[str]
+    created_at: float
+    message: str
+    metadata: dict
+    components: dict[str, dict]  # path -> {"adapter", "version", "meta"}
+    leaves: list[LeafRecord]
+    text: str
+
+
+def commit_text(parents, created_at: float, message: str, meta_json: str, components: list, manifest: list) -> str:
+    """The canonical record text (see the module docstring); its hash is the commit id."""
+    return json.dumps([list(parents), created_at, message, meta_json, components, manifest], separators=(",", ":"))
+
+
+def manifest_entry(r: LeafRecord, keys: list[tuple[bytes, int]]) -> list:
+    """One ``manifest`` entry for a leaf to commit (``r.value`` is JSON text)."""
+    shape = None if r.shape is None else list(r.shape)
+    stride = None if r.stride is None else list(r.stride)
+    return [r.path, r.component, r.kind, r.dtype, shape, stride, r.value, " ".join(address(d, n) for d, n in keys)]
+
+
+def commit_id(text: str) -> str:
+    return digest(text.encode()).hex()
+
+
+def check_shape(shape: Any, dtype: torch.dtype) -> str | None:
+    """Why ``shape`` cannot be built as a tensor of ``dtype`` (``None`` if it can).
+
+    Checked by building it on the meta device, which allocates nothing: a
+    zero-element shape with a 2**70 dimension fails here, not at checkout.
+    """
+    if type(shape) not in (list, tuple) or len(shape) > _MAX_DIMS or any(type(s) is not int or s < 0 for s in shape):
+        return f"invalid shape {shape!r}"
+    try:
+        torch.empty(tuple(shape), dtype=dtype, device="meta")
+    except (RuntimeError, OverflowError, TypeError, ValueError) as exc:
+        return f"shape {list(shape)} cannot be built: {str(exc).splitlines()[0]}"
+    return None
+
+
+def check_paths(paths: list[str]) -> str | None:
+    """Why a set of leaf paths cannot live in one tree (one is a folder of another), or ``None``."""
+    ordered = sorted(paths)
+    for a, b in zip(ordered, ordered[1:]):
+        if a == b:
+            return f"leaf {a!r} appears twice"
+    present = set(paths)
+    for p in paths:
+        parts = p.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in present:
+                return f"leaf {'/'.join(parts[:i])!r} is both a value and the folder of leaf {p!r}"
+    return None
+
+
+def _leaf(entry: Any, comps: dict, where: str) -> LeafRecord:
+    if type(entry) is not list or len(entry) != 8:
+        raise IntegrityError(f"{where}: malformed manifest entry")
+    path, component, kind, dtype_name, shape, stride, value, shards = entry
+    if type(path) is not str or type(component) is not str or component not in comps:
+        raise IntegrityError(f"{where}: manifest entry {path!r} names no component of the commit")
+    if not (component == "" or path == component or path.startswith(component + "/")):
+        raise IntegrityError(f"{where}: leaf {path!r} lies outside its component {component!r}")
+    where = f"{where}, leaf {path}"
+    if kind == "json":
+        if type(value) is not str or shards != "" or dtype_name is not None or shape is not None:
+            raise IntegrityError(f"{where}: malformed JSON leaf")
+        try:
+            decoded = jsonvalue.loads(value)
+        except CkptStoreError as exc:
+            raise IntegrityError(f"{where}: {exc}") from None
+        return LeafRecord(path, component, "json", None, None, 0, None, decoded)
+    if kind != "tensor" or type(shards) is not str or value is not None:
+        raise IntegrityError(f"{where}: unknown leaf kind {kind!r}")
+    dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
+        raise IntegrityError(f"{where}: unknown dtype {dtype_name!r}")
+    bad = check_shape(shape, dtype)
+    if bad:
+        raise IntegrityError(f"{where}: {bad}")
+    if stride is not None and (
+        type(stride) is not list or any(type(x) is not int or x < 0 for x in stride) or dense_order(tuple(shape), tuple(stride)) is None
+    ):
+        raise IntegrityError(f"{where}: strides {stride!r} are not a dense layout of shape {shape}")
+    keys = []
+    for a in shards.split(" "):
+        h, _, n = a.partition("-")
+        if len(h) != 32 or not n.isdigit() or len(n) > 16:
+            raise IntegrityError(f"{where}: malformed shard address {a!r}")
+        keys.append((bytes.fromhex(h), int(n)))
+    nbytes = math.prod(shape) * dtype.itemsize
+    shard_bytes = keys[0][1] if len(keys) > 1 else max(nbytes, 1)
+    plan = ShardPlan(nbytes, shard_bytes)
+    if plan.count != len(keys) or any(n != plan.bounds(i)[1] - plan.bounds(i)[0] for i, (_, n) in enumerate(keys)):
+        raise IntegrityError(f"{where}: its shard lengths do not add up to shape {shape} x {dtype_name} ({nbytes} bytes)")
+    return LeafRecord(path, component, "tensor", dtype_name, tuple(shape), nbytes, shard_bytes, None,
+                      None if stride is None else tuple(stride), keys=keys)
+
+
+def parse_commit(text: Any, cid: str) -> CommitRecord:
+    """Check a commit record against its id, then parse and validate it.
+
+    Raises:
+        IntegrityError: the record is missing, does not hash to ``cid``, or is
+            malformed (names the commit and, where known, the leaf).
+    """
+    if type(text) is not str:
+        raise IntegrityError(f"commit {cid}: its record is missing from the catalog")
+    if commit_id(text) != cid:
+        raise IntegrityError(f"commit {cid}: its record in the catalog does not hash to the commit id (damaged catalog)")
+    where = f"commit {cid}"
+    try:
+        parents, created_at, message, meta_json, components, manifest = json.loads(text)
+        metadata = jsonvalue.loads(meta_json)
+        comps = {}
+        for c in components:
+            path, adapter, version, meta = c
+            comps[path] = {"adapter": adapter, "version": version, "meta": jsonvalue.loads(meta)}
+        ok = (
+            type(parents) is list and all(type(p) is str for p in parents) and type(created_at) in (int, float)
+            and type(message) is str and type(metadata) is dict and type(manifest) is list
+            and all(type(p) is str and type(c["adapter"]) is str and type(c["version"]) is int for p, c in comps.items())
+        )
+    except (ValueError, TypeError, CkptStoreError) as exc:
+        raise IntegrityError(f"{where}: malformed record ({exc})") from None
+    if not ok:
+        raise IntegrityError(f"{where}: malformed record")
+    leaves = [_leaf(e, comps, where) for e in manifest]
+    bad = check_paths([r.path for r in leaves])
+    if bad:
+        raise IntegrityError(f"{where}: {bad}")
+    return CommitRecord(cid, parents, float(created_at), message, metadata, comps, leaves, text)
+
+
+def ref_text(seq: int, tag: str, old: str | None, new: str | None, at: float, action: str) -> str:
+    """A ref-move record (see the module docstring)."""
+    return json.dumps({"action": action, "at": at, "new": new, "old": old, "seq": seq, "tag": tag}, sort_keys=True, separators=(",", ":"))
+
+
+def parse_ref(text: str) -> dict | None:
+    """A ref-move record's fields, or ``None`` if it is malformed."""
+    try:
+        r = json.loads(text)
+    except ValueError:
+        return None
+    ok = (
+        type(r) is dict and set(r) == {"action", "at", "new", "old", "seq", "tag"} and type(r["seq"]) is int
+        and type(r["tag"]) is str and type(r["at"]) in (int, float) and r["action"] in ("commit", "tag", "delete", "import")
+        and all(x is None or (type(x) is str and len(x) == 32) for x in (r["old"], r["new"]))
+    )
+    return r if ok else None
