@@ -254,10 +254,10 @@ class Catalog:
             if not create:
                 raise CatalogMissing(f"{self.path} does not exist") from None
             conn = open_(_uri(self.path, mode="rwc"))
-        if not create and conn.execute("PRAGMA page_count").fetchone()[0] == 0:
-            conn.close()  # an empty file: not initialised, and left exactly as it is
-            raise CatalogMissing(f"{self.path} is empty")
         try:
+            if not create and conn.execute("PRAGMA page_count").fetchone()[0] == 0:
+                conn.close()  # an empty file: not initialised, and left exactly as it is
+                raise CatalogMissing(f"{self.path} is empty")
             for attempt in range(BUSY_RETRIES):  # switching a new catalog to WAL needs a moment alone
                 try:
                     mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]

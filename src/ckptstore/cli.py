@@ -273,6 +273,27 @@ def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: St
     _print_fsck(report, as_json)
 
 
+@app.command()
+def recover(store: StorePath = Path("."), as_json: AsJson = False) -> None:
+    """Rebuild a lost or damaged catalog from the packs alone; run it while nothing else uses the store."""
+    report = Store.recover(store)
+    if as_json:
+        emit_json(report)
+        return
+    console.print(
+        f"recovered {report.commits} commits, {len(report.tags)} tags, {report.blobs} blobs from {report.packs} packs "
+        f"in {report.seconds:.2f} s"
+    )
+    for t, cid in report.tags.items():
+        console.print(f"  {t} -> {cid}")
+    if report.moved_aside:
+        console.print(f"the damaged catalog was moved to {report.moved_aside}")
+    for what, items in (("incomplete commits (blobs missing)", report.incomplete_commits), ("damaged packs", list(report.damaged_packs))):
+        if items:
+            console.print(f"{what}: {', '.join(items[:10])}")
+    console.print("next: ckptstore fsck --deep")
+
+
 @app.command("export")
 def export_cmd(
     ref: Annotated[str, typer.Argument(help="Tag or commit.")],

@@ -309,8 +309,8 @@ class PackReader:
                 got = self._fds[pack] = (fd, os.fstat(fd).st_size)
             return got
 
-    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> None:
-        """Read blob ``loc`` into ``dest`` (exactly ``loc.raw_len`` bytes).
+    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> BlobLoc:
+        """Read blob ``loc`` into ``dest`` (exactly ``loc.raw_len`` bytes); returns where it was read.
 
         ``where`` names the leaf, commit and so on for error messages.
 
@@ -320,11 +320,13 @@ class PackReader:
         """
         try:
             self._read_into(loc, dest, where, verify, magic)
+            return loc
         except BlobMissingError:
             moved = self.locate(loc) if self.locate is not None else None
             if moved is None or moved == loc:
                 raise
             self._read_into(moved, dest, where, verify, magic)
+            return moved
 
     def _read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool, magic: bytes) -> None:
         where = f"{where}, blob {loc.address}"
@@ -373,7 +375,7 @@ class PackReader:
 
     def stored(self, loc: BlobLoc, where: str) -> bytes:
         """The entry at ``loc`` as stored (header and payload), after verifying it."""
-        self.read(loc, where)
+        loc = self.read_into(loc, memoryview(bytearray(loc.raw_len)), where)
         fd, _ = self._fd(loc.pack, where)
         return os.pread(fd, BLOB_HEADER.size + loc.stored_len, loc.offset)
 

@@ -47,6 +47,7 @@ from .checkout import BlobReader, plan_restore, restore
 from .container import export_commit, import_commit
 from .diff import DiffReport, diff_commits
 from .records import LeafRecord
+from .recover import RecoverReport, recover
 from .errors import (
     AdapterError,
     BlobMissingError,
@@ -67,6 +68,7 @@ from .gc import DEFAULT_GRACE, GCReport, collect
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
 from .shards import (
     DEFAULT_SHARD_BYTES,
+    DTYPES,
     ShardPlan,
     address,
     check_tensor,
@@ -467,7 +469,16 @@ class Store:
         ``prior`` maps addresses to blob ids believed to exist (the transaction
         checks them). Returns the CommitInfo and every address's blob id.
         """
+        if not self.catalog.writable:
+            raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
         meta_json = jsonvalue.dumps(metadata, "metadata")
+        bad = records.check_paths([r.path for r in leaves])  # a store never accepts a commit it cannot check out
+        if bad:
+            raise InvalidNameError(f"cannot commit: {bad}")
+        for r in leaves:
+            bad = r.kind == "tensor" and records.check_shape(r.shape, DTYPES.get(r.dtype or ""))
+            if bad:
+                raise InvalidArgumentError(f"cannot commit leaf {r.path}: {bad}")
         known = dict(prior or {})
         known.update(self._lookup([k for k in dict.fromkeys(keys) if k not in known]))
         with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
@@ -932,6 +943,21 @@ class Store:
     def verify(self, ref: str) -> FsckReport:
         """Reread and rehash every blob of one commit; ``report.ok`` tells."""
         return check(self, deep=True, commit=self.resolve(ref))
+
+    @staticmethod
+    def recover(path: str | os.PathLike) -> RecoverReport:
+        """Rebuild the catalog of the store at ``path`` from its packs alone.
+
+        For a store whose ``catalog.sqlite`` was deleted or damaged beyond
+        SQLite's repair: every commit whose blobs are present, its lineage, and
+        every tag as of its last move come back. Run it while no other process
+        uses the store. See :mod:`ckptstore.recover`.
+
+        Raises:
+            NotAStoreError: no ``blobs/`` folder at ``path``.
+            GCLockedError: a GC is running on the store.
+        """
+        return recover(path)
 
     # --- containers --------------------------------------------------------------------
 

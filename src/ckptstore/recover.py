@@ -1,0 +1,234 @@
+"""Rebuilding a store's catalog from its packs alone (``ckptstore recover``).
+
+Every commit writes its commit record, and every tag move its ref-move record,
+into a pack before the catalog transaction that makes them true
+(:mod:`ckptstore.records`); GC keeps each kept commit's record and each tag's
+newest move. So when ``catalog.sqlite`` is deleted or damaged beyond what
+SQLite repairs, the packs still say everything a checkout needs:
+
+1. every pack under ``blobs/`` is walked entry by entry (headers only; a pack
+   with a damaged entry is used up to it); blob entries give the blob index;
+2. every record entry is read and checked against its hash; a commit record is
+   also checked against its commit id, and kept only if every blob its
+   manifest names was found (otherwise it is reported as incomplete);
+3. each tag is set as of its newest move (highest ``seq``, then time), unless
+   that move deleted it or names a commit that was not kept;
+4. the new catalog is built in ``tmp/`` by SQLite and copied over the old one
+   with SQLite's backup API. Only when SQLite cannot open the old file at all
+   (it is not a database, or damaged beyond use) is it renamed aside, with its
+   ``-wal`` and ``-shm``, to ``catalog.sqlite.damaged-<time>``: the one place
+   ckptstore renames catalog files, which is why recovery must run while no
+   other process has the store open.
+
+Recovered commits keep their ids, parents, messages, metadata and manifests;
+their ``new_bytes``, ``stored_bytes``, ``shards_new`` and ``seconds`` are not
+in the records and read 0. Store settings (shard size, compression level) go
+back to their defaults. A commit whose transaction was killed after its records
+were made durable but before it committed may reappear, complete. Blob hashes
+are not re-read here: run ``fsck --deep`` afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import jsonvalue
+from .catalog import Catalog, CatalogMissing
+from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, NotAStoreError
+from .gc import gc_lock
+from .packs import CODEC_RAW, RECORD_MAGIC, PackReader, scan
+from .records import KIND_COMMIT, KIND_REF, CommitRecord, parse_commit, parse_ref
+
+CATALOG = "catalog.sqlite"
+
+
+@dataclass
+class RecoverReport:
+    """What :func:`recover` found and rebuilt.
+
+    ``damaged_packs`` maps a pack id to the problem that stopped its walk;
+    ``incomplete_commits`` lists commit records found whose blobs are not all
+    present; ``bad_records`` counts records that failed their hash or format.
+    """
+
+    packs: int = 0
+    blobs: int = 0
+    commits: int = 0
+    tags: dict[str, str] = field(default_factory=dict)
+    reflog: int = 0
+    incomplete_commits: list[str] = field(default_factory=list)
+    bad_records: int = 0
+    damaged_packs: dict[str, str] = field(default_factory=dict)
+    moved_aside: str | None = None
+    seconds: float = 0.0
+
+
+def recover(root: str | os.PathLike) -> RecoverReport:
+    """Rebuild ``root``'s catalog from its packs (see the module docstring).
+
+    Run it with no other process using the store. It takes the GC lock, so it
+    never runs beside a GC.
+
+    Raises:
+        NotAStoreError: ``root`` has no ``blobs/`` folder of packs.
+        GCLockedError: a GC is running.
+    """
+    t0 = time.perf_counter()
+    root = Path(root)
+    if not (root / "blobs").is_dir():
+        raise NotAStoreError(f"{root} has no blobs/ folder: nothing to recover from")
+    report = RecoverReport()
+    with gc_lock(root):
+        built = root / "tmp" / f"recover-{uuid.uuid4().hex}.sqlite"
+        built.parent.mkdir(exist_ok=True)
+        try:
+            new = Catalog(built, create=True)
+            try:
+                _rebuild(root, new, report)
+                _install(root, new, report)
+            finally:
+                new.close()
+        finally:
+            for suffix in ("", "-wal", "-shm", "-journal"):
+                Path(f"{built}{suffix}").unlink(missing_ok=True)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> None:
+    blobs: dict[tuple[bytes, int], tuple] = {}
+    commits: dict[str, CommitRecord] = {}
+    refs: list[dict] = []
+    rec_rows: list[tuple] = []
+    packs: list[tuple[str, int, float]] = []
+    reader = PackReader(root)
+    try:
+        for path in sorted(root.glob("blobs/*/*.pack")):
+            pack_id = path.stem
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            entries, problem = scan(path, pack_id)
+            if problem:
+                report.damaged_packs[pack_id] = problem
+            packs.append((pack_id, st.st_size, st.st_mtime))
+            for e in entries:
+                loc = e.loc
+                if e.magic != RECORD_MAGIC:
+                    blobs.setdefault((loc.digest, loc.raw_len), (loc.digest, loc.raw_len, pack_id, loc.offset, loc.stored_len, loc.codec, st.st_mtime))
+                    continue
+                try:
+                    if loc.codec != CODEC_RAW:
+                        raise CkptStoreError("compressed record")
+                    text = bytes(reader.read(loc, f"pack {pack_id}", magic=RECORD_MAGIC)).decode()
+                except (CkptStoreError, UnicodeDecodeError):
+                    report.bad_records += 1
+                    continue
+                if e.kind == KIND_COMMIT:
+                    try:
+                        rec = parse_commit(text, loc.digest.hex())
+                    except CkptStoreError:
+                        report.bad_records += 1
+                        continue
+                    commits.setdefault(rec.id, rec)
+                    rec_rows.append((KIND_COMMIT, rec.id, None, loc))
+                elif e.kind == KIND_REF and (ref := parse_ref(text)) is not None:
+                    refs.append(ref)
+                    rec_rows.append((KIND_REF, ref["tag"], ref["seq"], loc))
+                else:
+                    report.bad_records += 1
+    finally:
+        reader.close()
+
+    kept = {}
+    for cid, rec in commits.items():
+        if all(k in blobs for r in rec.leaves for k in r.keys):
+            kept[cid] = rec
+        else:
+            report.incomplete_commits.append(cid)
+    refs.sort(key=lambda r: (r["seq"], r["at"]))
+    last: dict[str, dict] = {}
+    for r in refs:
+        last[r["tag"]] = r
+    report.tags = {t: r["new"] for t, r in sorted(last.items()) if r["new"] is not None and r["new"] in kept}
+
+    with cat.write() as db:
+        run = cat.conn.executemany
+        run("INSERT INTO packs (id, size, created_at) VALUES (?, ?, ?)", packs)
+        run("INSERT INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)", list(blobs.values()))
+        ids = {(h, n): i for i, h, n in cat.rows("SELECT id, hash, raw_len FROM blobs", raw=True)}
+        for cid, rec in kept.items():
+            _insert_commit(cat, db, rec, ids)
+        run(
+            "INSERT INTO records (kind, name, seq, digest, pack, offset, raw_len, stored_len) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            [(k, n, q, loc.digest, loc.pack, loc.offset, loc.raw_len, loc.stored_len) for k, n, q, loc in rec_rows
+             if k == KIND_REF or n in kept],
+        )
+        run(
+            "INSERT INTO reflog (tag, old_commit, new_commit, at, action) VALUES (?, ?, ?, ?, ?)",
+            [(r["tag"], r["old"], r["new"], r["at"], r["action"]) for r in refs],
+        )
+        run(
+            "INSERT INTO tags (name, commit_id, updated_at) VALUES (?, ?, ?)",
+            [(t, cid, last[t]["at"]) for t, cid in report.tags.items()],
+        )
+    report.packs, report.blobs, report.commits, report.reflog = len(packs), len(blobs), len(kept), len(refs)
+
+
+def _insert_commit(cat: Catalog, db, rec: CommitRecord, ids: dict) -> None:
+    """The rows of one commit, exactly as the commit protocol writes them (from the
+    record's own JSON text, so that ``fsck`` finds rows and record equal)."""
+    _, _, _, meta_json, components, manifest = json.loads(rec.text)
+    tensors = [r for r in rec.leaves if r.kind == "tensor"]
+    db["commits"].insert({
+        "id": rec.id, "created_at": rec.created_at, "message": rec.message, "metadata": meta_json,
+        "logical_bytes": sum(r.nbytes for r in tensors), "new_bytes": 0, "stored_bytes": 0,
+        "shards_total": sum(len(r.keys) for r in tensors), "shards_new": 0, "seconds": 0.0, "record": rec.text,
+    })
+    db["parents"].insert_all({"commit_id": rec.id, "position": i, "parent_id": p} for i, p in enumerate(rec.parents))
+    db["components"].insert_all(
+        {"commit_id": rec.id, "path": p, "adapter": a, "version": v, "meta": m} for p, a, v, m in components
+    )
+    for r, (path, comp, kind, dtype, shape, stride, value, _) in zip(rec.leaves, manifest):
+        leaf_id = cat.conn.execute(
+            "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (rec.id, path, comp, kind, dtype, None if shape is None else jsonvalue.dumps(shape),
+             None if stride is None else jsonvalue.dumps(stride), r.nbytes, r.shard_bytes, value),
+        ).lastrowid
+        cat.conn.executemany("INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)", [(leaf_id, i, ids[k]) for i, k in enumerate(r.keys)])
+
+
+def _install(root: Path, new: Catalog, report: RecoverReport) -> None:
+    path = root / CATALOG
+    try:
+        old = Catalog(path, create=True)
+    except CatalogBusyError:
+        raise
+    except (CatalogCorruptError, CatalogMissing, CkptStoreError):
+        old = None
+    if old is not None:
+        try:
+            old.replace_with(new)
+            return
+        except CkptStoreError:
+            pass
+        finally:
+            old.close()
+    aside = f"{path}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    for suffix in ("", "-wal", "-shm"):
+        src = Path(f"{path}{suffix}")
+        if src.exists():
+            os.rename(src, f"{aside}{suffix}")
+    report.moved_aside = aside
+    fresh = Catalog(path, create=True)
+    try:
+        fresh.replace_with(new)
+    finally:
+        fresh.close()
