@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import ckptstore
+from ckptstore.adapters import REGISTRY
+from ckptstore.container import check_export
 from ckptstore.errors import BlobCorruptError, ContainerError, GCLockedError, IntegrityError, InvalidArgumentError
 from ckptstore.gc import gc_lock, parse_duration
 
@@ -97,7 +99,9 @@ def test_c22a_incomplete_export_copied_into_a_store_is_not_collected_and_import_
     other.gc(grace=0)
     assert sorted(p.name for p in (incoming / "blobs").iterdir()) == files  # GC only touches what the catalog owns
     with pytest.raises(ContainerError, match="not a complete ckptstore export"):
-        other.import_from(incoming, tag="t1")
+        check_export(incoming, REGISTRY)
+    with pytest.raises(ContainerError, match=f"^{incoming} is the store {other.root} or inside it"):
+        other.import_from(incoming, tag="t1")  # never read from inside the store (its catalog's locks)
     assert other.tags() == {}
     other.close()
 

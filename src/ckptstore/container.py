@@ -20,6 +20,7 @@ the store. Nothing is unpickled or imported.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
@@ -39,15 +40,29 @@ import zstandard
 
 from . import jsonvalue
 from .adapters.base import check_key
-from .errors import CkptStoreError, ContainerError
+from .errors import BlobMissingError, CkptStoreError, ContainerError
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
-from .shards import DTYPES, ShardPlan, address, dense_order
+from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
 
 FORMAT = "ckptstore-export"
 VERSION = 1
 MANIFEST = "ckptstore-export.json"
 MAX_MANIFEST_BYTES = 64 << 20
 _ADDRESS = re.compile(r"^([0-9a-f]{32})-(0|[1-9][0-9]{0,15})$")
+#: A zstd block regenerates at most 128 KiB from at least 4 bytes (an RLE block), so
+#: no zstd payload decompresses to more than 32768 times its size; twice that is
+#: the bound a declared raw length is checked against before anything is read.
+MAX_ZSTD_RATIO = 1 << 16
+_CHUNK = 1 << 20  # bytes read at a time from an entry
+
+#: An export is written in a staging folder ``.<dest name>.ckptstore-export-<random>``
+#: beside its destination; the exporting process holds an exclusive ``flock`` on
+#: ``<staging>/export.lock`` until the folder is removed. Every export removes the
+#: staging folders in its parent folder whose lock it can take (their exporter died).
+STAGING_MARK = ".ckptstore-export-"
+STAGING_LOCK = "export.lock"
+_STAGING_NAME = re.compile(r"\..*" + re.escape(STAGING_MARK) + r"[A-Za-z0-9_]+", re.DOTALL)
+_LOCKLESS_GRACE_S = 60.0  # a staging folder without its lock file is younger than this only while being made
 
 
 @dataclass(frozen=True)
@@ -73,13 +88,17 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
     Blobs are copied as stored (compressed ones stay compressed) after their
     hashes are verified. The archive or folder appears complete or not at all.
 
+    The export is staged in a hidden folder beside ``dest`` (see
+    :data:`STAGING_MARK`); staging folders left by exports that were killed are
+    removed by the next export into the same folder.
+
     Raises:
-        ContainerError: ``dest`` exists (a non-empty folder or any file).
+        ContainerError: ``dest`` exists (a non-empty folder, any file, or anything
+            for a ``.zip``), its folder does not exist, or it cannot be written.
         IntegrityError: a blob of the commit is missing or corrupt.
     """
     dest = Path(dest)
-    if dest.exists() and (dest.is_file() or any(dest.iterdir())):
-        raise ContainerError(f"{dest} already exists")
+    _check_destination(dest)
     cid = store.resolve(ref)
     info = store.info(cid)
     comps = store.components(cid)
@@ -108,40 +127,122 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
     reader = PackReader(store.root)
 
     def blob_bytes(loc: BlobLoc) -> bytes:
-        reader.read(loc, f"commit {cid}, export")  # verifies header and hash
-        fd = os.open(Path(store.root, "blobs", loc.pack[:2], f"{loc.pack}.pack"), os.O_RDONLY)
+        where = f"commit {cid}, export"
+        reader.read(loc, where)  # verifies header and hash
         try:
-            return os.pread(fd, BLOB_HEADER.size + loc.stored_len, loc.offset)
-        finally:
-            os.close(fd)
+            fd = os.open(Path(store.root, "blobs", loc.pack[:2], f"{loc.pack}.pack"), os.O_RDONLY)
+            try:
+                return os.pread(fd, BLOB_HEADER.size + loc.stored_len, loc.offset)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # reading the store, not writing the export: not a ContainerError
+            raise BlobMissingError(f"{where}, blob {loc.address}: pack file {loc.pack}.pack cannot be read ({exc.strerror or exc})") from None
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; an export folder is an ordinary folder
     try:
+        _remove_stale_staging(dest.parent)
+        staging, lock_fd = _make_staging(dest)
+    except OSError as exc:
+        reader.close()
+        raise ContainerError(f"cannot write the export {dest}: {exc.strerror or exc}") from None
+    try:
+        out = staging / dest.name  # the staging folder keeps its lock file; only this moves to dest
         if dest.suffix == ".zip":
-            tmp = staging / dest.name
-            with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_STORED) as zf:
+            with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
                 for addr, loc in blobs.items():
                     zf.writestr(f"blobs/{addr}", blob_bytes(loc))
                 zf.writestr(MANIFEST, json.dumps(manifest))
-            _fsync(tmp)
-            os.replace(tmp, dest)
+            _fsync(out)
         else:
-            (staging / "blobs").mkdir()
+            out.mkdir()
+            (out / "blobs").mkdir()
             for addr, loc in blobs.items():
-                (staging / "blobs" / addr).write_bytes(blob_bytes(loc))
-            (staging / MANIFEST).write_text(json.dumps(manifest))
-            for f in (staging / "blobs").iterdir():
+                (out / "blobs" / addr).write_bytes(blob_bytes(loc))
+            (out / MANIFEST).write_text(json.dumps(manifest))
+            for f in (out / "blobs").iterdir():
                 _fsync(f)
-            _fsync(staging / MANIFEST)
+            _fsync(out / MANIFEST)
+        try:
+            os.replace(out, dest)  # a folder replaces only an empty folder
+        except OSError as exc:
             if dest.exists():
-                dest.rmdir()
-            os.replace(staging, dest)
+                raise ContainerError(f"{dest} already exists") from None
+            raise ContainerError(f"cannot write the export {dest}: {exc.strerror or exc}") from None
+    except OSError as exc:
+        raise ContainerError(f"cannot write the export {dest}: {exc.strerror or exc}") from None
     finally:
         reader.close()
-        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)  # still locked: no other export removes it meanwhile
+        os.close(lock_fd)
     return dest
+
+
+def _check_destination(dest: Path) -> None:
+    """Refuse a destination that exists or whose folder does not; touches nothing."""
+    parent = dest.parent
+    try:
+        if not parent.is_dir():
+            if parent.exists() or parent.is_symlink():
+                raise ContainerError(f"cannot export to {dest}: {parent} is not a folder")
+            raise ContainerError(f"cannot export to {dest}: folder {parent} does not exist")
+        if dest.is_symlink() or (dest.exists() and (dest.suffix == ".zip" or not dest.is_dir() or any(dest.iterdir()))):
+            raise ContainerError(f"{dest} already exists")
+    except OSError as exc:
+        raise ContainerError(f"cannot export to {dest}: {exc.strerror or exc}") from None
+
+
+def _make_staging(dest: Path) -> tuple[Path, int]:
+    """Make ``dest``'s staging folder and lock it; returns ``(folder, lock fd)``.
+
+    The lock file is created under another name, locked, then renamed: another
+    export never finds the lock file unlocked while its owner is alive.
+    """
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}{STAGING_MARK}", dir=dest.parent))
+    try:
+        fd = os.open(staging / f"{STAGING_LOCK}.new", os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(staging / f"{STAGING_LOCK}.new", staging / STAGING_LOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging, fd
+
+
+def _remove_stale_staging(folder: Path) -> None:
+    """Remove staging folders in ``folder`` (of any destination name) whose export died.
+
+    A folder is stale when its lock file can be locked, or, lacking a lock file,
+    when it is older than a minute (its exporter died between making it and
+    locking it). Best effort: what cannot be examined or removed is left alone.
+    """
+    try:
+        entries = [e for e in os.scandir(folder) if _STAGING_NAME.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for entry in entries:
+        try:
+            fd = os.open(os.path.join(entry.path, STAGING_LOCK), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except FileNotFoundError:
+            try:
+                if time.time() - os.lstat(entry.path).st_mtime > _LOCKLESS_GRACE_S:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+            except OSError:
+                pass
+            continue
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: a live export
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)  # under the dead exporter's lock
+        finally:
+            os.close(fd)
 
 
 def _fsync(path: Path) -> None:
@@ -156,7 +257,12 @@ def _fsync(path: Path) -> None:
 
 
 class _Source:
-    """Reads named entries of a ZIP archive or a folder, with size limits."""
+    """Reads named entries of a ZIP archive or a folder, with size limits.
+
+    Sizes are checked before anything is read: an entry is read in chunks, never
+    more than its actual size (the folder's file, via ``fstat``) or its size in the
+    ZIP directory (checked against the archive's own size) plus one byte.
+    """
 
     def __init__(self, path: Path):
         self.path = path
@@ -167,13 +273,24 @@ class _Source:
             raise ContainerError(f"{path}: no such export archive or folder")
         try:
             self.zip = zipfile.ZipFile(path)
-        except (zipfile.BadZipFile, OSError) as exc:
+            archive_size = path.stat().st_size
+        except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
+            self.close()
             raise ContainerError(f"{path}: not a readable ZIP archive, it is probably truncated or corrupt ({exc})") from None
-        names = [i.filename for i in self.zip.infolist()]
+        infos = self.zip.infolist()
+        names = [i.filename for i in infos]
         if len(names) != len(set(names)):
+            self.close()
             raise ContainerError(f"{path}: the archive holds duplicate entry names")
+        declared = sum(i.compress_size for i in infos)
+        if declared > archive_size:  # entries never overlap in an archive export writes
+            self.close()
+            raise ContainerError(
+                f"{path}: the archive's directory declares {declared} bytes of entries, more than the archive's {archive_size} bytes (corrupt or crafted)"
+            )
 
     def size(self, name: str) -> int | None:
+        """The entry's size, ``None`` if there is no such entry; opens nothing."""
         if self.zip is not None:
             try:
                 return self.zip.getinfo(name).file_size
@@ -181,26 +298,50 @@ class _Source:
                 return None
         try:
             st = os.lstat(self.path / name)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
+        except OSError as exc:
+            raise ContainerError(f"{self.path / name}: cannot be examined ({exc.strerror or exc})") from None
         if not stat.S_ISREG(st.st_mode):
             raise ContainerError(f"{self.path / name}: not a regular file")
         return st.st_size
 
     def read(self, name: str, limit: int) -> bytes:
+        """The bytes of entry ``name``; refused if it holds more than ``limit`` bytes."""
         try:
             if self.zip is not None:
+                try:
+                    size = self.zip.getinfo(name).file_size
+                except KeyError:
+                    raise ContainerError(f"{self.path}: entry {name} is missing") from None
+                self._check_size(name, size, limit)
                 with self.zip.open(name) as f:
-                    data = f.read(limit + 1)
-            else:
-                fd = os.open(self.path / name, os.O_RDONLY | os.O_NOFOLLOW)
-                with os.fdopen(fd, "rb") as f:
-                    data = f.read(limit + 1)
+                    return self._read_all(f, name, size)
+            fd = os.open(self.path / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            with os.fdopen(fd, "rb", buffering=0) as f:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ContainerError(f"{self.path / name}: not a regular file")
+                self._check_size(name, st.st_size, limit)
+                return self._read_all(f, name, st.st_size)
         except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as exc:
             raise ContainerError(f"{self.path}: entry {name} cannot be read ({exc})") from None
-        if len(data) > limit:
-            raise ContainerError(f"{self.path}: entry {name} is larger than its declared {limit} bytes")
-        return data
+
+    def _check_size(self, name: str, size: int, limit: int) -> None:
+        if size > limit:
+            raise ContainerError(f"{self.path}: entry {name} is {size} bytes, larger than its declared {limit} bytes")
+
+    def _read_all(self, f, name: str, size: int) -> bytes:
+        parts, got = [], 0
+        while got <= size:  # one byte past the size tells an entry that grew or lied
+            chunk = f.read(min(_CHUNK, size + 1 - got))
+            if not chunk:
+                break
+            parts.append(chunk)
+            got += len(chunk)
+        if got > size:
+            raise ContainerError(f"{self.path}: entry {name} holds more than its {size} bytes")
+        return b"".join(parts)
 
     def close(self) -> None:
         if self.zip is not None:
@@ -288,7 +429,11 @@ def _parse(text: bytes, registry) -> tuple[dict, list[dict], list[_Leaf]]:
         dtype = DTYPES.get(r["dtype"]) if type(r["dtype"]) is str else None
         _need(dtype is not None, f"leaf {path!r}: unknown dtype {r['dtype']!r}")
         shape = r["shape"]
-        _need(type(shape) is list and len(shape) <= 64 and all(_is_int(s) for s in shape), f"leaf {path!r}: bad shape")
+        _need(type(shape) is list and all(_is_int(s) for s in shape), f"leaf {path!r}: bad shape")
+        try:
+            check_shape(shape, dtype)
+        except ValueError as exc:
+            raise ContainerError(f"manifest: leaf {path!r}: {exc}") from None
         stride = r["stride"]
         _need(
             stride is None or (type(stride) is list and all(_is_int(x) for x in stride) and dense_order(tuple(shape), tuple(stride)) is not None),
@@ -306,8 +451,19 @@ def _parse(text: bytes, registry) -> tuple[dict, list[dict], list[_Leaf]]:
             a, b = plan.bounds(i)
             _need(int(m.group(2)) == b - a, f"leaf {path!r}: shard {i} ({addr}) should hold {b - a} bytes")
         leaves.append(_Leaf(path, comp, "tensor", r["dtype"], tuple(shape), None if stride is None else tuple(stride), nbytes, r["shard_bytes"], None, tuple(shards)))
+    _check_nesting(paths)
     commit["metadata"] = metadata
     return commit, comps, leaves
+
+
+def _check_nesting(paths: set[str]) -> None:
+    """Refuse a leaf path that is a folder of another (``a`` and ``a/b``): no state tree has both."""
+    for path in sorted(paths):
+        parts = path.split("/")
+        above = [""] if path != "" else []  # a root leaf ("") is the whole state: no other leaf fits beside it
+        above += ["/".join(parts[:i]) for i in range(1, len(parts))]
+        for a in above:
+            _need(a not in paths, f"leaves {a!r} and {path!r}: {a!r} cannot be both a leaf and a folder of leaves")
 
 
 def _checked_blob(data: bytes, addr: str, where: str) -> tuple[int, bytes]:
@@ -368,16 +524,29 @@ def _verified(source: _Source, src: Path, registry):
         for i, addr in enumerate(leaf.shards):
             users.setdefault(addr, f"{src}: leaf {leaf.path!r} shard {i}")
 
-    def fetch(addr: str) -> tuple[int, bytes]:
+    def entry_size(addr: str) -> int:
+        """The size of ``addr``'s entry, checked against its declared raw length."""
         raw_len = int(addr.rsplit("-", 1)[1])
-        name = f"blobs/{addr}"
-        size = source.size(name)
+        size = source.size(f"blobs/{addr}")
         if size is None:
             raise ContainerError(f"{users[addr]}: blob {addr} is missing from the export")
         if size > BLOB_HEADER.size + raw_len:
             raise ContainerError(f"{users[addr]}: blob {addr} entry is {size} bytes, more than its {raw_len} raw bytes allow")
-        return _checked_blob(source.read(name, BLOB_HEADER.size + raw_len), addr, users[addr])
+        if size < BLOB_HEADER.size:
+            raise ContainerError(f"{users[addr]}: blob {addr} is truncated ({size} bytes)")
+        if raw_len > (size - BLOB_HEADER.size) * MAX_ZSTD_RATIO:
+            raise ContainerError(
+                f"{users[addr]}: blob {addr} declares {raw_len} raw bytes, which its {size}-byte entry cannot hold even compressed"
+            )
+        return size
 
+    def fetch(addr: str) -> tuple[int, bytes]:
+        entry_size(addr)
+        raw_len = int(addr.rsplit("-", 1)[1])
+        return _checked_blob(source.read(f"blobs/{addr}", BLOB_HEADER.size + raw_len), addr, users[addr])
+
+    for addr in users:  # every declared size against its entry before any blob is read
+        entry_size(addr)
     for addr in users:  # verify everything before writing anything
         fetch(addr)
     return commit, comps, leaves, fetch
@@ -402,6 +571,7 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
     t0 = time.perf_counter()
     tags = [] if tag is None else [_check_tag(tag)]
     src = Path(src)
+    _refuse_store_files(src, Path(store.root))
     source = _Source(src)
     try:
         commit, comps, leaves, fetch = _verified(source, src, store.registry)
@@ -419,6 +589,18 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
         return info
     finally:
         source.close()
+
+
+def _refuse_store_files(src: Path, root: Path) -> None:
+    """Refuse to import from the store's own folder (its catalog and WAL files
+    included), comparing resolved paths only: opening and closing the catalog
+    file would drop the SQLite locks this process holds on it."""
+    try:
+        inside, top = src.resolve(), root.resolve()
+    except (OSError, RuntimeError) as exc:
+        raise ContainerError(f"{src}: the path cannot be resolved ({exc})") from None
+    if inside == top or top in inside.parents:
+        raise ContainerError(f"{src} is the store {root} or inside it; import from an export outside the store")
 
 
 @dataclass(frozen=True)

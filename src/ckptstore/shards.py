@@ -87,6 +87,37 @@ def dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int] | 
     return order
 
 
+MAX_DIMS = 64  # the most dimensions ckptstore stores or imports (a bound on manifests; this torch allows more)
+
+
+def check_shape(shape, dtype: torch.dtype) -> None:
+    """Check that a tensor of ``shape`` and ``dtype`` can be built, without allocating it.
+
+    ``shape`` must be a list, tuple or ``torch.Size`` of at most :data:`MAX_DIMS`
+    non-negative ints (not bools), and torch must be able to describe the tensor:
+    its element count and byte size, and its strides, must fit in int64. That
+    holds for zero-element tensors too: ``[0, 2**70]`` cannot be built. The
+    authority is ``torch.empty(shape, dtype=dtype, device="meta")``, which
+    allocates nothing.
+
+    Raises:
+        ValueError: what is wrong, with the shape and dtype.
+    """
+    if not isinstance(shape, (list, tuple)):  # torch.Size is a tuple
+        raise ValueError(f"shape {shape!r} is not a list of ints")  # noqa: TRY004 - one error class for every unbuildable shape
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"shape has {len(shape)} dimensions, more than {MAX_DIMS}")
+    for s in shape:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"shape {list(shape)!r}: dimension {s!r} is not a non-negative int")
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{dtype!r} is not a torch dtype")  # noqa: TRY004 - as above
+    try:
+        torch.empty(tuple(shape), dtype=dtype, device="meta")
+    except (RuntimeError, OverflowError, TypeError, ValueError):
+        raise ValueError(f"shape {list(shape)} of {dtype} is too large for torch to build (its size overflows int64)") from None
+
+
 def check_tensor(t: torch.Tensor, path: str = "") -> None:
     """Refuse tensors without a raw strided byte form.
 

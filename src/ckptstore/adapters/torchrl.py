@@ -142,7 +142,10 @@ class TensorStorageAdapter(Adapter):
         """TorchRL bumps a storage's mutation revision (shared with spawned
         processes) on every write through the storage, and torch bumps a
         tensor's version counter on every in-place op; together they tell
-        whether the written rows changed since the last commit."""
+        whether the written rows changed since the last commit.
+
+        Inference tensors (made under ``torch.inference_mode()``) have no
+        version counter: they get no token and are always hashed."""
         revision = getattr(obj, "_mutation_revision", None)
         if revision is None or not obj.initialized:
             return {}
@@ -150,6 +153,7 @@ class TensorStorageAdapter(Adapter):
         return {
             ("data" if key == "" else f"data/{key}"): (int(revision), rows, t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype)
             for key, t in _storage_leaves(obj._storage, "storage").items()
+            if not t.is_inference()
         }
 
     def check(self, obj: Any, state: ComponentState) -> None:
