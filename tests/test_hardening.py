@@ -45,8 +45,8 @@ CATALOG_FILES = ("catalog.sqlite", "catalog.sqlite-wal", "catalog.sqlite-shm", "
 def state(step: int) -> dict:
     g = torch.Generator().manual_seed(step)
     return {
-        "w": torch.randn(64, 32, generator=g),
-        "shared": torch.arange(4096, dtype=torch.float32),  # the same in every step: deduplicated
+        "w": torch.randn(128, 32, generator=g),
+        "shared": torch.arange(1024, dtype=torch.float32),  # the same in every step: deduplicated
         "nested": {"b": torch.full((16,), step, dtype=torch.int64), "flag": step % 2 == 0},
     }
 
@@ -143,9 +143,13 @@ def test_a_blob_freed_by_gc_during_a_commit_goes_to_a_new_durable_pack(tmp_path,
 
     def lookup_then_gc(self, keys):  # the GC of another Store runs between the lookup and the transaction
         found = lookup(self, keys)
-        with ckptstore.Store(path) as other:
-            other.gc(grace=0)
+        if not ran:
+            ran.append(True)
+            with ckptstore.Store(path) as other:
+                other.gc(grace=0)
         return found
+
+    ran: list[bool] = []
 
     monkeypatch.setattr(ckptstore.Store, "_lookup", lookup_then_gc)
     new = torch.randn(1000)
@@ -167,6 +171,7 @@ def test_edited_catalog_rows_are_detected_and_never_returned(store):
     cid = store.resolve("t")
     with store.catalog.write():  # swap the two leaves' shard rows, keeping every byte count
         run = store.catalog.conn.execute
+        run("PRAGMA defer_foreign_keys = ON")
         ids = {p: i for i, p in run("SELECT id, path FROM leaves WHERE commit_id = ?", (cid,))}
         run("UPDATE shards SET leaf_id = -1 WHERE leaf_id = ?", (ids["a"],))
         run("UPDATE shards SET leaf_id = ? WHERE leaf_id = ?", (ids["a"], ids["b"]))
@@ -223,6 +228,9 @@ def test_recover_rebuilds_a_deleted_catalog_from_the_packs(tmp_path):
     path = tmp_path / "s"
     tags = build_history(path)
     assert tags == {"latest": 19, "t0": 15, "t1": 16, "t2": 17, "t3": 18, "t4": 16}
+    with ckptstore.Store(path) as s:
+        lineage = [c.metadata["step"] for c in s.log("latest")]
+        reflog = [(r["tag"], r["new_commit"]) for r in s.reflog() if r["tag"] == "t4"][:1]
     for name in CATALOG_FILES:
         (path / name).unlink(missing_ok=True)
     with pytest.raises(CatalogCorruptError, match="recover"):
@@ -231,7 +239,8 @@ def test_recover_rebuilds_a_deleted_catalog_from_the_packs(tmp_path):
     assert report.tags.keys() == tags.keys() and report.incomplete_commits == [] and report.bad_records == 0
     check_tags(path, tags)
     with ckptstore.Store(path) as s:  # lineage survives, and the store goes on
-        assert [c.metadata["step"] for c in s.log("latest")] == [19, 18]
+        assert [c.metadata["step"] for c in s.log("latest")] == lineage == [19, 18, 17, 16, 15, 14]
+        assert [(r["tag"], r["new_commit"]) for r in s.reflog("t4")][:1] == reflog  # each tag's last move
         s.commit(state(20), tag="latest")
         assert s.log("latest")[1].metadata["step"] == 19
 
@@ -385,7 +394,7 @@ def test_a_commit_that_could_not_be_checked_out_is_refused(store):
 
     a = Captured("a", "tensor", 1, {}, {"a": torch.ones(2)})
     ab = Captured("a/b", "tensor", 1, {}, {"a/b": torch.ones(2)})
-    with pytest.raises(InvalidNameError, match="both a value and the folder"):
+    with pytest.raises(InvalidNameError, match="cannot be both a leaf and a folder"):
         store.commit_components([a, ab], tag="bad")
     assert store.tags() == {} and store.log() == []
 
@@ -396,12 +405,12 @@ def test_a_record_with_an_impossible_shape_is_refused_at_checkout(store):
     text = store.catalog.rows("SELECT record FROM commits")[0][0].replace("[0,3]", f"[0,{2**70}]")
     bad = ckptstore.records.commit_id(text)
     with store.catalog.write():  # a record that hashes correctly but describes an impossible tensor
-        store.catalog.conn.execute("UPDATE commits SET id = ?, record = ? WHERE id = ?", (bad, text, cid))
         store.catalog.conn.execute("PRAGMA defer_foreign_keys = ON")
+        store.catalog.conn.execute("UPDATE commits SET id = ?, record = ? WHERE id = ?", (bad, text, cid))
         for table in ("components", "leaves"):
             store.catalog.conn.execute(f"UPDATE {table} SET commit_id = ? WHERE commit_id = ?", (bad, cid))
         store.catalog.conn.execute("UPDATE tags SET commit_id = ?", (bad,))
-    with pytest.raises(IntegrityError, match="cannot be built"):
+    with pytest.raises(IntegrityError, match="too large"):
         store.checkout("t")
 
 
@@ -414,13 +423,6 @@ def test_a_tag_naming_a_missing_commit_is_an_integrity_error(store):
         with pytest.raises(IntegrityError, match="tag 't' points to commit 0000"):
             call("t")
     assert not store.fsck().ok
-
-
-def test_commit_refuses_a_shape_torch_cannot_build():
-    assert ckptstore.records.check_shape([0, 2**70], torch.float32) is not None
-    assert ckptstore.records.check_shape([0, 3], torch.float32) is None
-    with pytest.raises(InvalidArgumentError, match="cannot be built"):
-        raise InvalidArgumentError(ckptstore.records.check_shape([2**40, 2**40], torch.float32))
 
 
 # --- 8. a store that cannot be written can still be read ------------------------------------------------

@@ -236,7 +236,7 @@ def stalled_export(store_path: Path, dest: Path) -> subprocess.Popen:
         def stall(self, *args, **kwargs):
             print("staged", flush=True)
             time.sleep(600)
-        PackReader.read = stall
+        PackReader.stored = stall
         ckptstore.Store({str(store_path)!r}).export("t", {str(dest)!r})
     """
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

@@ -42,6 +42,7 @@ from . import jsonvalue
 from .adapters.base import check_key
 from .errors import BlobMissingError, CkptStoreError, ContainerError
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
+from .records import check_paths
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
 
 FORMAT = "ckptstore-export"
@@ -124,19 +125,10 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
         ],
     }
     blobs: dict[str, BlobLoc] = {loc.address: loc for r in leaves for loc in r.shards}
-    reader = PackReader(store.root)
+    reader = PackReader(store.root, locate=store.relocate)
 
-    def blob_bytes(loc: BlobLoc) -> bytes:
-        where = f"commit {cid}, export"
-        reader.read(loc, where)  # verifies header and hash
-        try:
-            fd = os.open(Path(store.root, "blobs", loc.pack[:2], f"{loc.pack}.pack"), os.O_RDONLY)
-            try:
-                return os.pread(fd, BLOB_HEADER.size + loc.stored_len, loc.offset)
-            finally:
-                os.close(fd)
-        except OSError as exc:  # reading the store, not writing the export: not a ContainerError
-            raise BlobMissingError(f"{where}, blob {loc.address}: pack file {loc.pack}.pack cannot be read ({exc.strerror or exc})") from None
+    def blob_bytes(loc: BlobLoc) -> bytes:  # header and payload as stored, verified first
+        return reader.stored(loc, f"commit {cid}, export")
 
     try:
         _remove_stale_staging(dest.parent)
@@ -451,19 +443,10 @@ def _parse(text: bytes, registry) -> tuple[dict, list[dict], list[_Leaf]]:
             a, b = plan.bounds(i)
             _need(int(m.group(2)) == b - a, f"leaf {path!r}: shard {i} ({addr}) should hold {b - a} bytes")
         leaves.append(_Leaf(path, comp, "tensor", r["dtype"], tuple(shape), None if stride is None else tuple(stride), nbytes, r["shard_bytes"], None, tuple(shards)))
-    _check_nesting(paths)
+    bad = check_paths(list(paths))
+    _need(bad is None, str(bad))
     commit["metadata"] = metadata
     return commit, comps, leaves
-
-
-def _check_nesting(paths: set[str]) -> None:
-    """Refuse a leaf path that is a folder of another (``a`` and ``a/b``): no state tree has both."""
-    for path in sorted(paths):
-        parts = path.split("/")
-        above = [""] if path != "" else []  # a root leaf ("") is the whole state: no other leaf fits beside it
-        above += ["/".join(parts[:i]) for i in range(1, len(parts))]
-        for a in above:
-            _need(a not in paths, f"leaves {a!r} and {path!r}: {a!r} cannot be both a leaf and a folder of leaves")
 
 
 def _checked_blob(data: bytes, addr: str, where: str) -> tuple[int, bytes]:
@@ -583,7 +566,7 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
             codec, payload = fetch(address(*key))
             return writer.append_encoded(key[0], key[1], codec, payload)
 
-        info, _ = store._commit(
+        info, _ = store.commit_manifest(
             components, records, keys, write, tags, commit["message"] if message is None else message, commit["metadata"], None, t0,
         )
         return info

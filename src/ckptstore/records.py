@@ -38,16 +38,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from . import jsonvalue
 from .errors import CkptStoreError, IntegrityError
 from .packs import BlobLoc
-from .shards import DTYPES, ShardPlan, address, dense_order, digest
+from .shards import DTYPES, ShardPlan, address, check_shape, dense_order, digest
 
 KIND_COMMIT = 1
 KIND_REF = 2
-_MAX_DIMS = 64
 
 
 @dataclass
@@ -102,33 +99,18 @@ def commit_id(text: str) -> str:
     return digest(text.encode()).hex()
 
 
-def check_shape(shape: Any, dtype: torch.dtype) -> str | None:
-    """Why ``shape`` cannot be built as a tensor of ``dtype`` (``None`` if it can).
-
-    Checked by building it on the meta device, which allocates nothing: a
-    zero-element shape with a 2**70 dimension fails here, not at checkout.
-    """
-    if type(shape) not in (list, tuple) or len(shape) > _MAX_DIMS or any(type(s) is not int or s < 0 for s in shape):
-        return f"invalid shape {shape!r}"
-    try:
-        torch.empty(tuple(shape), dtype=dtype, device="meta")
-    except (RuntimeError, OverflowError, TypeError, ValueError) as exc:
-        return f"shape {list(shape)} cannot be built: {str(exc).splitlines()[0]}"
-    return None
-
-
 def check_paths(paths: list[str]) -> str | None:
-    """Why a set of leaf paths cannot live in one tree (one is a folder of another), or ``None``."""
-    ordered = sorted(paths)
-    for a, b in zip(ordered, ordered[1:]):
-        if a == b:
-            return f"leaf {a!r} appears twice"
+    """Why a set of leaf paths cannot live in one state tree, or ``None``: a path twice,
+    one leaf the folder of another (``a`` and ``a/b``), or a root leaf (``""``) beside others."""
     present = set(paths)
-    for p in paths:
+    if len(present) != len(paths):
+        return "a leaf path appears twice"
+    for p in sorted(present):
         parts = p.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in present:
-                return f"leaf {'/'.join(parts[:i])!r} is both a value and the folder of leaf {p!r}"
+        above = ([""] if p else []) + ["/".join(parts[:i]) for i in range(1, len(parts))]
+        for a in above:
+            if a in present:
+                return f"leaves {a!r} and {p!r}: {a!r} cannot be both a leaf and a folder of leaves"
     return None
 
 
@@ -154,9 +136,10 @@ def _leaf(entry: Any, comps: dict, where: str) -> LeafRecord:
     dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dtype is None:
         raise IntegrityError(f"{where}: unknown dtype {dtype_name!r}")
-    bad = check_shape(shape, dtype)
-    if bad:
-        raise IntegrityError(f"{where}: {bad}")
+    try:
+        check_shape(shape, dtype)
+    except ValueError as exc:
+        raise IntegrityError(f"{where}: {exc}") from None
     if stride is not None and (
         type(stride) is not list or any(type(x) is not int or x < 0 for x in stride) or dense_order(tuple(shape), tuple(stride)) is None
     ):

@@ -69,6 +69,7 @@ from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
 from .shards import (
     DEFAULT_SHARD_BYTES,
     DTYPES,
+    check_shape,
     ShardPlan,
     address,
     check_tensor,
@@ -459,12 +460,14 @@ class Store:
                 raise StoreWriteError(f"a tensor changed while it was being committed (blob {address(*key)}); commit again")
             return writer.append(unique[key], key[0])
 
-        info, ids = self._commit(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
+        info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
         self._remember_digests(views, tokens, ids)
         return info
 
-    def _commit(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None):
-        """Steps 3 and 4 of the commit protocol; ``write(writer, key)`` writes one new blob.
+    def commit_manifest(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None):
+        """Steps 3 and 4 of the commit protocol for a manifest already built (commits and
+        importers): ``leaves`` are :class:`LeafRecord` s, ``keys`` every tensor shard's
+        address in order, and ``write(writer, key)`` writes one new blob to a PackWriter.
 
         ``prior`` maps addresses to blob ids believed to exist (the transaction
         checks them). Returns the CommitInfo and every address's blob id.
@@ -476,9 +479,11 @@ class Store:
         if bad:
             raise InvalidNameError(f"cannot commit: {bad}")
         for r in leaves:
-            bad = r.kind == "tensor" and records.check_shape(r.shape, DTYPES.get(r.dtype or ""))
-            if bad:
-                raise InvalidArgumentError(f"cannot commit leaf {r.path}: {bad}")
+            try:
+                if r.kind == "tensor":
+                    check_shape(r.shape, DTYPES.get(r.dtype or ""))
+            except ValueError as exc:
+                raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
         known = dict(prior or {})
         known.update(self._lookup([k for k in dict.fromkeys(keys) if k not in known]))
         with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
