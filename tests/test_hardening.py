@@ -487,3 +487,10 @@ def test_a_fresh_process_recovers_and_reads_as_a_reader_would(tmp_path):
     )
     check_tags(path, tags)
     assert ROOT.exists()
+
+
+def test_import_torchrl_from_the_store_itself_is_refused_unread(store):
+    store.commit({"a": torch.ones(2)}, tag="t")
+    with catalog_opens() as seen, pytest.raises(ckptstore.errors.ContainerError, match="inside it"):
+        store.import_torchrl(store.root / "catalog.sqlite")
+    assert seen == [] and store.fsck().ok

@@ -554,7 +554,7 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
     t0 = time.perf_counter()
     tags = [] if tag is None else [_check_tag(tag)]
     src = Path(src)
-    _refuse_store_files(src, Path(store.root))
+    refuse_store_files(src, Path(store.root))
     source = _Source(src)
     try:
         commit, comps, leaves, fetch = _verified(source, src, store.registry)
@@ -574,7 +574,7 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
         source.close()
 
 
-def _refuse_store_files(src: Path, root: Path) -> None:
+def refuse_store_files(src: Path, root: Path) -> None:
     """Refuse to import from the store's own folder (its catalog and WAL files
     included), comparing resolved paths only: opening and closing the catalog
     file would drop the SQLite locks this process holds on it."""

@@ -71,6 +71,7 @@ from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler, Round
 from . import jsonvalue
 from .adapters.base import Captured, check_key, flatten, join, plain, unflatten
 from .adapters.rng import RNGState
+from .container import refuse_store_files
 from .errors import CkptStoreError, ContainerError
 from .shards import DTYPES, byte_view
 from .store import CommitInfo, Store
@@ -133,6 +134,7 @@ def import_torchrl(
         InvalidNameError: a bad tag name.
     """
     path = Path(path)
+    refuse_store_files(path, store.root)
     source = _Source(path)
     try:
         reader = _Reader(source)
