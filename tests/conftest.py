@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def store(tmp_path: Path) -> ckptstore.Store:
-    s = ckptstore.Store(tmp_path / "store")
+    s = ckptstore.Store(tmp_path / "store", create=True)
     yield s
     s.close()
 

@@ -34,7 +34,7 @@ def tampered(store, tmp_path, ref: str, path: str, value) -> ckptstore.Store:
     doc = json.loads((tmp_path / "export" / MANIFEST).read_text())
     next(r for r in doc["leaves"] if r["path"] == path)["value"] = ckptstore.jsonvalue.dumps(value)
     (tmp_path / "export" / MANIFEST).write_text(json.dumps(doc))
-    other = ckptstore.Store(tmp_path / "other")
+    other = ckptstore.Store(tmp_path / "other", create=True)
     other.import_from(tmp_path / "export", tag="latest")
     return other
 
@@ -113,7 +113,7 @@ def test_bad_settings_are_refused_before_anything_is_saved(tmp_path):
         with pytest.raises(InvalidArgumentError):
             ckptstore.Store(tmp_path / "s", **kwargs)
     assert not (tmp_path / "s").exists()
-    ckptstore.Store(tmp_path / "s").close()
+    ckptstore.Store(tmp_path / "s", create=True).close()
     with pytest.raises(InvalidArgumentError):
         ckptstore.Store(tmp_path / "s", compression_level=-1)
     with ckptstore.Store(tmp_path / "s") as s:
@@ -167,7 +167,7 @@ def test_failed_import_does_not_create_the_store(tmp_path, monkeypatch, capsys):
 
 
 def test_cli_argument_errors(tmp_path, monkeypatch, capsys):
-    ckptstore.Store(tmp_path / "s").close()
+    ckptstore.Store(tmp_path / "s", create=True).close()
     for args in (("demo", "--frames", "100"), ("demo", "--every", "0"), ("log", "--limit", "-1", "--store", str(tmp_path / "s"))):
         code, _, err = cli(monkeypatch, capsys, *args)
         assert code == 2, (args, err)

@@ -87,6 +87,6 @@ def test_export_import_commands(filled, tmp_path, monkeypatch, capsys):
     assert code == 0, err
     code, out, err = cli(monkeypatch, capsys, "import", str(tmp_path / "e.zip"), "--tag", "back", "--store", str(tmp_path / "other"), "--json")
     assert code == 0, err
-    with ckptstore.Store(tmp_path / "other") as other:
+    with ckptstore.Store(tmp_path / "other", create=True) as other:
         assert other.tags() == {"back": json.loads(out)["id"]}
         assert torch.equal(other.checkout("back")["w"], torch.cat([torch.zeros(2048), torch.ones(2048)]))

@@ -28,7 +28,7 @@ def exported(store, tmp_path):
     store.commit(data, tag="t")
     store.export("t", tmp_path / "dir")
     store.export("t", tmp_path / "t.zip")
-    target = ckptstore.Store(tmp_path / "target")
+    target = ckptstore.Store(tmp_path / "target", create=True)
     yield data, tmp_path / "dir", tmp_path / "t.zip", target
     target.close()
 
@@ -125,7 +125,7 @@ def test_c08_missing_shard_file_names_the_leaf(store, tmp_path):
     store.export("z", tmp_path / "d")
     addr = leaf(manifest(tmp_path / "d"), "x")["shards"][0]
     (tmp_path / "d" / "blobs" / addr).unlink()
-    with ckptstore.Store(tmp_path / "other") as other:
+    with ckptstore.Store(tmp_path / "other", create=True) as other:
         expect_rejected(other, tmp_path / "d", "leaf 'x'", "missing")
 
 

@@ -275,7 +275,7 @@ def collector(path: Path, log: Path, deadline: float) -> None:
 
 def test_concurrent_writers_beside_a_gc_loop(tmp_path):
     path = tmp_path / "s"
-    ckptstore.Store(path, shard_bytes=SHARD).close()
+    ckptstore.Store(path, shard_bytes=SHARD, create=True).close()
     deadline = time.time() + 4.0
     pids = [fork(writer, path, i, tmp_path / f"w{i}", deadline) for i in range(2)]
     pids += [fork(collector, path, tmp_path / f"gc{j}", deadline) for j in range(2)]

@@ -91,7 +91,7 @@ def test_repack_moves_live_blobs_and_frees_dead_ones(tmp_path):
 def test_c22a_incomplete_export_copied_into_a_store_is_not_collected_and_import_is_rejected(store, tmp_path):
     store.commit(layers(0, 1.0), tag="t1")
     store.export("t1", tmp_path / "export")
-    other = ckptstore.Store(tmp_path / "other")
+    other = ckptstore.Store(tmp_path / "other", create=True)
     incoming = other.root / "incoming"
     shutil.copytree(tmp_path / "export", incoming)
     (incoming / "ckptstore-export.json").unlink()  # the final marker never arrived

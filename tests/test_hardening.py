@@ -299,7 +299,7 @@ def test_sigkill_while_creating_a_store_never_bricks_it(tmp_path):
         print("ready", flush=True)
         i = 0
         while True:
-            ckptstore.Store(f"{base}/s{i}").close()
+            ckptstore.Store(f"{base}/s{i}", create=True).close()
             i += 1
     """)
     rng = random.Random(int(os.environ.get("CKPT_SEED", "9")))
@@ -468,7 +468,13 @@ def test_a_read_only_store_reads_everything_and_refuses_commits(tmp_path):
 def test_reading_a_missing_store_never_creates_it(tmp_path):
     with pytest.raises(NotAStoreError):
         ckptstore.Store(tmp_path / "typo", create=False)
-    assert not (tmp_path / "typo").exists()
+    s = ckptstore.Store(tmp_path / "runs" / "sotre")  # a mistyped path: reads fail, nothing is made
+    for read in (lambda: s.checkout("latest"), s.tags, s.log, lambda: s.gc(grace=0), s.fsck):
+        with pytest.raises(NotAStoreError, match="first commit creates it"):
+            read()
+    assert not (tmp_path / "runs").exists()
+    s.commit({"x": torch.ones(1)}, tag="latest")  # the first commit creates it
+    assert ckptstore.Store(tmp_path / "runs" / "sotre", create=False).tags().keys() == {"latest"}
 
 
 def test_a_fresh_process_recovers_and_reads_as_a_reader_would(tmp_path):

@@ -35,7 +35,7 @@ HUGE = 10**15  # bytes: a shard no machine can hold
 def exported(store, tmp_path):
     store.commit({"a": torch.arange(3.0), "b": torch.zeros(1000), "c": {"d": torch.ones(2)}, "e": torch.zeros(0, 3)}, tag="t")
     store.export("t", tmp_path / "dir")
-    target = ckptstore.Store(tmp_path / "target")
+    target = ckptstore.Store(tmp_path / "target", create=True)
     yield tmp_path / "dir", target
     target.close()
 
@@ -278,7 +278,7 @@ def test_stale_staging_folders_are_removed_live_ones_kept(store, tmp_path):
             ["first.zip", "second", ".keep", f".x{STAGING_MARK}", young_lockless.name, live.name]
         )
         assert (live / STAGING_LOCK).is_file()
-        with ckptstore.Store(tmp_path / "other") as other:
+        with ckptstore.Store(tmp_path / "other", create=True) as other:
             assert_bit_equal(other.checkout(other.import_from(out / "second").id)["x"], torch.arange(1000.0))
             assert_bit_equal(other.checkout(other.import_from(out / "first.zip").id)["x"], torch.arange(1000.0))
     finally:

@@ -94,7 +94,7 @@ def test_c14_dtype_matrix(store, tmp_path):
     assert second.shards_total == first.shards_total == len(data)
     # ZIP export and re-import give the same bits
     store.export("dtypes", tmp_path / "dtypes.zip")
-    other = ckptstore.Store(tmp_path / "other")
+    other = ckptstore.Store(tmp_path / "other", create=True)
     other.import_from(tmp_path / "dtypes.zip", tag="imported")
     again = other.checkout("imported")
     for name, t in data.items():
@@ -126,7 +126,7 @@ def test_c08_zero_element_tensors_keep_key_shape_dtype(store, tmp_path):
     store.commit(td, tag="z")
     store.export("z", tmp_path / "dir")
     store.export("z", tmp_path / "z.zip")
-    other = ckptstore.Store(tmp_path / "other")
+    other = ckptstore.Store(tmp_path / "other", create=True)
     other.import_from(tmp_path / "dir", tag="d")
     other.import_from(tmp_path / "z.zip", tag="zip")
     for s, ref in ((store, "z"), (other, "d"), (other, "zip")):

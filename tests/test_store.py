@@ -105,7 +105,7 @@ def test_store_folder_checks(tmp_path):
     (tmp_path / "afile").write_text("x")
     with pytest.raises(NotAStoreError):
         ckptstore.Store(tmp_path / "afile")
-    s = ckptstore.Store(tmp_path / "new", shard_bytes=4096)
+    s = ckptstore.Store(tmp_path / "new", shard_bytes=4096, create=True)
     s.close()
     with ckptstore.Store(tmp_path / "new") as again:
         assert again.shard_bytes == 4096  # saved with the store

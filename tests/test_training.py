@@ -63,7 +63,7 @@ def straight(path: Path) -> None:
 
 def interrupted(path: Path, ready: int) -> None:
     o = build(0)
-    ckpt = Checkpointer(ckptstore.Store(path), o, every_n_steps=N // 2)
+    ckpt = Checkpointer(ckptstore.Store(path, create=True), o, every_n_steps=N // 2)
     assert ckpt.resume() is None  # a fresh run
     while True:
         train_step(o)

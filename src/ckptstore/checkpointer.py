@@ -9,17 +9,22 @@
 
 A run killed at any instant and restarted with the same code continues from the
 last commit bit-identically: the replay buffer, parameters, optimizer moments
-and every RNG stream are restored in place.
+and every RNG stream are restored in place. A run told to stop (SIGTERM from
+SLURM or a spot machine, or SIGUSR1) commits at the next step boundary and exits.
 """
 
 from __future__ import annotations
 
+import re
+import signal
+import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .adapters.base import Adapter, ComponentState, register_adapter
-from .errors import InvalidArgumentError, TargetMismatchError
+from .adapters.base import Adapter, ComponentState, capture, register_adapter
+from .errors import InvalidArgumentError, NotAStoreError, RefNotFoundError, TargetMismatchError
 from .store import CommitInfo, Store
 
 
@@ -66,12 +71,21 @@ class Checkpointer:
             (``None``: only ``latest_tag`` moves).
         latest_tag: rewritten atomically by every commit.
         components: names of ``objects`` to commit (default: all).
+        keep_last: after each commit, delete this checkpointer's ``tag_format``
+            tags beyond the newest ``keep_last`` (``latest_tag`` always stays;
+            ``None`` keeps every tag). GC then frees what no tag keeps.
+        on_signal: signals (default SIGTERM and SIGUSR1, as SLURM and spot
+            machines send before they stop a job) after which the next
+            :meth:`step` commits and exits the process with status 0; ``()``
+            installs no handler. Handlers are installed only in the main thread.
 
     The step count itself is committed as component ``checkpointer``.
 
     Raises:
         InvalidArgumentError: ``objects`` not a non-empty dict with str keys,
-            ``every_n_steps`` < 1, unknown component names, or a name ``checkpointer``.
+            ``every_n_steps`` < 1, ``keep_last`` < 1, unknown component names, or a name ``checkpointer``.
+        UnsupportedTypeError / InvalidNameError: an object that cannot be committed
+            (checked here, not at the first due step).
     """
 
     def __init__(
@@ -83,6 +97,8 @@ class Checkpointer:
         tag_format: str | None = "step-{step}",
         latest_tag: str = "latest",
         components: Iterable[str] | None = None,
+        keep_last: int | None = 3,
+        on_signal: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1),
     ):
         if type(objects) is not dict or not objects or not all(type(k) is str for k in objects):
             raise InvalidArgumentError(f"objects must be a non-empty dict of name -> object, got {type(objects).__name__}")
@@ -92,28 +108,62 @@ class Checkpointer:
         unknown = [n for n in names if n not in objects]
         if unknown or "checkpointer" in objects:
             raise InvalidArgumentError(f"components {unknown} are not in objects, or an object is named 'checkpointer'")
+        if keep_last is not None and (type(keep_last) is not int or keep_last < 1):
+            raise InvalidArgumentError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
         self.store = store
         self.objects = objects
         self.every = every_n_steps
         self.tag_format = tag_format
         self.latest_tag = latest_tag
         self.components = names
+        self.keep_last = keep_last
         self.steps = 0
+        self.stop_requested: int | None = None  # the signal received, until the next step commits
+        capture(self._state(), store.registry)  # every object must be committable now, not after 1000 steps
+        self._tag_re = None if tag_format is None else re.compile(
+            "^" + re.escape(tag_format).replace(re.escape("{step}"), r"(\d+)") + "$"
+        )
+        if on_signal and _in_main_thread():
+            for signum in on_signal:
+                signal.signal(signum, self._request_stop)
+
+    def _request_stop(self, signum, frame) -> None:
+        self.stop_requested = signum
+
+    def _state(self) -> dict:
+        state = {name: self.objects[name] for name in self.components}
+        state["checkpointer"] = {"step": self.steps}
+        return state
 
     def step(self, n: int = 1, metadata: dict | None = None) -> CommitInfo | None:
-        """Count ``n`` steps; commit if a multiple of ``every_n_steps`` was crossed."""
+        """Count ``n`` steps; commit if a multiple of ``every_n_steps`` was crossed.
+
+        After one of the ``on_signal`` signals, commit now and exit the process
+        (``SystemExit(0)``): the job's grace period is spent on one commit.
+        """
         before = self.steps
         self.steps += n
+        if self.stop_requested is not None:
+            signum, self.stop_requested = self.stop_requested, None
+            self.commit({**(metadata or {}), "stopped_by": signal.Signals(signum).name})
+            sys.exit(0)
         if self.steps // self.every > before // self.every:
             return self.commit(metadata)
         return None
 
     def commit(self, metadata: dict | None = None) -> CommitInfo:
-        """Commit now: the selected objects and the step count; moves the tags."""
-        state = {name: self.objects[name] for name in self.components}
-        state["checkpointer"] = {"step": self.steps}
+        """Commit now: the selected objects and the step count; moves the tags,
+        then deletes this checkpointer's step tags past ``keep_last``."""
         tags = ([self.tag_format.format(step=self.steps)] if self.tag_format else []) + [self.latest_tag]
-        return self.store.commit(state, tag=tags, message=f"step {self.steps}", metadata={"step": self.steps, **(metadata or {})})
+        info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata={"step": self.steps, **(metadata or {})})
+        if self.keep_last is not None and self._tag_re is not None:
+            mine = sorted((int(m.group(1)), t) for t in self.store.tags() if (m := self._tag_re.match(t)))
+            for _, tag in mine[: max(0, len(mine) - self.keep_last)]:
+                try:
+                    self.store.delete_tag(tag)
+                except RefNotFoundError:
+                    pass  # another process pruned it first
+        return info
 
     def resume(self, ref: str | None = None) -> int | None:
         """Restore every selected object in place from ``ref`` (default: the latest tag).
@@ -126,10 +176,23 @@ class Checkpointer:
             RefNotFoundError: an explicit ``ref`` that does not exist.
             TargetMismatchError, IntegrityError, ...: as :meth:`Store.checkout`.
         """
+        try:
+            tags = self.store.tags()
+        except NotAStoreError as exc:
+            raise NotAStoreError(f"{exc}. Resuming reads only: for a new run, open the store with Store(path, create=True)") from None
         if ref is None:
-            if self.latest_tag not in self.store.tags():
+            if self.latest_tag not in tags:
                 return None
             ref = self.latest_tag
+        record = self.store.record(ref)
+        if not any(leaf.path == "checkpointer/step" for leaf in record.leaves):
+            held = sorted({leaf.path.split("/")[0] for leaf in record.leaves})
+            raise TargetMismatchError(
+                f"{ref!r} (commit {record.id[:12]}) was not made by a Checkpointer: it holds "
+                f"{', '.join(held) or 'nothing'}, not the 'checkpointer' step counter. "
+                f"Another commit moved the tag {ref!r}; give this Checkpointer its own latest_tag=..., or "
+                f"resume(ref=...) from one of its step tags"
+            )
         target = {name: self.objects[name] for name in self.components}
         target["checkpointer"] = {}
         self.store.checkout(ref, into=target)
@@ -137,3 +200,7 @@ class Checkpointer:
             self.objects[name] = target[name]
         self.steps = target["checkpointer"]["step"]
         return self.steps
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()

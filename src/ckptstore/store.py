@@ -179,8 +179,12 @@ class Store:
     """A content-addressed, versioned checkpoint store in one folder.
 
     Args:
-        path: the store folder; created (with its catalog) when missing or empty.
-        create: if false, a missing store raises NotAStoreError.
+        path: the store folder.
+        create: ``None`` (default): open the store if it exists; if it does not,
+            reading raises NotAStoreError and the first commit (or tag move)
+            creates it, so a mistyped path never turns into an empty store.
+            ``True``: create it now if missing. ``False``: it must exist now
+            (NotAStoreError otherwise).
         shard_bytes: target shard size in bytes for new commits (default 256 KiB);
             saved in the catalog when the store is created, overridden per
             session when given.
@@ -204,7 +208,7 @@ class Store:
         self,
         path: str | os.PathLike,
         *,
-        create: bool = True,
+        create: bool | None = None,
         shard_bytes: int | None = None,
         compression_level: int | None = None,
         pack_bytes: int = DEFAULT_PACK_BYTES,
@@ -215,18 +219,9 @@ class Store:
         self.root = Path(path)
         shard_bytes = _setting("shard_bytes", shard_bytes, 1, 1 << 34)
         compression_level = _setting("compression_level", compression_level, 0, 22)
-        self.catalog = self._open_catalog(create)
-        settings = self._settings({  # the first open saves them; later opens read them
-            "shard_bytes": DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes,
-            "compression_level": 3 if compression_level is None else compression_level,
-        })
-        try:  # the arguments were checked above; the stored values are checked here
-            self.shard_bytes = shard_bytes or _setting("shard_bytes", settings["shard_bytes"], 1, 1 << 34)
-            self.compression_level = (
-                compression_level if compression_level is not None else _setting("compression_level", settings["compression_level"], 0, 22)
-            )
-        except InvalidArgumentError as exc:
-            raise CatalogCorruptError(f"{self.root / CATALOG}: stored setting is invalid: {exc}") from None
+        self._asked = (shard_bytes, compression_level)
+        self.shard_bytes = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
+        self.compression_level = 3 if compression_level is None else compression_level
         self.pack_bytes = pack_bytes
         self.workers = workers or os.cpu_count() or 1
         self.registry = registry
@@ -238,13 +233,62 @@ class Store:
         self._pending: Future | None = None
         self._snapshots: dict[str, torch.Tensor] = {}
         self._records: dict[str, records.CommitRecord] = {}  # verified commit records by id (immutable)
-        if self.catalog.migrated_from is not None:
+        self._catalog: Catalog | None = None
+        self._catalog_lock = threading.Lock()
+        if self._open(create=bool(create)) is None and create is False:
+            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
+
+    @property
+    def catalog(self) -> Catalog:
+        """The catalog connection, opened on first use.
+
+        Raises:
+            NotAStoreError: the store does not exist (yet: see ``create``).
+        """
+        cat = self._catalog if self._catalog is not None else self._open(create=False)
+        if cat is None:
+            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG}); a first commit creates it")
+        return cat
+
+    def _open(self, create: bool) -> Catalog | None:
+        """Open the catalog, then load the stored settings; ``None`` if there is no
+        store and ``create`` is false (with ``create``: create it)."""
+        with self._catalog_lock:
+            if self._catalog is not None:
+                return self._catalog
+            cat = self._open_catalog(create)
+            if cat is None:
+                return None
+            try:
+                self._load_settings(cat)
+            except BaseException:
+                cat.close()
+                raise
+            self._catalog = cat
+        if cat.migrated_from is not None and cat.writable:
             self._backfill_records()
+        return cat
+
+    def _load_settings(self, cat: Catalog) -> None:
+        """The first open of a new store saves its settings; later opens read them (arguments win)."""
+        shard_bytes, level = self._asked
+        rows = {r["key"]: jsonvalue.loads(r["value"]) for r in cat.rows("SELECT key, value FROM settings")}
+        missing = {k: v for k, v in (("shard_bytes", self.shard_bytes), ("compression_level", self.compression_level)) if k not in rows}
+        if missing and cat.writable:
+            with cat.write() as db:
+                db["settings"].insert_all(({"key": k, "value": jsonvalue.dumps(v)} for k, v in missing.items()), ignore=True)
+        rows = {**missing, **rows}
+        try:  # the arguments were checked above; the stored values are checked here
+            self.shard_bytes = shard_bytes or _setting("shard_bytes", rows["shard_bytes"], 1, 1 << 34)
+            self.compression_level = level if level is not None else _setting("compression_level", rows["compression_level"], 0, 22)
+        except InvalidArgumentError as exc:
+            raise CatalogCorruptError(f"{self.root / CATALOG}: stored setting is invalid: {exc}") from None
 
     # --- lifecycle -------------------------------------------------------------------
 
-    def _open_catalog(self, create: bool) -> Catalog:
-        """Open the catalog; only SQLite looks at the catalog file (invariant 6)."""
+    def _open_catalog(self, create: bool) -> Catalog | None:
+        """Open the catalog (``None``: no store here and not ``create``); only SQLite
+        looks at the catalog file (invariant 6)."""
         catalog = self.root / CATALOG
         if self.root.exists() and not self.root.is_dir():
             raise NotAStoreError(f"{self.root} is a file, not a ckptstore store")
@@ -264,11 +308,9 @@ class Store:
                     f"`ckptstore recover --store {self.root}` rebuilds it from the packs"
                 )
             time.sleep(0.05)  # or a concurrent creator has just made its first commit: look again
-        others = sorted(p.name for p in self.root.iterdir() if not _STORE_NAMES.match(p.name)) if self.root.is_dir() else []
-        if others:
-            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG}) and is not empty: {', '.join(others[:5])}")
+        self._foreign_files()
         if not create:
-            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
+            return None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             cat = Catalog(catalog, create=True)
@@ -279,6 +321,12 @@ class Store:
         for sub in ("blobs", "tmp"):
             (self.root / sub).mkdir(exist_ok=True)
         return cat
+
+    def _foreign_files(self) -> None:
+        """Refuse a folder that holds other things than a store's files."""
+        others = sorted(p.name for p in self.root.iterdir() if not _STORE_NAMES.match(p.name)) if self.root.is_dir() else []
+        if others:
+            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG}) and is not empty: {', '.join(others[:5])}")
 
     def _backfill_records(self) -> None:
         """Write the records a store migrated from schema 1 lacks: each commit's, and each tag's last move."""
@@ -292,15 +340,6 @@ class Store:
                 f"AND tag NOT IN (SELECT name FROM records WHERE kind = {records.KIND_REF})"
             ):
                 batch.append((records.KIND_REF, tag, seq, records.ref_text(seq, tag, old, new, at, action)))
-
-    def _settings(self, defaults: dict) -> dict:
-        rows = {r["key"]: jsonvalue.loads(r["value"]) for r in self.catalog.rows("SELECT key, value FROM settings")}
-        missing = {k: v for k, v in defaults.items() if k not in rows}
-        if missing and self.catalog.writable:
-            with self.catalog.write() as db:
-                db["settings"].insert_all(({"key": k, "value": jsonvalue.dumps(v)} for k, v in missing.items()), ignore=True)
-            rows.update(missing)
-        return rows
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -316,7 +355,8 @@ class Store:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        self.catalog.close()
+        if self._catalog is not None:
+            self._catalog.close()
 
     def __enter__(self) -> Store:
         return self
@@ -472,7 +512,7 @@ class Store:
         ``prior`` maps addresses to blob ids believed to exist (the transaction
         checks them). Returns the CommitInfo and every address's blob id.
         """
-        if not self.catalog.writable:
+        if not self._open(create=True).writable:
             raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
         meta_json = jsonvalue.dumps(metadata, "metadata")
         bad = records.check_paths([r.path for r in leaves])  # a store never accepts a commit it cannot check out
@@ -636,6 +676,7 @@ class Store:
         transaction does not commit, the pack is removed again.
         """
         batch: list[tuple[int, str, int | None, str]] = []
+        self._open(create=True)
         with PackWriter(self.root, 0, self.pack_bytes) as writer:
             try:
                 with self.catalog.write() as db:
