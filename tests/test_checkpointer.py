@@ -35,7 +35,7 @@ def test_retention_keeps_the_newest_step_tags_and_gc_frees_the_rest(store):
     assert report.commits_dropped == 3 and report.bytes_freed > 3 * 4000
     assert torch.equal(store.checkout("step-40")["w"], at40)
     Checkpointer(store, {"w": w}, every_n_steps=10, keep_last=None).commit()  # None keeps every tag
-    assert "step-60" in store.tags() and len(store.tags()) == 4
+    assert sorted(store.tags()) == ["latest", "step-0", "step-40", "step-50", "step-60"]
 
 
 def test_a_latest_tag_moved_by_another_commit_is_explained(store):
