@@ -132,7 +132,7 @@ def test_unencodable_strings_fail_before_writing_a_pack(store):
     before = row_count(store)
     packs = sorted(store.root.glob("blobs/*/*.pack"))
     for kwargs in ({"tag": "a\udcff"}, {"message": "m\udcff"}, {"metadata": {"k": "v\udcff"}}, {"metadata": {"k\udcff": 1}}):
-        with pytest.raises((InvalidNameError, UnsupportedTypeError)):
+        with pytest.raises((InvalidNameError, InvalidArgumentError, UnsupportedTypeError)):
             store.commit({"y": torch.randn(100)}, **kwargs)
     with pytest.raises(RefNotFoundError):
         store.checkout("\udcff")
@@ -214,3 +214,16 @@ def test_export_folder_is_world_readable(store, tmp_path):
     store.commit({"x": torch.ones(1)}, tag="t")
     store.export("t", tmp_path / "e")
     assert (tmp_path / "e").stat().st_mode & 0o777 == 0o755
+
+
+def test_message_and_metadata_of_the_wrong_type_are_argument_errors(store):
+    for kwargs in ({"message": 123}, {"metadata": [1, 2]}):
+        with pytest.raises(InvalidArgumentError, match="message must be|metadata must be"):
+            store.commit({"x": torch.ones(1)}, tag="t", **kwargs)
+    assert store.tags() == {}
+
+
+def test_fsck_sample_rereads_a_sample_without_deep(store):
+    store.commit({f"x{i}": torch.randn(100) for i in range(40)}, tag="t")
+    report = store.fsck(sample=0.5)
+    assert 0 < report.blobs_checked < 40 and report.ok

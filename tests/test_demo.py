@@ -18,3 +18,17 @@ def test_demo_end_to_end(tmp_path, monkeypatch, capsys):
         assert log[0].parents == (log[1].id,)
         assert log[0].new_bytes < log[0].logical_bytes / 1.5  # the second commit reuses most shards
         assert list(s.components("latest")) == ["rb/storage", "rb/writer", "rb/sampler", "policy", "optim", "rng", "progress"]
+
+
+def test_demo_never_writes_into_the_users_store(tmp_path, monkeypatch, capsys):
+    user = ckptstore.Store(tmp_path / "mine", create=True)
+    cid = user.commit({"x": ckptstore.RNGState()}, tag="latest").id
+    user.close()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CKPTSTORE_PATH", str(tmp_path / "mine"))
+    code, _, err = cli(monkeypatch, capsys, "demo", "--frames", "500", "--every", "250")
+    assert code == 0, err
+    with ckptstore.Store(tmp_path / "mine", create=False) as s:
+        assert s.tags() == {"latest": cid} and len(s.log()) == 1
+    with ckptstore.Store(tmp_path / "runs" / "demo-store", create=False) as s:
+        assert set(s.tags()) == {"step-250", "step-500", "latest"}

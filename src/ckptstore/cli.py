@@ -256,7 +256,7 @@ def _print_fsck(report, as_json: bool) -> None:
 def fsck(
     store: StorePath = Path("."),
     deep: Annotated[bool, typer.Option("--deep", help="Reread blobs and check their hashes.")] = False,
-    sample: Annotated[float, typer.Option(help="With --deep, the fraction of blobs to reread.")] = 1.0,
+    sample: Annotated[float, typer.Option(help="Reread this fraction of the blobs (implies --deep).")] = 1.0,
     as_json: AsJson = False,
 ) -> None:
     """Check the catalog and the blobs; exit 1 when anything is wrong (orphans are reported, not errors)."""
@@ -345,7 +345,9 @@ def import_torchrl_cmd(
 
 @app.command()
 def demo(
-    store: StorePath = Path("runs/demo-store"),
+    store: Annotated[Path, typer.Option("--store", "-s", help="Store folder (not $CKPTSTORE_PATH: the demo never writes into your store).")] = Path(
+        "runs/demo-store"
+    ),
     frames: Annotated[int, typer.Option(min=250, help="Environment frames to collect (a multiple of 250).")] = 3000,
     every: Annotated[int, typer.Option(min=250, help="Commit every this many frames (a multiple of 250).")] = 500,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,

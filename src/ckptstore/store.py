@@ -481,10 +481,10 @@ class Store:
         tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
         tags = list(dict.fromkeys(_check_tag(t) for t in tags))
         if type(message) is not str or not jsonvalue.is_text(message):
-            raise InvalidNameError(f"message must be a UTF-8 str, got {message!r}")
+            raise InvalidArgumentError(f"message must be a UTF-8 str, got {message!r}")
         metadata = {} if metadata is None else metadata
         if type(metadata) is not dict:
-            raise InvalidNameError(f"metadata must be a dict, got {type(metadata).__name__}")
+            raise InvalidArgumentError(f"metadata must be a dict, got {type(metadata).__name__}")
         jsonvalue.encode(metadata, "metadata")
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
@@ -982,9 +982,9 @@ class Store:
         return collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run)
 
     def fsck(self, deep: bool = False, sample: float = 1.0) -> FsckReport:
-        """Check the catalog and the blobs; ``deep`` rereads and rehashes blobs
-        (a ``sample`` fraction of them). See :mod:`ckptstore.fsck`."""
-        return check(self, deep=deep, sample=sample)
+        """Check the catalog and the blobs; ``deep`` rereads and rehashes blobs.
+        ``sample`` < 1 rereads that fraction of them (and implies ``deep``). See :mod:`ckptstore.fsck`."""
+        return check(self, deep=deep or sample < 1, sample=sample)
 
     def verify(self, ref: str) -> FsckReport:
         """Reread and rehash every blob of one commit; ``report.ok`` tells."""
