@@ -135,7 +135,7 @@ def test_diff_shows_where_the_bytes_went(tmp_path):
 def test_torchrl_checkpoint_through_the_store(tmp_path):
     from torchrl.checkpoint import Checkpoint
 
-    from ckptstore.torchrl_checkpoint import REF_FILE, prune_tags, use_store
+    from ckptstore.torchrl_checkpoint import REF_FILE, StoreRotation, forget, use_store
 
     store = ckptstore.Store(tmp_path / "store", shard_bytes=256)  # small shards: the buffer is small
     o = build(0)
@@ -145,11 +145,13 @@ def test_torchrl_checkpoint_through_the_store(tmp_path):
     ckpt.save(tmp_path / "ckpt" / "step-5")
     (ref,) = (tmp_path / "ckpt" / "step-5").glob(f"components/*-replay_buffer/{REF_FILE}")
     assert sorted(p.name for p in ref.parent.iterdir()) == [REF_FILE]  # the data lives in the store
-    assert json.loads(ref.read_text())["component"] == "replay_buffer"
-    first = store.info(f"torchrl-checkpoint:{(tmp_path / 'ckpt' / 'step-5').resolve()}:replay_buffer")
+    ref_doc = json.loads(ref.read_text())
+    assert ref_doc["component"] == "replay_buffer"
+    first = store.info(f"torchrl-checkpoint:{ref_doc['ref']}:replay_buffer")
     train_step(o)
     ckpt.save(tmp_path / "ckpt" / "step-6")
-    second = store.info(f"torchrl-checkpoint:{(tmp_path / 'ckpt' / 'step-6').resolve()}:replay_buffer")
+    (ref,) = (tmp_path / "ckpt" / "step-6").glob(f"components/*-replay_buffer/{REF_FILE}")
+    second = store.info(f"torchrl-checkpoint:{json.loads(ref.read_text())['ref']}:replay_buffer")
     assert second.new_bytes < first.new_bytes / 2 and second.shards_new < second.shards_total / 3  # most shards reused
     fresh = build(3)
     loader = use_store(Checkpoint(policy=fresh["net"], optimizer=fresh["optim"], replay_buffer=fresh["rb"], meta={}), store)
@@ -158,8 +160,28 @@ def test_torchrl_checkpoint_through_the_store(tmp_path):
     assert len(fresh["rb"]) == len(o["rb"]) and fresh["rb"].writer._write_count == o["rb"].writer._write_count
     for a, b in zip(o["net"].parameters(), fresh["net"].parameters()):
         assert_bit_equal(a, b)
+    # A renamed checkpoint keeps its data: GC frees nothing it references.
+    (tmp_path / "ckpt" / "step-6").rename(tmp_path / "ckpt" / "renamed")
+    store.gc(grace=0)
+    again = build(4)
+    use_store(Checkpoint(policy=again["net"], optimizer=again["optim"], replay_buffer=again["rb"], meta={}), store).load(tmp_path / "ckpt" / "renamed")
+    n = len(o["rb"])
+    assert len(again["rb"]) == n
+    assert_bit_equal(again["rb"].storage[:n]["obs"], o["rb"].storage[:n]["obs"])
+    for a, b in zip(o["net"].parameters(), again["net"].parameters()):
+        assert_bit_equal(a, b)
+    # Deleting one by hand: forget it first, and GC frees exactly its data.
+    assert len(forget(store, tmp_path / "ckpt" / "step-5")) == 3  # policy, optimizer, replay_buffer
     shutil.rmtree(tmp_path / "ckpt" / "step-5")
-    assert len(prune_tags(store)) == 3 and first.id not in store.tags().values()  # policy, optimizer, replay_buffer
+    assert first.id not in store.tags().values() and store.gc(grace=0).commits_dropped == 3
+    # A rotation deletes the tags of the checkpoints it removes, and only those.
+    rotation = StoreRotation(tmp_path / "rot", store, keep_last=1)
+    rotation.save(ckpt, step=1)
+    kept_before = set(store.tags())
+    train_step(o)
+    newest = rotation.save(ckpt, step=2)
+    assert len(set(store.tags()) - kept_before) == 3 and len(kept_before - set(store.tags())) == 3
+    assert rotation.checkpoints() == (newest,)
     store.close()
 
 

@@ -12,10 +12,16 @@ so successive checkpoints share every unchanged shard::
     ckpt.load("checkpoints/step-1000")
 
 TorchRL's ``Trainer(checkpoint=ckpt, ...)`` saves through the same object, so
-a Trainer gets dedup the same way. Each component's commit is tagged
-``torchrl-checkpoint:<checkpoint path>:<component>``; after ``CheckpointRotation``
-deletes old checkpoints, :func:`prune_tags` drops their tags so that
-``ckptstore gc`` can free the data.
+a Trainer gets dedup the same way.
+
+The data is tied to the reference file, not to a path: each save draws a
+random reference id, writes it into ``ckptstore-ref.json`` and tags the commit
+``torchrl-checkpoint:<reference id>:<component>``. A checkpoint folder or
+archive that is renamed, moved or copied keeps its data; a tag is deleted only
+when its checkpoint is provably gone: :class:`StoreRotation` (TorchRL's
+``CheckpointRotation`` with the same arguments) deletes the tags of the
+checkpoints it removes itself, and :func:`forget` deletes those of a checkpoint
+you are about to delete by hand. ``ckptstore gc`` then frees the data.
 
 Component names map one to one: TorchRL's component ``replay_buffer`` is
 ckptstore's component ``replay_buffer`` (``replay_buffer/storage``...), and
@@ -28,39 +34,38 @@ TorchRL ``Trainer`` as a ``post_steps`` operation.
 from __future__ import annotations
 
 import json
-import re
+import uuid
+import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torchrl.checkpoint import Checkpoint, CheckpointAdapter
+from torchrl.checkpoint import Checkpoint, CheckpointAdapter, CheckpointRotation
 from torchrl.data import ReplayBuffer
 from torchrl.trainers import TrainerHookBase
 
 from .checkpointer import Checkpointer
-from .errors import ContainerError
+from .errors import ContainerError, RefNotFoundError
 from .store import Store
 
 REF_FILE = "ckptstore-ref.json"
 TAG_PREFIX = "torchrl-checkpoint:"
-_STAGE = re.compile(r"^\.(?P<name>.+)\.stage-[0-9a-f]{32}$")
+_MAX_REF_BYTES = 1 << 16
 
 
-def _destination(component_path: Path) -> tuple[str, str]:
-    """``(checkpoint path, component name)`` from the staging path TorchRL hands adapters."""
-    stage = component_path.parent.parent
-    match = _STAGE.match(stage.name)
-    dest = stage.parent / match.group("name") if match else stage
-    return str(dest.resolve()), component_path.name.split("-", 1)[-1]
+def _tag(ref_id: str, component: str) -> str:
+    return f"{TAG_PREFIX}{ref_id}:{component}"
 
 
 class StoreCheckpointAdapter(CheckpointAdapter):
     """A ``torchrl.checkpoint`` adapter that keeps the component's state in a ckptstore store.
 
-    ``save`` commits the component (any object ckptstore has an adapter for) and
-    writes ``{"store", "commit", "component"}`` to ``ckptstore-ref.json``;
-    ``load`` checks that commit out into the live component in place.
+    ``save`` commits the component (any object ckptstore has an adapter for),
+    tags it ``torchrl-checkpoint:<reference id>:<component>`` with a fresh random
+    reference id, and writes ``{"store", "commit", "component", "ref"}`` to
+    ``ckptstore-ref.json``; ``load`` checks that commit out into the live
+    component in place.
 
     Raises (on load): ContainerError if the reference file is missing or
     malformed; RefNotFoundError if the store lacks the commit.
@@ -74,9 +79,10 @@ class StoreCheckpointAdapter(CheckpointAdapter):
 
     def save(self, component: Any, path: Path, *, args: tuple, kwargs: Mapping[str, Any]) -> Any:
         path.mkdir(parents=True, exist_ok=True)
-        dest, name = _destination(path)
-        info = self.store.commit(component, tag=f"{TAG_PREFIX}{dest}:{name}", message=f"torchrl checkpoint {dest} {name}")
-        (path / REF_FILE).write_text(json.dumps({"store": str(self.store.root.resolve()), "commit": info.id, "component": name}))
+        name, ref_id = path.name.split("-", 1)[-1], uuid.uuid4().hex
+        info = self.store.commit(component, tag=_tag(ref_id, name), message=f"torchrl checkpoint component {name}")
+        ref = {"store": str(self.store.root.resolve()), "commit": info.id, "component": name, "ref": ref_id}
+        (path / REF_FILE).write_text(json.dumps(ref))
         return None
 
     def load(self, component: Any, path: Path, *, map_location: Any, tensor_load_kwargs: Mapping[str, Any],
@@ -101,19 +107,74 @@ def use_store(checkpoint: Checkpoint, store: Store, types: Iterable[type] = DEFA
     return checkpoint
 
 
-def prune_tags(store: Store) -> list[str]:
-    """Delete the tags of TorchRL checkpoints whose folder or archive no longer exists.
+def references(checkpoint: str | Path) -> list[tuple[str, str]]:
+    """``(reference id, component)`` of every ckptstore reference file in a TorchRL
+    checkpoint folder or ZIP archive (none if it is gone or holds none)."""
+    checkpoint = Path(checkpoint)
+    texts: list[bytes] = []
+    if checkpoint.is_dir():
+        texts = [f.read_bytes()[:_MAX_REF_BYTES] for f in checkpoint.rglob(REF_FILE) if f.is_file() and not f.is_symlink()]
+    elif zipfile.is_zipfile(checkpoint):
+        with zipfile.ZipFile(checkpoint) as zf:
+            texts = [zf.read(i)[:_MAX_REF_BYTES] for i in zf.infolist() if i.filename.rsplit("/", 1)[-1] == REF_FILE and i.file_size < _MAX_REF_BYTES]
+    out = []
+    for text in texts:
+        try:
+            ref = json.loads(text)
+        except ValueError:
+            continue
+        if isinstance(ref, dict) and type(ref.get("ref")) is str and type(ref.get("component")) is str:
+            out.append((ref["ref"], ref["component"]))
+    return out
 
-    Returns the deleted tag names; run ``store.gc()`` afterwards to free the data.
-    """
+
+def forget(store: Store, checkpoint: str | Path) -> list[str]:
+    """Delete the tags that hold TorchRL checkpoint ``checkpoint``'s data (read from its
+    reference files); call it before you delete the checkpoint by hand, then run
+    ``store.gc()``. Copies of the checkpoint elsewhere share its reference ids:
+    forget a checkpoint only when no copy of it is kept. Returns the deleted tags."""
     gone = []
-    for tag in store.tags():
-        if tag.startswith(TAG_PREFIX):
-            dest = tag[len(TAG_PREFIX):].rsplit(":", 1)[0]
-            if not Path(dest).exists():
-                store.delete_tag(tag)
-                gone.append(tag)
+    for ref_id, component in references(checkpoint):
+        try:
+            store.delete_tag(_tag(ref_id, component))
+            gone.append(_tag(ref_id, component))
+        except RefNotFoundError:
+            pass
     return gone
+
+
+class StoreRotation(CheckpointRotation):
+    """TorchRL's ``CheckpointRotation`` (same arguments, after ``store``) that also deletes
+    the store tags of the checkpoints it removes, so ``store.gc()`` frees exactly their
+    data. Checkpoints it does not remove keep their data, renamed or not."""
+
+    def __init__(self, directory: str | Path, store: Store, **kwargs: Any):
+        super().__init__(directory, **kwargs)
+        self.store = store
+
+    def _entries(self) -> dict[Path, list[tuple[str, str]]]:
+        return {p: references(p) for p in self.directory.iterdir()} if self.directory.is_dir() else {}
+
+    def _forget_removed(self, before: dict[Path, list[tuple[str, str]]]) -> None:
+        for path, refs in before.items():
+            if not path.exists():  # removed by this rotation, between the two looks
+                for ref_id, component in refs:
+                    try:
+                        self.store.delete_tag(_tag(ref_id, component))
+                    except RefNotFoundError:
+                        pass
+
+    def save(self, checkpoint: Checkpoint, **kwargs: Any) -> Path:
+        before = self._entries()
+        path = super().save(checkpoint, **kwargs)
+        self._forget_removed(before)
+        return path
+
+    def prune(self) -> tuple[Path, ...]:
+        before = self._entries()
+        removed = super().prune()
+        self._forget_removed({p: before.get(p, []) for p in removed})
+        return removed
 
 
 class CheckpointerHook(TrainerHookBase):
