@@ -73,7 +73,7 @@ def test_errors_are_one_line_and_non_zero(tmp_path, filled, monkeypatch, capsys)
     usage = {
         ("show", "--store", str(path)): "error: Missing argument 'ref'.",
         ("gc", "--keep-last", "abc", "--store", str(path)): "error: Invalid value for '--keep-last'",
-        ("--store", str(path), "tags"): "error: No such option: --store",
+        ("tags", "--nope", "--store", str(path)): "error: No such option: --nope",
         ("nosuchcmd",): "error: No such command 'nosuchcmd'.",
     }
     for args, start in usage.items():  # click's usage errors: one line too, exit 2
@@ -90,3 +90,37 @@ def test_export_import_commands(filled, tmp_path, monkeypatch, capsys):
     with ckptstore.Store(tmp_path / "other", create=True) as other:
         assert other.tags() == {"back": json.loads(out)["id"]}
         assert torch.equal(other.checkout("back")["w"], torch.cat([torch.zeros(2048), torch.ones(2048)]))
+
+
+def test_global_store_version_help_and_tag_commands(filled, tmp_path, monkeypatch, capsys):
+    path, _, _ = filled
+    for args in (("--store", str(path), "tags", "--json"), ("-s", str(path), "tags", "--json"), ("tags", "--json", "--store", str(path))):
+        code, out, err = cli(monkeypatch, capsys, *args)
+        assert code == 0 and out.count("\n") == 1 and json.loads(out).keys() == {"t"}, err  # one JSON document per line
+    monkeypatch.setenv("CKPTSTORE_PATH", str(path))
+    code, out, _ = cli(monkeypatch, capsys, "tag", "v", "t", "--json")
+    assert code == 0 and json.loads(out)["tag"] == "v"
+    code, out, _ = cli(monkeypatch, capsys, "delete-tag", "v")
+    assert code == 0 and out.startswith("deleted v")
+    code, _, err = cli(monkeypatch, capsys, "tag", "--", "-x", "t")
+    assert code == 1 and "not starting with '-'" in err
+    code, out, _ = cli(monkeypatch, capsys, "--version")
+    assert code == 0 and out.startswith("ckptstore ")
+    code, out, _ = cli(monkeypatch, capsys, "-h")
+    assert code == 0 and "delete-tag" in out and "recover" in out
+    with ckptstore.Store(path, create=False) as s:
+        assert sorted(s.tags()) == ["t"] and [r["action"] for r in s.reflog("v")] == ["delete", "tag"]
+
+
+def test_tables_keep_ids_and_tags_whole_at_80_columns(filled, monkeypatch, capsys):
+    path, _, _ = filled
+    with ckptstore.Store(path) as s:
+        s.tag("a-rather-long-tag-name-for-a-run", "t")
+        ids = [c.id[:12] for c in s.log()]
+    monkeypatch.setattr("sys.argv", ["ckptstore", "log", "--store", str(path)])
+    monkeypatch.setattr(cli_module, "console", Console(width=80, highlight=False))
+    with pytest.raises(SystemExit):
+        main()
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in out.splitlines())
+    assert all(i in out for i in ids) and "a-rather-long-tag-name-for-a-run" in out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -24,16 +25,37 @@ from .errors import CkptStoreError, GCLockedError
 from .store import CommitInfo, Store
 
 app = typer.Typer(
-    add_completion=False,
+    add_completion=True,
     no_args_is_help=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
     pretty_exceptions_enable=False,
     help="Content-addressed, versioned checkpoints for PyTorch and TorchRL training state.",
 )
 console = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-StorePath = Annotated[Path, typer.Option("--store", "-s", envvar="CKPTSTORE_PATH", help="Store folder (or $CKPTSTORE_PATH).")]
+StorePath = Annotated[Path | None, typer.Option("--store", "-s", help="Store folder (default: the global --store, $CKPTSTORE_PATH, or .).")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+_global: dict[str, Path | None] = {"store": None}  # the options given before the command
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        console.print(f"ckptstore {version('ckptstore')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    store: Annotated[Path | None, typer.Option("--store", "-s", envvar="CKPTSTORE_PATH", help="Store folder for every command (or $CKPTSTORE_PATH).")] = None,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
+) -> None:
+    """Content-addressed, versioned checkpoints for PyTorch and TorchRL training state."""
+    _global["store"] = store
 
 
 def fmt_bytes(n: float | None) -> str:
@@ -47,16 +69,22 @@ def fmt_bytes(n: float | None) -> str:
     return str(n)
 
 
-def fmt_time(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+def fmt_time(t: float, short: bool = False) -> str:
+    return datetime.datetime.fromtimestamp(t).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S")
 
 
 def ratio(x: float | None) -> str:
     return "-" if x is None else ("inf" if x == float("inf") else f"{x:.1f}x")
 
 
-def open_store(path: Path) -> Store:
-    return Store(path, create=False)
+def store_path(path: Path | None) -> Path:
+    """The command's ``--store``, else the global one (given before the command), else
+    ``$CKPTSTORE_PATH``, else the current folder."""
+    return path or _global["store"] or Path(os.environ.get("CKPTSTORE_PATH") or ".")
+
+
+def open_store(path: Path | None) -> Store:
+    return Store(store_path(path), create=False)
 
 
 def emit_json(data: Any) -> None:
@@ -67,26 +95,46 @@ def emit_json(data: Any) -> None:
             return list(o)
         return str(o)
 
-    sys.stdout.write(json.dumps(data, default=default, indent=2) + "\n")
+    sys.stdout.write(json.dumps(data, default=default) + "\n")  # one document per line: appends to a .jsonl
+
+
+_NARROW = 120  # below this many columns, tables drop their least needed columns
+
+
+def table(*columns: str, title: str | None = None, numeric: tuple[str, ...] = (), whole: tuple[str, ...] = (),
+          min_width: dict[str, int] | None = None) -> Table:
+    """A rich table whose ``whole`` columns (ids, times) never wrap or shrink, whose
+    ``numeric`` columns are right-aligned, and whose other columns wrap at spaces
+    (``min_width`` keeps a column at least that wide: one tag never breaks)."""
+    t = Table(title=title)
+    for col in columns:
+        keep = col in whole or col in numeric
+        t.add_column(col, justify="right" if col in numeric else "left", no_wrap=keep, overflow="fold", min_width=(min_width or {}).get(col))
+    return t
 
 
 def commit_table(infos: list[CommitInfo], title: str | None = None) -> Table:
-    """A rich table of commits: id, tags, parents, time, bytes, seconds."""
-    table = Table(title=title)
-    for col in ("commit", "tags", "parents", "time", "message", "logical", "new", "stored", "dedup", "seconds"):
-        table.add_column(col, justify="right" if col in ("logical", "new", "stored", "dedup", "seconds") else "left")
+    """A rich table of commits: id, tags, (parents), time, message, bytes, (dedup, seconds)."""
+    longest = max((len(t) + 1 for c in infos for t in c.tags), default=4)
+    wide = console.width >= _NARROW
+    sizes = ["logical", "new"] if wide or 70 + longest <= console.width else []  # drop what does not fit
+    cols = ["commit", "tags", *(["parents"] if wide else []), "time", "message", *sizes, *(["stored", "dedup", "seconds"] if wide else [])]
+    t = table(*cols, title=title, numeric=("logical", "new", "stored", "dedup", "seconds"), whole=("commit", "parents", "time"),
+              min_width={"tags": longest})
     for c in infos:
-        table.add_row(
-            c.id[:12], ", ".join(c.tags), ", ".join(p[:12] for p in c.parents), fmt_time(c.created_at), c.message,
-            fmt_bytes(c.logical_bytes), fmt_bytes(c.new_bytes), fmt_bytes(c.stored_bytes), ratio(c.dedup_ratio), f"{c.seconds:.3f}",
-        )
-    return table
+        row = {
+            "commit": c.id[:12], "tags": ", ".join(c.tags), "parents": ", ".join(p[:12] for p in c.parents),
+            "time": fmt_time(c.created_at, short=not wide), "message": c.message, "logical": fmt_bytes(c.logical_bytes), "new": fmt_bytes(c.new_bytes),
+            "stored": fmt_bytes(c.stored_bytes), "dedup": ratio(c.dedup_ratio), "seconds": f"{c.seconds:.3f}",
+        }
+        t.add_row(*(row[col] for col in cols))
+    return t
 
 
 @app.command()
 def log(
     ref: Annotated[str | None, typer.Argument(help="Tag or commit; all commits when omitted.")] = None,
-    store: StorePath = Path("."),
+    store: StorePath = None,
     limit: Annotated[int | None, typer.Option(min=1, help="Show at most this many commits.")] = None,
     as_json: AsJson = False,
 ) -> None:
@@ -100,7 +148,7 @@ def log(
 
 
 @app.command()
-def tags(store: StorePath = Path("."), as_json: AsJson = False) -> None:
+def tags(store: StorePath = None, as_json: AsJson = False) -> None:
     """Tags and the commits they point to."""
     with open_store(store) as s:
         named = s.tags()
@@ -108,32 +156,49 @@ def tags(store: StorePath = Path("."), as_json: AsJson = False) -> None:
     if as_json:
         emit_json({name: cid for name, cid in named.items()})
         return
-    table = Table()
-    for col in ("tag", "commit", "time", "message"):
-        table.add_column(col)
+    out = table("tag", "commit", "time", "message", whole=("tag", "commit", "time"))
     for name, cid in named.items():
-        table.add_row(name, cid[:12], fmt_time(infos[cid].created_at), infos[cid].message)
-    console.print(table)
+        out.add_row(name, cid[:12], fmt_time(infos[cid].created_at), infos[cid].message)
+    console.print(out)
+
+
+@app.command("tag")
+def tag_cmd(
+    name: Annotated[str, typer.Argument(help="Tag to create or move.")],
+    ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix it should point to.")],
+    store: StorePath = None,
+    as_json: AsJson = False,
+) -> None:
+    """Create or move tag NAME to the commit REF names (atomic; logged in the reflog)."""
+    with open_store(store) as s:
+        cid = s.tag(name, ref)
+    emit_json({"tag": name, "commit": cid}) if as_json else console.print(f"{name} -> {cid}")
+
+
+@app.command("delete-tag")
+def delete_tag_cmd(name: Annotated[str, typer.Argument(help="Tag to delete.")], store: StorePath = None, as_json: AsJson = False) -> None:
+    """Delete tag NAME; its commits stay until a GC no longer keeps them."""
+    with open_store(store) as s:
+        cid = s.delete_tag(name)
+    emit_json({"deleted": name, "commit": cid}) if as_json else console.print(f"deleted {name} (was {cid})")
 
 
 @app.command()
-def reflog(tag: Annotated[str | None, typer.Argument(help="Only this tag.")] = None, store: StorePath = Path("."), as_json: AsJson = False) -> None:
+def reflog(tag: Annotated[str | None, typer.Argument(help="Only this tag.")] = None, store: StorePath = None, as_json: AsJson = False) -> None:
     """Every tag move (commit, tag, delete), newest first."""
     with open_store(store) as s:
         rows = s.reflog(tag)
     if as_json:
         emit_json(rows)
         return
-    table = Table()
-    for col in ("time", "tag", "action", "from", "to"):
-        table.add_column(col)
+    out = table("time", "tag", "action", "from", "to", whole=("time", "tag", "from", "to"))
     for r in rows:
-        table.add_row(fmt_time(r["at"]), r["tag"], r["action"], (r["old_commit"] or "-")[:12], (r["new_commit"] or "-")[:12])
-    console.print(table)
+        out.add_row(fmt_time(r["at"]), r["tag"], r["action"], (r["old_commit"] or "-")[:12], (r["new_commit"] or "-")[:12])
+    console.print(out)
 
 
 @app.command()
-def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix.")], store: StorePath = Path("."), as_json: AsJson = False) -> None:
+def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix.")], store: StorePath = None, as_json: AsJson = False) -> None:
     """Components and leaves of a commit: dtypes, shapes, logical vs stored bytes, shards shared with the parent."""
     with open_store(store) as s:
         detail = s.show(ref)
@@ -144,15 +209,12 @@ def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefi
     console.print(commit_table([info], title=f"commit {info.id}"))
     if info.metadata:
         console.print(f"metadata: {json.dumps(info.metadata, default=str)}")
-    comps = Table(title="components")
-    for col in ("component", "adapter", "version", "class"):
-        comps.add_column(col)
+    comps = table("component", "adapter", "version", "class", title="components", whole=("version",))
     for path, c in detail["components"].items():
         comps.add_row(path or "<root>", c["adapter"], str(c["version"]), str(c["meta"].get("class", "")))
     console.print(comps)
-    leaves = Table(title="leaves")
-    for col in ("leaf", "kind", "dtype", "shape", "logical", "stored", "shards", "shared w/ parent"):
-        leaves.add_column(col, justify="right" if col in ("logical", "stored", "shards", "shared w/ parent") else "left")
+    leaves = table("leaf", "kind", "dtype", "shape", "logical", "stored", "shards", "shared w/ parent", title="leaves",
+                   numeric=("logical", "stored", "shards", "shared w/ parent"))
     for leaf in detail["leaves"]:
         leaves.add_row(
             leaf["path"] or "<root>", leaf["kind"], leaf["dtype"] or "", "" if leaf["shape"] is None else str(leaf["shape"]),
@@ -165,7 +227,7 @@ def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefi
 def diff(
     a: Annotated[str, typer.Argument(help="Old commit or tag.")],
     b: Annotated[str, typer.Argument(help="New commit or tag.")],
-    store: StorePath = Path("."),
+    store: StorePath = None,
     all_leaves: Annotated[bool, typer.Option("--all", help="Also list unchanged leaves.")] = False,
     as_json: AsJson = False,
 ) -> None:
@@ -175,41 +237,39 @@ def diff(
     if as_json:
         emit_json(report)
         return
-    table = Table(title=f"{report.a[:12]} -> {report.b[:12]}")
-    for col in ("leaf", "status", "dtype", "shape", "shards", "changed", "new bytes"):
-        table.add_column(col, justify="right" if col in ("shards", "changed", "new bytes") else "left")
+    out = table("leaf", "status", "dtype", "shape", "shards", "changed", "new bytes", title=f"{report.a[:12]} -> {report.b[:12]}",
+                numeric=("shards", "changed", "new bytes"))
     for leaf in report.leaves:
         if leaf.status != "unchanged" or all_leaves:
-            table.add_row(leaf.path or "<root>", leaf.status, leaf.dtype or leaf.kind, "" if leaf.shape is None else str(leaf.shape),
-                          str(leaf.shards), str(leaf.shards_changed), fmt_bytes(leaf.new_bytes))
-    console.print(table)
+            out.add_row(leaf.path or "<root>", leaf.status, leaf.dtype or leaf.kind, "" if leaf.shape is None else str(leaf.shape),
+                        str(leaf.shards), str(leaf.shards_changed), fmt_bytes(leaf.new_bytes))
+    console.print(out)
     counts = ", ".join(f"{report.count(s)} {s}" for s in ("added", "removed", "changed", "unchanged"))
     console.print(f"{counts}; {fmt_bytes(report.new_bytes)} new in {report.b[:12]}")
 
 
 @app.command()
-def du(store: StorePath = Path("."), as_json: AsJson = False) -> None:
+def du(store: StorePath = None, as_json: AsJson = False) -> None:
     """Logical vs physical bytes and the dedup ratio."""
     with open_store(store) as s:
         usage = s.du()
     if as_json:
         emit_json(usage)
         return
-    table = Table(show_header=False)
-    table.add_column("what")
-    table.add_column("value", justify="right")
+    out = table("what", "value", numeric=("value",))
+    out.show_header = False
     for key in ("commits", "tags", "blobs", "packs"):
-        table.add_row(key, str(usage[key]))
+        out.add_row(key, str(usage[key]))
     for key in ("logical_bytes", "unique_bytes", "stored_bytes", "pack_bytes", "catalog_bytes", "tmp_bytes"):
-        table.add_row(key.replace("_", " "), fmt_bytes(usage[key]))
-    table.add_row("dedup ratio (logical / unique)", ratio(usage["dedup_ratio"]))
-    table.add_row("compression ratio (unique / stored)", ratio(usage["compression_ratio"]))
-    console.print(table)
+        out.add_row(key.replace("_", " "), fmt_bytes(usage[key]))
+    out.add_row("dedup ratio (logical / unique)", ratio(usage["dedup_ratio"]))
+    out.add_row("compression ratio (unique / stored)", ratio(usage["compression_ratio"]))
+    console.print(out)
 
 
 @app.command()
 def gc(
-    store: StorePath = Path("."),
+    store: StorePath = None,
     keep_last: Annotated[int, typer.Option(help="Keep the N newest commits of each tag's lineage (the tagged commit counts).")] = 1,
     keep_tag: Annotated[list[str] | None, typer.Option(help="Keep the whole lineage of tags matching this glob (repeatable).")] = None,
     keep_within: Annotated[str | None, typer.Option(help="Keep commits younger than this (30m, 12h, 7d).")] = None,
@@ -254,7 +314,7 @@ def _print_fsck(report, as_json: bool) -> None:
 
 @app.command()
 def fsck(
-    store: StorePath = Path("."),
+    store: StorePath = None,
     deep: Annotated[bool, typer.Option("--deep", help="Reread blobs and check their hashes.")] = False,
     sample: Annotated[float, typer.Option(help="Reread this fraction of the blobs (implies --deep).")] = 1.0,
     as_json: AsJson = False,
@@ -266,7 +326,7 @@ def fsck(
 
 
 @app.command()
-def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: StorePath = Path("."), as_json: AsJson = False) -> None:
+def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: StorePath = None, as_json: AsJson = False) -> None:
     """Reread and rehash every blob of one commit; exit 1 when one is missing or corrupt."""
     with open_store(store) as s:
         report = s.verify(ref)
@@ -274,9 +334,9 @@ def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: St
 
 
 @app.command()
-def recover(store: StorePath = Path("."), as_json: AsJson = False) -> None:
+def recover(store: StorePath = None, as_json: AsJson = False) -> None:
     """Rebuild a lost or damaged catalog from the packs alone; run it while nothing else uses the store."""
-    report = Store.recover(store)
+    report = Store.recover(store_path(store))
     if as_json:
         emit_json(report)
         return
@@ -298,7 +358,7 @@ def recover(store: StorePath = Path("."), as_json: AsJson = False) -> None:
 def export_cmd(
     ref: Annotated[str, typer.Argument(help="Tag or commit.")],
     dest: Annotated[Path, typer.Argument(help="A .zip file or a new folder.")],
-    store: StorePath = Path("."),
+    store: StorePath = None,
     as_json: AsJson = False,
 ) -> None:
     """Export one commit to a ZIP archive or a folder."""
@@ -311,7 +371,7 @@ def export_cmd(
 def import_cmd(
     src: Annotated[Path, typer.Argument(help="A .zip archive or folder made by export.")],
     tag: Annotated[str | None, typer.Option(help="Tag to point at the imported commit.")] = None,
-    store: StorePath = Path("."),
+    store: StorePath = None,
     as_json: AsJson = False,
 ) -> None:
     """Import an exported commit; every entry is verified before anything is written."""
@@ -319,7 +379,7 @@ def import_cmd(
     from .container import check_export
 
     check_export(src, REGISTRY)  # before a missing store folder is created
-    with Store(store) as s:
+    with Store(store_path(store)) as s:
         info = s.import_from(src, tag=tag)
     emit_json(info) if as_json else console.print(commit_table([info], title="imported"))
 
@@ -328,11 +388,11 @@ def import_cmd(
 def import_torchrl_cmd(
     src: Annotated[Path, typer.Argument(help="A ReplayBuffer.dumps folder, or a torchrl.checkpoint folder or .zip.")],
     tag: Annotated[str | None, typer.Option(help="Tag to point at the imported commit.")] = None,
-    store: StorePath = Path("."),
+    store: StorePath = None,
     as_json: AsJson = False,
 ) -> None:
     """Import a TorchRL dump or checkpoint; pickled files are never unpickled (settings-only ones are skipped)."""
-    with Store(store) as s:
+    with Store(store_path(store)) as s:
         info, report = s.import_torchrl(src, tag=tag)
     if as_json:
         emit_json({"commit": info, "report": report})

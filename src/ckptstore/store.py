@@ -168,10 +168,12 @@ def _setting(name: str, value: Any, low: int, high: int) -> Any:
 
 def _check_tag(name: Any) -> str:
     if (
-        type(name) is not str or not name or len(name) > 255 or name != name.strip()
+        type(name) is not str or not name or len(name) > 255 or name != name.strip() or name.startswith("-")
         or any(c in name for c in "\x00\n\r\t") or not jsonvalue.is_text(name)
     ):
-        raise InvalidNameError(f"invalid tag name {name!r}: a non-empty UTF-8 string without control characters or edge spaces")
+        raise InvalidNameError(
+            f"invalid tag name {name!r}: a non-empty UTF-8 string without control characters or edge spaces, not starting with '-'"
+        )
     return name
 
 
