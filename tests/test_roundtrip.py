@@ -262,3 +262,26 @@ def test_shard_plan(shape, dtype, shard_bytes, count):
 
     p = plan(shape, dtype)
     assert (p.shard_bytes, p.count) == (shard_bytes, count)
+
+
+def test_numpy_arrays_round_trip_with_dtype_and_shape(store, tmp_path):
+    import numpy as np
+
+    arrays = {
+        "f32": np.arange(12, dtype=np.float32).reshape(3, 4), "be": np.array([1, -2, 3], dtype=">i4"),
+        "bool": np.array([True, False]), "u16": np.array([0, 65535], dtype=np.uint16), "c64": np.array([1 + 2j], dtype=np.complex64),
+        "empty": np.zeros((0, 5), dtype=np.float64), "t": np.arange(6, dtype=np.int64).reshape(2, 3).T,  # non-contiguous
+    }
+    store.commit({"arrays": arrays, "w": torch.ones(2)}, tag="np")
+    target = {"arrays": {k: np.zeros_like(v) for k, v in arrays.items()}, "w": torch.zeros(2)}
+    store.checkout("np", into=target)
+    for k, v in arrays.items():
+        got = target["arrays"][k]
+        assert type(got) is np.ndarray and got.dtype == v.dtype and got.shape == v.shape and np.array_equal(got, v), k
+    store.commit(arrays["be"], tag="bare")
+    bare = store.checkout("bare")
+    assert type(bare) is np.ndarray and bare.dtype == np.dtype(">i4") and bare.tolist() == [1, -2, 3]
+    with pytest.raises(ckptstore.errors.UnsupportedTypeError, match="numpy dtype object"):
+        store.commit({"o": np.array(["x"], dtype=object)})
+    with pytest.raises(ckptstore.errors.ShapeMismatchError, match="stored ndarray"):
+        store.checkout("np", into={"arrays": {**target["arrays"], "f32": np.zeros((4, 3), np.float32)}, "w": torch.zeros(2)})

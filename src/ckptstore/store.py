@@ -1200,6 +1200,8 @@ class Store:
             only = states[""]
             if only.adapter == "tensordict":
                 return self.registry.named("tensordict", "").build(only)
+            if only.adapter == "numpy":
+                return self.registry.named("numpy", "").from_state(None, only)
             if list(only.leaves) == [""]:
                 return only.value("")
         out = TensorDict({}, batch_size=[])

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
 
-from ..errors import ShapeMismatchError, TargetMismatchError
+from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
 from .base import REGISTRY, Adapter, ComponentState, Json, plain, register_adapter
 
 
@@ -35,6 +36,46 @@ class TensorAdapter(Adapter):
                 state.read_into("", obj)
             return obj
         return state.tensor("")
+
+
+@register_adapter
+class NumpyAdapter(Adapter):
+    """A numpy ``ndarray`` of a numeric or bool dtype: stored as a tensor leaf (no
+    pickle), its numpy dtype (byte order included, ``meta["dtype"]``, e.g. ``"<f4"``)
+    kept so it comes back as the same ndarray type, dtype and shape.
+
+    Restored in place into an ndarray of the same dtype and shape; into
+    anything else a new ndarray is returned.
+
+    Raises (at commit): UnsupportedTypeError for object, string, datetime and
+    other dtypes torch has no raw form of.
+    """
+
+    name = "numpy"
+    types = (np.ndarray,)
+
+    def to_state(self, obj: np.ndarray) -> torch.Tensor:
+        native = obj.astype(obj.dtype.newbyteorder("="), copy=False)
+        try:
+            return torch.from_numpy(np.ascontiguousarray(native))
+        except TypeError:
+            raise UnsupportedTypeError(f"numpy dtype {obj.dtype} has no raw tensor form; store a numeric or bool array") from None
+
+    def meta(self, obj: np.ndarray) -> dict:
+        return {"dtype": obj.dtype.str}
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if isinstance(obj, np.ndarray):
+            dtype, shape = np.dtype(state.meta["dtype"]), tuple(state.spec("")[1])
+            if (obj.dtype, obj.shape) != (dtype, shape):
+                raise ShapeMismatchError(f"{state.where('')}: stored ndarray {dtype} {list(shape)}, target {obj.dtype} {list(obj.shape)}")
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        value = state.tensor("").numpy().astype(np.dtype(state.meta["dtype"]), copy=False)
+        if isinstance(obj, np.ndarray) and obj.flags.writeable:
+            obj[...] = value
+            return obj
+        return value
 
 
 @register_adapter
