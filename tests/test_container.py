@@ -211,3 +211,22 @@ def test_corrupt_blob_in_store_names_leaf_blob_commit_and_spares_other_leaves(st
     with pytest.raises(BlobCorruptError):
         store.checkout("t", into={"w": target}, partial=["w"])
     assert bool((target == 0).all())  # read and verified before anything is written
+
+
+def test_import_keeps_provenance_and_is_idempotent(store, tmp_path):
+    first = store.commit({"w": torch.arange(10.0)}, tag="t", message="first", metadata={"step": 1})
+    second = store.commit({"w": torch.arange(10.0) + 1}, tag="t", message="second", metadata={"step": 2})
+    store.export("t", tmp_path / "t.zip")
+    other = ckptstore.Store(tmp_path / "other", create=True)
+    with pytest.warns(UserWarning, match="no tag: the next `ckptstore gc` drops it"):
+        info = other.import_from(tmp_path / "t.zip")
+    assert (info.id, info.parents, info.created_at, info.message, info.metadata) == (
+        second.id, (first.id,), second.created_at, "second", {"step": 2})
+    before = {t: other.catalog.rows(f"SELECT COUNT(*) FROM {t}")[0][0] for t in ("commits", "blobs", "leaves")}
+    again = other.import_from(tmp_path / "t.zip", tag="back")  # the same archive again: nothing new, the tag moves
+    assert again.id == second.id and again.shards_new == 0 and other.tags() == {"back": second.id}
+    assert {t: other.catalog.rows(f"SELECT COUNT(*) FROM {t}")[0][0] for t in ("commits", "blobs", "leaves")} == before
+    assert [c.id for c in other.log("back")] == [second.id]  # the parent is not here: lineage ends
+    assert_bit_equal(other.checkout("back")["w"], torch.arange(10.0) + 1)
+    assert other.fsck(deep=True).ok
+    other.close()

@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -379,8 +380,11 @@ def import_cmd(
     from .container import check_export
 
     check_export(src, REGISTRY)  # before a missing store folder is created
-    with Store(store_path(store)) as s:
+    with Store(store_path(store)) as s, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         info = s.import_from(src, tag=tag)
+    for w in caught:
+        err.print(f"warning: {w.message}", soft_wrap=True, markup=False)
     emit_json(info) if as_json else console.print(commit_table([info], title="imported"))
 
 

@@ -29,6 +29,7 @@ import shutil
 import stat
 import tempfile
 import time
+import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ import zstandard
 
 from . import jsonvalue
 from .adapters.base import check_key
-from .errors import BlobMissingError, CkptStoreError, ContainerError
+from .errors import BlobMissingError, CkptStoreError, ContainerError, IntegrityError
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
 from .records import check_paths
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
@@ -372,6 +373,9 @@ def _parse(text: bytes, registry) -> tuple[dict, list[dict], list[_Leaf]]:
     commit = doc["commit"]
     _need(isinstance(commit, dict) and set(commit) == {"id", "parents", "created_at", "message", "metadata"}, "bad commit record")
     _need(type(commit["message"]) is str and type(commit["created_at"]) in (int, float), "bad commit message or time")
+    hex32 = re.compile(r"^[0-9a-f]{32}$")
+    _need(type(commit["id"]) is str and hex32.match(commit["id"]) is not None, "bad commit id")
+    _need(type(commit["parents"]) is list and all(type(p) is str and hex32.match(p) for p in commit["parents"]), "bad commit parents")
     try:
         metadata = jsonvalue.loads(commit["metadata"]) if type(commit["metadata"]) is str else None
     except CkptStoreError as exc:
@@ -538,9 +542,11 @@ def _verified(source: _Source, src: Path, registry):
 def import_commit(store, src: str | os.PathLike, tag: str | None = None, message: str | None = None):
     """Import an export (ZIP archive or folder) as a new commit of ``store``.
 
-    The new commit keeps the exported message and metadata; it gets a new id
-    and time, and its parents are the commit ``tag`` pointed to, as for any
-    commit. Verified blobs are copied as they are (no recompression).
+    The commit keeps its provenance: the exported id, time, parents (which this
+    store may lack: lineage then ends there), message and metadata. Importing
+    a commit the store already holds writes nothing (only ``tag`` moves).
+    Without ``tag`` a warning says that the next GC drops the commit once the
+    grace period has passed. Verified blobs are copied as they are (no recompression).
 
     Returns:
         CommitInfo of the new commit.
@@ -566,9 +572,19 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
             codec, payload = fetch(address(*key))
             return writer.append_encoded(key[0], key[1], codec, payload)
 
-        info, _ = store.commit_manifest(
-            components, records, keys, write, tags, commit["message"] if message is None else message, commit["metadata"], None, t0,
-        )
+        origin = None if message is not None else (commit["id"], commit["parents"], float(commit["created_at"]))
+        try:
+            info, _ = store.commit_manifest(
+                components, records, keys, write, tags, commit["message"] if message is None else message, commit["metadata"], None, t0,
+                origin=origin,
+            )
+        except IntegrityError as exc:
+            raise ContainerError(f"{src}: the exported commit does not match its id ({exc})") from None
+        if not tags:
+            warnings.warn(
+                f"imported commit {info.id} has no tag: the next `ckptstore gc` drops it once the grace period has passed "
+                "(pass tag=... / --tag to keep it)", stacklevel=2,
+            )
         return info
     finally:
         source.close()

@@ -506,13 +506,17 @@ class Store:
         self._remember_digests(views, tokens, ids)
         return info
 
-    def commit_manifest(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None):
+    def commit_manifest(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None):
         """Steps 3 and 4 of the commit protocol for a manifest already built (commits and
         importers): ``leaves`` are :class:`LeafRecord` s, ``keys`` every tensor shard's
         address in order, and ``write(writer, key)`` writes one new blob to a PackWriter.
 
         ``prior`` maps addresses to blob ids believed to exist (the transaction
-        checks them). Returns the CommitInfo and every address's blob id.
+        checks them). ``origin`` = ``(commit id, parents, created_at)`` recreates a
+        commit made elsewhere (an import) with its own id, parents and time: the
+        rebuilt record must hash to that id (IntegrityError otherwise), and a
+        commit the store already has is not written again (only the tags move).
+        Returns the CommitInfo and every address's blob id.
         """
         if not self._open(create=True).writable:
             raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
@@ -536,9 +540,10 @@ class Store:
                     written[key] = loc
                 writer.finish()
                 try:
-                    created_at = time.time()
+                    created_at = time.time() if origin is None else origin[2]
                     cid, parent_ids, seconds, ids = self._commit_txn(
-                        components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0
+                        components, leaves, keys, known, written, writer, tags, message, meta_json,
+                        explicit_parents if origin is None else list(origin[1]), created_at, t0, None if origin is None else origin[0],
                     )
                     break
                 except _ReusedBlobsGone as gone:  # a GC removed them meanwhile: write them again
@@ -695,7 +700,7 @@ class Store:
                 writer.discard()
                 raise
 
-    def _commit_txn(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0):
+    def _commit_txn(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0, expect=None):
         with self._write() as batch:
             db = self.catalog.db
             if known:
@@ -724,6 +729,12 @@ class Store:
             record = records.commit_text(parents, created_at, message, meta_json, components_json, manifest)
             cid = records.commit_id(record)
             seconds = time.perf_counter() - t0
+            if expect is not None and cid != expect:
+                raise IntegrityError(f"the commit's content hashes to {cid}, not to its recorded id {expect}")
+            if self.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)):  # imported before: only the tags move
+                for t in tags:
+                    self._move_tag(batch, t, cid, "import", created_at)
+                return cid, parents, seconds, ids
             new_bytes = sum(n for _, n in written)
             db["commits"].insert({
                 "id": cid, "created_at": created_at, "message": message, "metadata": meta_json,
