@@ -203,3 +203,42 @@ def test_deleted_pack_and_bad_header(store):
         store.checkout("t")
     report = store.fsck()
     assert not report.ok and report.damaged_tags == ["t"] and len(report.missing_blobs) == 2
+
+
+def test_dry_run_reports_exactly_what_the_real_run_does(tmp_path):
+    s = ckptstore.Store(tmp_path / "s", shard_bytes=4096)
+    torch.manual_seed(0)
+    base = torch.randn(10 * 1024)
+    for i in range(4):  # commits to drop, a half-dead pack to repack, whole packs to delete
+        changed = base.clone()
+        changed[: (9 - i) * 1024] += i + 1
+        s.commit({"w": changed, "k": i}, tag=["latest", f"t{i}"])
+    for i in range(3):
+        s.delete_tag(f"t{i}")
+    (s.root / "tmp" / "stale.pack.tmp").write_bytes(b"x" * 100)
+    fields = ("commits_dropped", "blobs_deleted", "blob_bytes", "packs_repacked", "packs_deleted",
+              "orphans_removed", "tmp_removed", "bytes_freed", "bytes_pending")
+    first = None
+    for grace in (0, "1h"):
+        dry = s.gc(grace=grace, dry_run=True)
+        real = s.gc(grace=grace)
+        assert {f: getattr(dry, f) for f in fields} == {f: getattr(real, f) for f in fields}, grace
+        assert sorted(dry.dropped) == sorted(real.dropped)
+        first = first if grace == "1h" else real
+    assert real.commits_dropped == 0 and dry.bytes_freed == 0  # the second pair (grace 1h) had nothing left
+    assert first.commits_dropped == 3 and first.packs_repacked >= 1 and first.packs_deleted >= 3 and first.tmp_removed == 1
+    s.close()
+
+
+def test_dry_run_matches_with_a_grace_period_pending(tmp_path):
+    s = ckptstore.Store(tmp_path / "s", shard_bytes=4096)
+    for i in range(3):
+        s.commit({"w": torch.randn(4096)}, tag="latest")
+    fields = ("commits_dropped", "blobs_deleted", "packs_repacked", "packs_deleted", "bytes_freed", "bytes_pending")
+    s.catalog.conn.execute("UPDATE commits SET created_at = created_at - 7200")  # as if two hours old
+    s.catalog.conn.execute("UPDATE blobs SET created_at = created_at - 7200")
+    s.catalog.conn.execute("UPDATE packs SET created_at = created_at - 7200")
+    dry, real = s.gc(grace="1h", dry_run=True), s.gc(grace="1h")
+    assert {f: getattr(dry, f) for f in fields} == {f: getattr(real, f) for f in fields}
+    assert real.commits_dropped == 2 and real.bytes_pending > 0
+    s.close()

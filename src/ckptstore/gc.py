@@ -141,6 +141,8 @@ class Collector:
         self.grace = parse_duration(grace)
         self.repack_below = repack_below
         self.now = time.time()
+        self.doomed: dict[str, tuple[int, int]] = {}  # dry run: pack -> (entries, bytes) the real run would delete
+        self.repacked_now: set[str] = set()  # dry run: packs the real run would repack (and so retire now)
 
     # --- commits -----------------------------------------------------------------------
 
@@ -177,6 +179,12 @@ class Collector:
                 victims = [c for c in ids if c not in keep and c not in report.dropped]
                 if report.dry_run:
                     report.dropped += victims
+                    self._doom(
+                        f"SELECT pack, COUNT(*), SUM(stored_len + {BLOB_HEADER.size}) FROM records WHERE "
+                        f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR (kind = {KIND_REF} AND seq < "
+                        f"(SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)) GROUP BY pack",
+                        victims,
+                    )
                     break
                 batch = victims[:_BATCH_COMMITS]
                 self.cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", batch)
@@ -200,16 +208,13 @@ class Collector:
     def delete_blobs(self, report: GCReport) -> None:
         cutoff = self.now - self.grace
         if report.dry_run:
-            with self.cat.read():
-                self.cat.conn.execute("CREATE TEMP TABLE IF NOT EXISTS gc_dropped (id TEXT PRIMARY KEY)")
-                self.cat.conn.execute("DELETE FROM gc_dropped")
-                self.cat.conn.executemany("INSERT INTO gc_dropped VALUES (?)", [(c,) for c in report.dropped])
-                row = self.cat.rows(
-                    "SELECT COUNT(*) AS n, COALESCE(SUM(stored_len + ?), 0) AS bytes FROM blobs b WHERE created_at < ? AND NOT EXISTS "
-                    "(SELECT 1 FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE s.blob_id = b.id AND l.commit_id NOT IN (SELECT id FROM gc_dropped))",
-                    (BLOB_HEADER.size, cutoff),
-                )[0]
-            report.blobs_deleted, report.blob_bytes = row["n"], row["bytes"]
+            n, size = self._doom(
+                f"SELECT pack, COUNT(*), SUM(stored_len + {BLOB_HEADER.size}) FROM blobs b WHERE created_at < {cutoff!r} AND NOT EXISTS "
+                "(SELECT 1 FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE s.blob_id = b.id AND l.commit_id NOT IN (SELECT id FROM gc_dropped)) "
+                "GROUP BY pack",
+                report.dropped,
+            )
+            report.blobs_deleted, report.blob_bytes = n, size
             return
         while True:
             with self.cat.write():
@@ -226,8 +231,30 @@ class Collector:
 
     # --- packs -----------------------------------------------------------------------------
 
-    def pack_stats(self) -> list:
-        """Per pack: id, size, created_at, retired_at, ``n`` live entries (blobs and records), ``live`` bytes."""
+    def _doom(self, sql: str, dropped: list[str]) -> tuple[int, int]:
+        """Dry run: note per pack the entries (and bytes) the real run would delete,
+        as ``sql`` selects them (``gc_dropped`` holds ``dropped``); returns their totals."""
+        with self.cat.read():
+            self.cat.conn.execute("CREATE TEMP TABLE IF NOT EXISTS gc_dropped (id TEXT PRIMARY KEY)")
+            self.cat.conn.execute("DELETE FROM gc_dropped")
+            self.cat.conn.executemany("INSERT OR IGNORE INTO gc_dropped VALUES (?)", [(c,) for c in dropped])
+            rows = self.cat.rows(sql, raw=True)
+        for pack, n, size in rows:
+            had = self.doomed.get(pack, (0, 0))
+            self.doomed[pack] = (had[0] + n, had[1] + size)
+        return sum(r[1] for r in rows), sum(r[2] for r in rows)
+
+    def pack_stats(self) -> list[dict]:
+        """Per pack: id, size, created_at, retired_at, ``n`` live entries (blobs and records),
+        ``live`` bytes; in a dry run, less what the real run would have deleted by then."""
+        rows = [dict(r) for r in self._pack_rows()]
+        for r in rows:
+            n, size = self.doomed.get(r["id"], (0, 0))
+            r["n"] -= n
+            r["live"] -= size
+        return rows
+
+    def _pack_rows(self) -> list:
         return self.cat.rows(
             "SELECT p.id, p.size, p.created_at, p.retired_at, COALESCE(b.n, 0) + COALESCE(r.n, 0) AS n, "
             "COALESCE(b.live, 0) + COALESCE(r.live, 0) AS live FROM packs p "
@@ -237,11 +264,14 @@ class Collector:
         )
 
     def repack(self, report: GCReport) -> None:
-        if report.dry_run:
-            return
         cutoff = self.now - self.grace
         for p in self.pack_stats():
             if p["retired_at"] is not None or p["n"] == 0 or p["created_at"] > cutoff or p["live"] >= self.repack_below * p["size"]:
+                continue
+            if report.dry_run:  # what it moves out, the real run retires with the pack
+                self.doomed[p["id"]] = (self.doomed.get(p["id"], (0, 0))[0] + p["n"], p["size"])
+                self.repacked_now.add(p["id"])
+                report.packs_repacked += 1
                 continue
             where = f"repacking pack {p['id']}"
             blobs = self.cat.rows("SELECT * FROM blobs WHERE pack = ?", (p["id"],))
@@ -270,9 +300,15 @@ class Collector:
 
     def delete_packs(self, report: GCReport) -> None:
         cutoff = self.now - self.grace
-        empty = [p for p in self.pack_stats() if p["n"] == 0]
+        empty = [p for p in self.pack_stats() if p["n"] <= 0]
         if report.dry_run:
-            report.bytes_pending = sum(p["size"] for p in empty)
+            for p in empty:
+                retired = self.now if p["id"] in self.repacked_now else p["retired_at"]
+                if (retired or self.now) > cutoff:
+                    report.bytes_pending += p["size"]
+                else:
+                    report.bytes_freed += p["size"]
+                    report.packs_deleted += 1
             return
         with self.cat.write():
             self.cat.chunked(f"UPDATE packs SET retired_at = {self.now!r} WHERE retired_at IS NULL AND id IN ({{}})", [p["id"] for p in empty])
