@@ -35,7 +35,10 @@ def tampered(store, tmp_path, ref: str, path: str, value) -> ckptstore.Store:
     next(r for r in doc["leaves"] if r["path"] == path)["value"] = ckptstore.jsonvalue.dumps(value)
     (tmp_path / "export" / MANIFEST).write_text(json.dumps(doc))
     other = ckptstore.Store(tmp_path / "other", create=True)
-    other.import_from(tmp_path / "export", tag="latest")
+    with pytest.raises(ckptstore.errors.ContainerError, match="does not match its id"):
+        other.import_from(tmp_path / "export", tag="latest")  # an edited export is no longer the commit it names
+    # imported as a new commit (a new message gives up its provenance), the adapters must still refuse the value
+    ckptstore.container.import_commit(other, tmp_path / "export", "latest", message="tampered")
     return other
 
 

@@ -124,3 +124,38 @@ def test_tables_keep_ids_and_tags_whole_at_80_columns(filled, monkeypatch, capsy
     out = capsys.readouterr().out
     assert all(len(line) <= 80 for line in out.splitlines())
     assert all(i in out for i in ids) and "a-rather-long-tag-name-for-a-run" in out
+
+
+def test_catalog_only_commands_never_import_torch(filled):
+    """tags, log, show, du, reflog, gc, fsck (not --deep) and verify read the catalog only: no torch import."""
+    import subprocess
+    import sys
+
+    path, _, _ = filled
+    code = (
+        "import sys, runpy; sys.argv = ['ckptstore'] + sys.argv[1:]\n"
+        "try:\n    runpy.run_module('ckptstore.cli', run_name='__main__')\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+        "assert 'torch' not in sys.modules and 'tensordict' not in sys.modules, 'torch was imported'\n"
+    )
+    for args in (["tags"], ["log", "t"], ["show", "t"], ["du"], ["reflog"], ["gc", "--dry-run"], ["gc", "--grace", "1h"], ["fsck"], ["verify", "t"]):
+        proc = subprocess.run([sys.executable, "-c", code, *args, "--store", str(path)], capture_output=True, text=True)
+        assert proc.returncode == 0, (args, proc.stderr[-2000:])
+
+
+def test_torch_free_layout_agrees_with_torch():
+    from ckptstore import layout
+    from ckptstore.shards import DTYPES
+
+    assert layout.ITEMSIZE == {n: d.itemsize for n, d in DTYPES.items()}
+    for shape in ([0, 2**62], [0, 2**62, 4], [2**31, 2**31], [2**40, 2**22], [3, 0, 5], [2**20, 2**20], [], [1] * 64):
+        try:
+            torch.empty(shape, dtype=torch.float32, device="meta")
+            ok = True
+        except (RuntimeError, OverflowError):
+            ok = False
+        try:
+            layout.check_shape(shape, 4)
+            mine = True
+        except ValueError:
+            mine = False
+        assert mine == ok, shape

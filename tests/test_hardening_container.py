@@ -149,9 +149,9 @@ def test_check_shape():
     for shape in ([], [3, 4], (0, 2**62), torch.Size([2, 0, 5]), [2**63 - 1]):
         assert check_shape(shape, torch.uint8 if shape == [2**63 - 1] else torch.float32) is None
     cases = [
-        ([0, 2**70], torch.float32, "shape [0, 1180591620717411303424] of torch.float32 is too large for torch to build"),
-        ([2**62, 4], torch.float32, "shape [4611686018427387904, 4] of torch.float32 is too large for torch to build"),
-        ([0, 2**63 - 1, 2**63 - 1], torch.float32, "is too large for torch to build"),
+        ([0, 2**70], torch.float32, "shape [0, 1180591620717411303424] is too large"),
+        ([2**62, 4], torch.float32, "shape [4611686018427387904, 4] of 4-byte elements is too large"),
+        ([0, 2**63 - 1, 2**63 - 1], torch.float32, "is too large"),
         ([2], torch.complex128, None),
         ([-1], torch.float32, "shape [-1]: dimension -1 is not a non-negative int"),
         ([True], torch.float32, "shape [True]: dimension True is not a non-negative int"),
@@ -174,7 +174,7 @@ def test_import_refuses_a_zero_element_shape_torch_cannot_build(exported):
     doc = manifest(folder)
     leaf(doc, "e")["shape"] = [0, 2**70]  # zero bytes, so the byte count matches: only torch can tell
     (folder / MANIFEST).write_text(json.dumps(doc))
-    expect_rejected(target, folder, "leaf 'e'", "[0, 1180591620717411303424]", "too large for torch to build")
+    expect_rejected(target, folder, "leaf 'e'", "[0, 1180591620717411303424]", "too large")
 
 
 def test_import_refuses_a_leaf_that_is_also_a_folder(exported):

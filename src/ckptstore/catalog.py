@@ -25,12 +25,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-import sqlite_utils
+from typing import TYPE_CHECKING
 
 from . import jsonvalue
 from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, SchemaVersionError, StoreWriteError
 from .records import commit_id, commit_text
-from .shards import address
+from .layout import address
+
+if TYPE_CHECKING:
+    import sqlite_utils
 
 BUSY_TIMEOUT_MS = 10_000
 BUSY_RETRIES = 6
@@ -227,7 +230,7 @@ class Catalog:
         self.migrated_from: int | None = None
         try:
             self.conn = self._connect(create)
-            self.db = sqlite_utils.Database(self.conn, execute_plugins=False)
+            self._db = None
             self._upgrade(create)
         except sqlite3.DatabaseError as exc:
             if getattr(self, "conn", None) is not None:
@@ -304,7 +307,7 @@ class Catalog:
             )
         if version == latest:
             return
-        tables = set(self.db.table_names())
+        tables = self._tables()
         if version == 0 and tables:
             raise SchemaVersionError(
                 f"{self.path}: unsupported schema version 0 (a catalog from before schema versioning, tables {sorted(tables)}); "
@@ -322,13 +325,25 @@ class Catalog:
             dst.close()
         with self.write():
             version = self.user_version  # another process may have done it meanwhile
-            if version == 0 and self.db.table_names():
+            if version == 0 and self._tables():
                 raise SchemaVersionError(f"{self.path}: unsupported schema version 0 with tables")
             for m in self.migrations:
                 if m.version > version:
                     m.apply(self.db)
                     self.db["migrations"].insert({"version": m.version, "description": m.description, "applied_at": time.time()}, replace=True)
                     self.conn.execute(f"PRAGMA user_version={int(m.version)}")
+
+    def _tables(self) -> set[str]:
+        return {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+
+    @property
+    def db(self) -> sqlite_utils.Database:
+        """The sqlite-utils view of the connection (imported on first use: reading needs only SQL)."""
+        if self._db is None:
+            import sqlite_utils
+
+            self._db = sqlite_utils.Database(self.conn, execute_plugins=False)
+        return self._db
 
     # --- transactions -------------------------------------------------------------
 
@@ -347,7 +362,7 @@ class Catalog:
                 time.sleep(0.05 * (attempt + 1))
 
     @contextmanager
-    def write(self) -> Iterator[sqlite_utils.Database]:
+    def write(self) -> Iterator[None]:
         """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``).
 
         Rolls back on any exception. Raises CatalogBusyError when the write
@@ -358,7 +373,7 @@ class Catalog:
         with self.lock:
             self._retry(lambda: self.conn.execute("BEGIN IMMEDIATE"))
             try:
-                yield self.db
+                yield
             except BaseException as exc:
                 if self.conn.in_transaction:
                     self.conn.execute("ROLLBACK")
@@ -373,15 +388,15 @@ class Catalog:
                 raise
 
     @contextmanager
-    def read(self) -> Iterator[sqlite_utils.Database]:
+    def read(self) -> Iterator[None]:
         """A read transaction: every query inside sees one snapshot."""
         with self.lock:
             if self.conn.in_transaction:  # nested in a write
-                yield self.db
+                yield
                 return
             self.conn.execute("BEGIN")
             try:
-                yield self.db
+                yield
             finally:
                 self.conn.execute("ROLLBACK")
 

@@ -41,7 +41,7 @@ import zstandard
 
 from . import jsonvalue
 from .adapters.base import check_key
-from .errors import BlobMissingError, CkptStoreError, ContainerError, IntegrityError
+from .errors import CkptStoreError, ContainerError, IntegrityError
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
 from .records import check_paths
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order

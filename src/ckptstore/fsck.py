@@ -24,7 +24,7 @@ from .catalog import rebuild_record
 from .errors import CkptStoreError, IntegrityError, InvalidArgumentError
 from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, pack_path
 from .records import KIND_COMMIT, KIND_REF, parse_commit
-from .shards import DTYPES, ShardPlan, address
+from .layout import ShardPlan, address, itemsize
 
 
 @dataclass
@@ -119,9 +119,9 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         if r["kind"] != "tensor":
             continue
         got = shards.get((r["commit_id"], r["path"]), [])
-        dtype = DTYPES.get(r["dtype"] or "")
+        size = itemsize(r["dtype"])
         try:
-            nbytes = math.prod(json.loads(r["shape"])) * dtype.itemsize
+            nbytes = math.prod(json.loads(r["shape"])) * size
             plan = ShardPlan(r["nbytes"], r["shard_bytes"])
             lengths_ok = nbytes == r["nbytes"] and len(got) == plan.count and all(
                 s["raw_len"] == plan.bounds(i)[1] - plan.bounds(i)[0] for i, s in enumerate(got)

@@ -287,7 +287,8 @@ class Collector:
                     moved.append(("records", r["id"], writer.append_record(r["kind"], bytes(reader.read(loc, where, magic=RECORD_MAGIC)))))
                 reader.close()
                 writer.finish()
-                with self.cat.write() as db:
+                with self.cat.write():
+                    db = self.cat.db
                     db["packs"].insert_all({"id": pid, "size": size, "created_at": self.now} for pid, size in writer.pack_ids)
                     for table, row_id, loc in moved:
                         codec = ", codec = ?" if table == "blobs" else ""

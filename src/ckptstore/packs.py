@@ -47,8 +47,8 @@ from pathlib import Path
 import zstandard
 
 from .errors import BlobCorruptError, BlobMissingError, StoreWriteError
-from .shards import address
-from .shards import digest as xxh3
+from .layout import address
+from .layout import digest as xxh3
 
 PACK_MAGIC = b"CKPK"
 PACK_HEADER = struct.Struct("<4sHHQ")

@@ -41,7 +41,7 @@ from typing import Any
 from . import jsonvalue
 from .errors import CkptStoreError, IntegrityError
 from .packs import BlobLoc
-from .shards import DTYPES, ShardPlan, address, check_shape, dense_order, digest
+from .layout import ShardPlan, address, check_shape, dense_order, digest, itemsize
 
 KIND_COMMIT = 1
 KIND_REF = 2
@@ -133,11 +133,11 @@ def _leaf(entry: Any, comps: dict, where: str) -> LeafRecord:
         return LeafRecord(path, component, "json", None, None, 0, None, decoded)
     if kind != "tensor" or type(shards) is not str or value is not None:
         raise IntegrityError(f"{where}: unknown leaf kind {kind!r}")
-    dtype = DTYPES.get(dtype_name) if type(dtype_name) is str else None
-    if dtype is None:
+    size = itemsize(dtype_name)
+    if size is None:
         raise IntegrityError(f"{where}: unknown dtype {dtype_name!r}")
     try:
-        check_shape(shape, dtype)
+        check_shape(shape, size)
     except ValueError as exc:
         raise IntegrityError(f"{where}: {exc}") from None
     if stride is not None and (
@@ -150,7 +150,7 @@ def _leaf(entry: Any, comps: dict, where: str) -> LeafRecord:
         if len(h) != 32 or not n.isdigit() or len(n) > 16:
             raise IntegrityError(f"{where}: malformed shard address {a!r}")
         keys.append((bytes.fromhex(h), int(n)))
-    nbytes = math.prod(shape) * dtype.itemsize
+    nbytes = math.prod(shape) * size
     shard_bytes = keys[0][1] if len(keys) > 1 else max(nbytes, 1)
     plan = ShardPlan(nbytes, shard_bytes)
     if plan.count != len(keys) or any(n != plan.bounds(i)[1] - plan.bounds(i)[0] for i, (_, n) in enumerate(keys)):

@@ -158,7 +158,8 @@ def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> None:
         last[r["tag"]] = r
     report.tags = {t: r["new"] for t, r in sorted(last.items()) if r["new"] is not None and r["new"] in kept}
 
-    with cat.write() as db:
+    with cat.write():
+        db = cat.db
         run = cat.conn.executemany
         run("INSERT INTO packs (id, size, created_at) VALUES (?, ?, ?)", packs)
         run("INSERT INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)", list(blobs.values()))

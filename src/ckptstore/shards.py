@@ -16,14 +16,13 @@ plus its length in bytes.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import torch
-import xxhash
 
+from . import layout
 from .errors import UnsupportedDtypeError, UnsupportedTypeError
+from .layout import DEFAULT_SHARD_BYTES, EMPTY_DIGEST, MAX_DIMS, ShardPlan, address, dense_order, digest  # noqa: F401 (re-exported)
 
-DEFAULT_SHARD_BYTES = 256 << 10  # 256 KiB; docs/performance.md has the measurement behind it
 MAX_ROWS = 4096  # rows per shard at most, for leaves of up to MAX_SHARDS shards
 MAX_SHARDS = 4096  # past this many shards a leaf's row cap doubles until it needs no more (or shards reach the target)
 
@@ -57,61 +56,17 @@ def dtype_name(dtype: torch.dtype, path: str = "") -> str:
     return name
 
 
-def address(digest: bytes, length: int) -> str:
-    """Printable blob address: 32 hex digits of XXH3-128, a dash, the length in bytes."""
-    return f"{digest.hex()}-{length}"
-
-
-def digest(data) -> bytes:
-    """XXH3-128 of a bytes-like object, as 16 big-endian bytes (canonical form)."""
-    return xxhash.xxh3_128_digest(data)
-
-
-EMPTY_DIGEST = digest(b"")
-
-
-def dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int] | None:
-    """Dims from outermost to innermost in memory, if ``(shape, stride)`` is dense.
-
-    Dense means non-overlapping with no gaps: a permutation of a C-contiguous
-    layout, such as a transpose or ``channels_last``. ``None`` otherwise.
-    """
-    if len(stride) != len(shape):
-        return None
-    order = sorted(range(len(shape)), key=lambda d: -stride[d])
-    expected = 1
-    for d in reversed(order):
-        if shape[d] != 1 and stride[d] != expected:
-            return None
-        expected *= shape[d]
-    return order
-
-
-MAX_DIMS = 64  # the most dimensions ckptstore stores or imports (a bound on manifests; this torch allows more)
-
-
 def check_shape(shape, dtype: torch.dtype) -> None:
-    """Check that a tensor of ``shape`` and ``dtype`` can be built, without allocating it.
-
-    ``shape`` must be a list, tuple or ``torch.Size`` of at most :data:`MAX_DIMS`
-    non-negative ints (not bools), and torch must be able to describe the tensor:
-    its element count and byte size, and its strides, must fit in int64. That
-    holds for zero-element tensors too: ``[0, 2**70]`` cannot be built. The
-    authority is ``torch.empty(shape, dtype=dtype, device="meta")``, which
-    allocates nothing.
+    """Check that a tensor of ``shape`` and ``dtype`` can be built, without allocating it:
+    :func:`ckptstore.layout.check_shape`'s arithmetic, then torch itself
+    (``torch.empty(shape, dtype=dtype, device="meta")`` allocates nothing).
 
     Raises:
         ValueError: what is wrong, with the shape and dtype.
     """
-    if not isinstance(shape, (list, tuple)):  # torch.Size is a tuple
-        raise ValueError(f"shape {shape!r} is not a list of ints")  # noqa: TRY004 - one error class for every unbuildable shape
-    if len(shape) > MAX_DIMS:
-        raise ValueError(f"shape has {len(shape)} dimensions, more than {MAX_DIMS}")
-    for s in shape:
-        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
-            raise ValueError(f"shape {list(shape)!r}: dimension {s!r} is not a non-negative int")
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{dtype!r} is not a torch dtype")  # noqa: TRY004 - as above
+        raise ValueError(f"{dtype!r} is not a torch dtype")  # noqa: TRY004 - one error class for every unbuildable shape
+    layout.check_shape(shape, dtype.itemsize)
     try:
         torch.empty(tuple(shape), dtype=dtype, device="meta")
     except (RuntimeError, OverflowError, TypeError, ValueError):
@@ -175,24 +130,6 @@ def byte_view(t: torch.Tensor) -> memoryview:
         t = t.as_subclass(torch.Tensor)
     # as_strided, not reshape: a contiguous tensor may carry odd strides on size-1 dims
     return memoryview(t.as_strided((t.numel(),), (1,)).view(torch.uint8).numpy())
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """Where one tensor is cut: ``nbytes`` total, ``shard_bytes`` per shard."""
-
-    nbytes: int
-    shard_bytes: int
-
-    @property
-    def count(self) -> int:
-        """Number of shards (one, empty, for a zero-byte tensor)."""
-        return max(1, -(-self.nbytes // self.shard_bytes))
-
-    def bounds(self, i: int) -> tuple[int, int]:
-        """Byte range ``[start, stop)`` of shard ``i``."""
-        start = i * self.shard_bytes
-        return start, min(self.nbytes, start + self.shard_bytes)
 
 
 def plan(shape: tuple[int, ...], dtype: torch.dtype, target: int = DEFAULT_SHARD_BYTES, max_rows: int = MAX_ROWS) -> ShardPlan:

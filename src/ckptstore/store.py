@@ -23,7 +23,6 @@ A crash before step 4 commits leaves only orphan pack files, which GC removes.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import re
 import threading
@@ -32,26 +31,17 @@ import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from tensordict import TensorDict
+from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
-from .adapters import REGISTRY, ComponentState, Registry, capture, join, migrate
-from .adapters.base import Captured, under
 from .catalog import Catalog, CatalogMissing
-from .checkout import BlobReader, plan_restore, restore
-from .container import export_commit, import_commit
 from .diff import DiffReport, diff_commits
-from .records import LeafRecord
-from .recover import RecoverReport, recover
 from .errors import (
     AdapterError,
-    BlobMissingError,
     AmbiguousRefError,
+    BlobMissingError,
     CatalogCorruptError,
     CkptStoreError,
     IntegrityError,
@@ -65,21 +55,17 @@ from .errors import (
 )
 from .fsck import FsckReport, check
 from .gc import DEFAULT_GRACE, GCReport, collect
+from .layout import DEFAULT_SHARD_BYTES, ShardPlan, address, check_shape, digest, itemsize, under
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
-from .shards import (
-    DEFAULT_SHARD_BYTES,
-    DTYPES,
-    check_shape,
-    ShardPlan,
-    address,
-    check_tensor,
-    dense_order,
-    digest,
-    dtype_name,
-    physical,
-    plan,
-    tensor_bytes,
-)
+from .records import LeafRecord
+from .recover import RecoverReport, recover
+
+if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or checkout: catalog-only use never imports torch
+    import torch
+
+    from .adapters import ComponentState, Registry
+    from .adapters.base import Captured
+    from .checkout import BlobReader
 
 CATALOG = "catalog.sqlite"
 _STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|\.v\d+\.bak)?|blobs|tmp|gc\.lock)$")
@@ -193,7 +179,7 @@ class Store:
         compression_level: zstandard level for compressible shards (0 disables).
         pack_bytes: pack files roll over past this size in bytes.
         workers: threads for hashing, compression and I/O (default: CPU count).
-        registry: the adapter registry (default: the global one).
+        registry: the adapter registry (default: the global one, ``ckptstore.adapters.REGISTRY``).
         reuse_hashes: skip rehashing a TorchRL storage's tensors when neither its
             mutation revision nor the tensors' version counters changed since
             this store last committed it (see ``Adapter.fingerprints``). Turn it
@@ -215,7 +201,7 @@ class Store:
         compression_level: int | None = None,
         pack_bytes: int = DEFAULT_PACK_BYTES,
         workers: int | None = None,
-        registry: Registry = REGISTRY,
+        registry: Registry | None = None,
         reuse_hashes: bool = True,
     ):
         self.root = Path(path)
@@ -226,7 +212,7 @@ class Store:
         self.compression_level = 3 if compression_level is None else compression_level
         self.pack_bytes = pack_bytes
         self.workers = workers or os.cpu_count() or 1
-        self.registry = registry
+        self._registry = registry
         self.io = IOStats()
         self._pool: ThreadPoolExecutor | None = None
         self._digest_cache: dict[int, tuple[weakref.ref, dict]] = {}  # id(owner) -> (owner, {token: shard hashes})
@@ -239,6 +225,15 @@ class Store:
         self._catalog_lock = threading.Lock()
         if self._open(create=bool(create)) is None and create is False:
             raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
+
+    @property
+    def registry(self) -> Registry:
+        """The adapter registry (imports the adapters, and torch, on first use)."""
+        if self._registry is None:
+            from .adapters import REGISTRY
+
+            self._registry = REGISTRY
+        return self._registry
 
     @property
     def catalog(self) -> Catalog:
@@ -277,7 +272,8 @@ class Store:
         rows = {r["key"]: jsonvalue.loads(r["value"]) for r in cat.rows("SELECT key, value FROM settings")}
         missing = {k: v for k, v in (("shard_bytes", self.shard_bytes), ("compression_level", self.compression_level)) if k not in rows}
         if missing and cat.writable:
-            with cat.write() as db:
+            with cat.write():
+                db = cat.db
                 db["settings"].insert_all(({"key": k, "value": jsonvalue.dumps(v)} for k, v in missing.items()), ignore=True)
         rows = {**missing, **rows}
         try:  # the arguments were checked above; the stored values are checked here
@@ -402,6 +398,10 @@ class Store:
             return self.commit_components(self._capture(obj), tag, message, metadata, parents, t0=t0)
 
     def _capture(self, obj: Any) -> list[Captured]:
+        import torch
+
+        from .adapters import capture
+
         try:
             with torch.no_grad():
                 return capture(obj, self.registry)
@@ -441,6 +441,11 @@ class Store:
 
     def _snapshot(self, components: list[Captured]) -> list[Captured]:
         """Copies of the leaves that may change after an asynchronous commit returns."""
+        import torch
+
+        from .adapters.base import Captured
+        from .shards import check_tensor, dense_order, plan
+
         free = self._pending is None or self._pending.done()  # the last snapshot's buffers are reusable
         buffers = self._snapshots if free else {}
         out = []
@@ -527,7 +532,10 @@ class Store:
         for r in leaves:
             try:
                 if r.kind == "tensor":
-                    check_shape(r.shape, DTYPES.get(r.dtype or ""))
+                    size = itemsize(r.dtype)
+                    if size is None:
+                        raise ValueError(f"unknown dtype {r.dtype!r}")
+                    check_shape(r.shape, size)
             except ValueError as exc:
                 raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
         known = dict(prior or {})
@@ -577,6 +585,10 @@ class Store:
         position last time takes that blob id: no catalog lookup (the commit's
         transaction checks every such id still holds that address).
         """
+        import torch
+
+        from .shards import dtype_name, physical, plan, tensor_bytes
+
         recs: list[LeafRecord] = []
         views: list[list[tuple[bytes, memoryview]]] = []
         tokens: list[tuple[Any, str, Any] | None] = []
@@ -686,7 +698,8 @@ class Store:
         self._open(create=True)
         with PackWriter(self.root, 0, self.pack_bytes) as writer:
             try:
-                with self.catalog.write() as db:
+                with self.catalog.write():
+                    db = self.catalog.db
                     yield batch
                     if batch:
                         locs = [writer.append_record(kind, text.encode()) for kind, _, _, text in batch]
@@ -1025,6 +1038,8 @@ class Store:
 
         See :func:`ckptstore.container.export_commit`.
         """
+        from .container import export_commit
+
         return export_commit(self, ref, dest)
 
     def import_from(self, src: str | os.PathLike, tag: str | None = None) -> CommitInfo:
@@ -1033,6 +1048,8 @@ class Store:
         Every entry is validated before anything is written; see
         :func:`ckptstore.container.import_commit`. Raises ContainerError.
         """
+        from .container import import_commit
+
         return import_commit(self, src, tag)
 
     def import_torchrl(self, src: str | os.PathLike, tag: str | None = None):
@@ -1132,6 +1149,8 @@ class Store:
         return prefixes
 
     def _states(self, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: BlobReader) -> dict[str, ComponentState]:
+        from .adapters import ComponentState
+
         if prefixes is not None and "" in prefixes:
             prefixes = None
         states: dict[str, ComponentState] = {}
@@ -1179,6 +1198,8 @@ class Store:
             IntegrityError: a missing or corrupt blob (names leaf, blob, commit).
             AdapterVersionError: state written by a newer adapter version.
         """
+        from .checkout import BlobReader, plan_restore, restore
+
         with paused_gc():
             with self.catalog.read():
                 cid = self.resolve(ref)
@@ -1200,6 +1221,11 @@ class Store:
                 reader.close()
 
     def _as_tensordict(self, states: dict[str, ComponentState], reader: BlobReader) -> Any:
+        import torch
+        from tensordict import TensorDict
+
+        from .adapters import join, migrate
+
         reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))
         for path, state in states.items():  # older adapter versions: show the state as it is now
             try:

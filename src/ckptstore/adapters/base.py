@@ -39,6 +39,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import jsonvalue
+from ..layout import join, under  # noqa: F401 (re-exported: the adapters' path helpers)
 from ..errors import (
     AdapterError,
     AdapterVersionError,
@@ -50,20 +51,6 @@ from ..errors import (
 )
 
 _MISSING = object()
-
-
-def join(path: str, name: str) -> str:
-    """Join two state-tree paths with ``/`` (the root path is ``""``)."""
-    if not path:
-        return name
-    if not name:
-        return path
-    return f"{path}/{name}"
-
-
-def under(path: str, prefix: str) -> bool:
-    """Is ``path`` at or below ``prefix`` (``""`` is above everything)?"""
-    return not prefix or path == prefix or path.startswith(prefix + "/")
 
 
 def check_key(key: Any, path: str) -> str:

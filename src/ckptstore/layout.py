@@ -1,0 +1,130 @@
+"""Shard layout arithmetic and addresses, without torch: what the catalog, packs,
+records, GC, fsck and recovery need, so that catalog-only commands never import torch.
+
+A shard's address is its XXH3-128 digest (16 bytes, from the xxHash
+specification, https://github.com/Cyan4973/xxHash/blob/dev/doc/xxhash_spec.md)
+plus its length in bytes. :mod:`ckptstore.shards` cuts tensors with these.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import xxhash
+
+DEFAULT_SHARD_BYTES = 256 << 10  # 256 KiB; docs/performance.md has the measurement behind it
+MAX_DIMS = 64  # the most dimensions ckptstore stores or imports (a bound on manifests; torch allows more)
+_INT64 = 1 << 63
+
+#: Bytes per element of every dtype name of torch 2.14 (``ckptstore.shards.DTYPES``;
+#: a test keeps the two equal). Names a newer torch adds are looked up there.
+ITEMSIZE: dict[str, int] = {
+    "bcomplex32": 4, "bfloat16": 2, "bits16": 2, "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bool": 1,
+    "complex128": 16, "complex32": 4, "complex64": 8, "float16": 2, "float32": 4, "float4_e2m1fn_x2": 1, "float64": 8,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1,
+    "int1": 1, "int16": 2, "int2": 1, "int3": 1, "int32": 4, "int4": 1, "int5": 1, "int6": 1, "int64": 8, "int7": 1, "int8": 1,
+    "uint1": 1, "uint16": 2, "uint2": 1, "uint3": 1, "uint32": 4, "uint4": 1, "uint5": 1, "uint6": 1, "uint64": 8, "uint7": 1, "uint8": 1,
+}
+
+
+def itemsize(dtype_name: object) -> int | None:
+    """Bytes per element of a stored dtype name, or ``None`` for an unknown name."""
+    if type(dtype_name) is not str:
+        return None
+    size = ITEMSIZE.get(dtype_name)
+    if size is None and "torch" in sys.modules:  # a dtype of a newer torch than this table
+        from .shards import DTYPES
+
+        dtype = DTYPES.get(dtype_name)
+        size = None if dtype is None else dtype.itemsize
+    return size
+
+
+def check_shape(shape: object, itemsize: int) -> None:
+    """Check that a tensor of ``shape`` with ``itemsize``-byte elements can exist:
+    at most :data:`MAX_DIMS` non-negative ints, and its strides and byte size fit
+    in int64, as torch requires (so ``[0, 2**70]`` fails, zero elements or not).
+
+    Raises:
+        ValueError: what is wrong.
+    """
+    if not isinstance(shape, (list, tuple)):  # torch.Size is a tuple
+        raise ValueError(f"shape {shape!r} is not a list of ints")  # noqa: TRY004 - one error class for every unbuildable shape
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"shape has {len(shape)} dimensions, more than {MAX_DIMS}")
+    for s in shape:
+        if not isinstance(s, int) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"shape {list(shape)!r}: dimension {s!r} is not a non-negative int")
+        if s >= _INT64:
+            raise ValueError(f"shape {list(shape)} is too large: dimension {s} overflows int64")
+    stride, numel = 1, 1
+    for s in reversed(shape):
+        numel *= s
+        if stride >= _INT64:
+            raise ValueError(f"shape {list(shape)} is too large: its strides overflow int64")
+        stride *= max(s, 1)
+    if numel * itemsize >= _INT64:
+        raise ValueError(f"shape {list(shape)} of {itemsize}-byte elements is too large: its size overflows int64")
+
+
+def address(digest: bytes, length: int) -> str:
+    """Printable blob address: 32 hex digits of XXH3-128, a dash, the length in bytes."""
+    return f"{digest.hex()}-{length}"
+
+
+def digest(data) -> bytes:
+    """XXH3-128 of a bytes-like object, as 16 big-endian bytes (canonical form)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+EMPTY_DIGEST = digest(b"")
+
+
+def dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int] | None:
+    """Dims from outermost to innermost in memory, if ``(shape, stride)`` is dense.
+
+    Dense means non-overlapping with no gaps: a permutation of a C-contiguous
+    layout, such as a transpose or ``channels_last``. ``None`` otherwise.
+    """
+    if len(stride) != len(shape):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: -stride[d])
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return order
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Where one tensor is cut: ``nbytes`` total, ``shard_bytes`` per shard."""
+
+    nbytes: int
+    shard_bytes: int
+
+    @property
+    def count(self) -> int:
+        """Number of shards (one, empty, for a zero-byte tensor)."""
+        return max(1, -(-self.nbytes // self.shard_bytes))
+
+    def bounds(self, i: int) -> tuple[int, int]:
+        """Byte range ``[start, stop)`` of shard ``i``."""
+        start = i * self.shard_bytes
+        return start, min(self.nbytes, start + self.shard_bytes)
+
+
+def join(path: str, name: str) -> str:
+    """Join two state-tree paths with ``/`` (the root path is ``""``)."""
+    if not path:
+        return name
+    if not name:
+        return path
+    return f"{path}/{name}"
+
+
+def under(path: str, prefix: str) -> bool:
+    """Is ``path`` at or below ``prefix`` (``""`` is above everything)?"""
+    return not prefix or path == prefix or path.startswith(prefix + "/")
