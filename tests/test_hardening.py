@@ -30,7 +30,6 @@ from ckptstore.errors import (
     BlobCorruptError,
     CatalogCorruptError,
     IntegrityError,
-    InvalidArgumentError,
     InvalidNameError,
     NotAStoreError,
     StoreWriteError,

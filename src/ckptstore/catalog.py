@@ -23,14 +23,13 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
-
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from . import jsonvalue
 from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, SchemaVersionError, StoreWriteError
-from .records import commit_id, commit_text
 from .layout import address
+from .records import commit_id, commit_text
 
 if TYPE_CHECKING:
     import sqlite_utils

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 from .catalog import rebuild_record
 from .errors import CkptStoreError, IntegrityError, InvalidArgumentError
+from .layout import ShardPlan, address, itemsize
 from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, pack_path
 from .records import KIND_COMMIT, KIND_REF, parse_commit
-from .layout import ShardPlan, address, itemsize
 
 
 @dataclass

@@ -40,8 +40,8 @@ from typing import Any
 
 from . import jsonvalue
 from .errors import CkptStoreError, IntegrityError
-from .packs import BlobLoc
 from .layout import ShardPlan, address, check_shape, dense_order, digest, itemsize
+from .packs import BlobLoc
 
 KIND_COMMIT = 1
 KIND_REF = 2

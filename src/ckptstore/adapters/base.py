@@ -39,7 +39,6 @@ from typing import Any, ClassVar
 import torch
 
 from .. import jsonvalue
-from ..layout import join, under  # noqa: F401 (re-exported: the adapters' path helpers)
 from ..errors import (
     AdapterError,
     AdapterVersionError,
@@ -49,6 +48,7 @@ from ..errors import (
     TargetMismatchError,
     UnsupportedTypeError,
 )
+from ..layout import join, under  # noqa: F401 (re-exported: the adapters' path helpers)
 
 _MISSING = object()
 
