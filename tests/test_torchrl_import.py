@@ -470,3 +470,17 @@ def test_not_a_torchrl_checkpoint(store, tmp_path):
         import_torchrl(store, tmp_path / "file.zip")
     shutil.rmtree(tmp_path / "empty")
     assert store.log() == []
+
+
+def test_other_formats_are_named_not_parsed(tmp_path):
+    store = ckptstore.Store(tmp_path / "s", create=True)
+    store.commit({"x": torch.ones(2)}, tag="t")
+    torch.save({"a": torch.ones(2)}, tmp_path / "state.pt")
+    store.export("t", tmp_path / "e.zip")
+    store.export("t", tmp_path / "edir")
+    for src, match in (("state.pt", "is a torch.save file .* never unpickles"), ("e.zip", "is a ckptstore export.*ckptstore import"),
+                       ("edir", "is a ckptstore export")):
+        with pytest.raises(ckptstore.errors.ContainerError, match=match):
+            store.import_torchrl(tmp_path / src)
+    assert list(store.tags()) == ["t"]
+    store.close()

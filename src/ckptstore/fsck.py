@@ -132,53 +132,88 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
             rep.problems.append(f"commit {r['commit_id']}, leaf {r['path']}: manifest and shard rows disagree (shape, dtype, sizes or count)")
             bad_commits.add(r["commit_id"])
 
-    bad_blobs: set[int] = set()
+    # A GC running beside fsck may move (repack) or free a blob after the snapshot above:
+    # a blob that looks missing or bad is looked up again, and only reported if it still is.
+    reader = PackReader(store.root, locate=store.relocate)
     sizes: dict[str, int | None] = {}
-    for r in blob_rows:
-        pack = r["pack"]
+
+    def size_of(pack: str) -> int | None:
         if pack not in sizes:
             try:
                 sizes[pack] = pack_path(store.root, pack).stat().st_size
             except FileNotFoundError:
                 sizes[pack] = None
-        size = sizes[pack]
-        end = r["offset"] + BLOB_HEADER.size + r["stored_len"]
-        if size is None or end > size or pack not in packs:
+        return sizes[pack]
+
+    def in_place(loc: BlobLoc) -> bool:
+        size = size_of(loc.pack)
+        return size is not None and loc.offset + BLOB_HEADER.size + loc.stored_len <= size
+
+    def still_bad(loc: BlobLoc, read: bool) -> bool:
+        now = store.relocate(loc)
+        if now is None:
+            return False  # freed meanwhile: no kept commit references it
+        sizes.pop(now.pack, None)
+        if not in_place(now):
+            return True
+        try:
+            if read:
+                reader.read(now, "fsck")
+        except CkptStoreError:
+            return True
+        return False
+
+    bad_blobs: set[int] = set()
+    missing_packs: set[str] = set()
+    for r in blob_rows:
+        if not in_place(_loc(r)) and still_bad(_loc(r), read=False):
             rep.missing_blobs.append(address(bytes(r["hash"]), r["raw_len"]))
             bad_blobs.add(r["id"])
-    missing_packs = sorted(p for p, s in sizes.items() if s is None)
-    for p in missing_packs:
+            if size_of(r["pack"]) is None:
+                missing_packs.add(r["pack"])
+    for p in sorted(missing_packs):
         rep.problems.append(f"pack {p}.pack is missing")
     if rep.missing_blobs:
         rep.problems.append(f"{len(rep.missing_blobs)} blob(s) missing or truncated: {', '.join(rep.missing_blobs[:5])}")
 
     if deep:
         rng = random.Random(seed)
-        reader = PackReader(store.root)
         for r in blob_rows:
             if r["id"] in bad_blobs or (sample < 1 and rng.random() >= sample):
                 continue
             try:
                 reader.read(_loc(r), "fsck")
             except CkptStoreError:
-                rep.corrupt_blobs.append(address(bytes(r["hash"]), r["raw_len"]))
-                bad_blobs.add(r["id"])
+                if still_bad(_loc(r), read=True):
+                    rep.corrupt_blobs.append(address(bytes(r["hash"]), r["raw_len"]))
+                    bad_blobs.add(r["id"])
             rep.blobs_checked += 1
             rep.bytes_checked += r["raw_len"]
         for r in rec_rows:
-            loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
-            try:
-                text = bytes(reader.read(loc, "fsck", magic=RECORD_MAGIC))
-            except CkptStoreError as exc:
-                rep.problems.append(f"record of {r['name']} in pack {r['pack']}: {exc}")
-                if r["kind"] == KIND_COMMIT:
-                    bad_commits.add(r["name"])
+            text = None
+            for attempt in range(2):
+                loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
+                try:
+                    text = bytes(reader.read(loc, "fsck", magic=RECORD_MAGIC))
+                    break
+                except CkptStoreError as exc:
+                    now = cat.rows("SELECT * FROM records WHERE id = ?", (r["id"],))  # a GC may have moved or dropped it
+                    if attempt == 0 and (not now or now[0]["pack"] != r["pack"]):
+                        if not now:
+                            break
+                        r = now[0]
+                        continue
+                    rep.problems.append(f"record of {r['name']} in pack {r['pack']}: {exc}")
+                    if r["kind"] == KIND_COMMIT:
+                        bad_commits.add(r["name"])
+                    break
+            if text is None:
                 continue
             if r["kind"] == KIND_COMMIT and text.decode(errors="replace") != texts.get(r["name"]):
                 rep.problems.append(f"commit {r['name']}: its record in pack {r['pack']} differs from the catalog's")
-        reader.close()
         if rep.corrupt_blobs:
             rep.problems.append(f"{len(rep.corrupt_blobs)} corrupt blob(s): {', '.join(rep.corrupt_blobs[:5])}")
+    reader.close()
 
     if bad_blobs:
         for (cid, _), rows in shards.items():

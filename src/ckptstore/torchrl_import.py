@@ -107,6 +107,18 @@ class ImportReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)
 
 
+def _refuse_other_formats(source: _Source, path: Path) -> None:
+    """Name the two formats people hand to import-torchrl by mistake, before parsing them as TorchRL's."""
+    if source.has("ckptstore-export.json"):
+        raise ContainerError(f"{path} is a ckptstore export, not a TorchRL dump or checkpoint: use `ckptstore import` (Store.import_from)")
+    names = source.zip.namelist() if source.zip is not None else []
+    if not source.has(_MANIFEST) and any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
+        raise ContainerError(
+            f"{path} is a torch.save file (a pickle), which ckptstore never unpickles; "
+            "load it yourself with torch.load(..., weights_only=True) and commit the objects"
+        )
+
+
 def import_torchrl(
     store: Store, path: str | os.PathLike, tag: str | None = None, message: str | None = None
 ) -> tuple[CommitInfo, ImportReport]:
@@ -139,6 +151,7 @@ def import_torchrl(
     try:
         reader = _Reader(source)
         extra: dict[str, Any] = {}
+        _refuse_other_formats(source, path)
         if source.zip is not None or source.has(_MANIFEST):
             fmt = "torchrl.checkpoint." + ("archive" if source.zip is not None else "directory")
             components, extra = reader.checkpoint()
