@@ -232,3 +232,40 @@ def test_c26_frozen_v1_fixture_migrates(tmp_path):
         s.catalog.conn.execute("PRAGMA user_version=999")
     with pytest.raises(ckptstore.errors.SchemaVersionError, match="unsupported schema version 999"):
         ckptstore.Store(store_dir)
+
+
+def test_a_resumed_trainer_continues_its_frame_budget(tmp_path):
+    """Stopped after 2 of 6 batches and resumed in fresh objects, train() runs only the other 4."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import GymEnv
+    from torchrl.modules import MLP, QValueActor
+    from torchrl.objectives import DQNLoss
+    from torchrl.trainers import Trainer
+
+    from ckptstore.torchrl_checkpoint import CheckpointerHook
+
+    def build():
+        torch.manual_seed(0)
+        env = GymEnv("CartPole-v1")
+        actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"], spec=env.action_spec)
+        loss = DQNLoss(actor, action_space=env.action_spec)
+        optim = torch.optim.Adam(loss.parameters(), lr=1e-3)
+        collector = Collector(env, actor, frames_per_batch=50, total_frames=300, auto_register_policy_transforms=False)
+        trainer = Trainer(collector=collector, total_frames=300, frame_skip=1, optim_steps_per_batch=1, loss_module=loss,
+                          optimizer=optim, progress_bar=False, save_trainer_file=None)
+        hook = CheckpointerHook(Checkpointer(ckptstore.Store(tmp_path / "s", create=True), {"policy": actor, "optim": optim}, every_n_steps=2))
+        hook.register(trainer)
+        return trainer, hook, collector
+
+    trainer, hook, collector = build()
+    trainer.register_op("post_steps", lambda: hook.checkpointer.steps == 2 and trainer.request_stop("preempted"))
+    trainer.train()
+    collector.shutdown()
+    assert (hook.checkpointer.steps, trainer.collected_frames) == (2, 100)
+    trainer, hook, collector = build()
+    assert hook.checkpointer.resume() == 2 and trainer.collected_frames == 100 and trainer._optim_count == 2
+    batches = []
+    trainer.register_op("post_steps", lambda: batches.append(1))
+    trainer.train()
+    collector.shutdown()
+    assert (len(batches), trainer.collected_frames, hook.checkpointer.steps) == (4, 300, 6)

@@ -179,8 +179,11 @@ class StoreRotation(CheckpointRotation):
 
 class CheckpointerHook(TrainerHookBase):
     """A TorchRL ``Trainer`` hook calling ``checkpointer.step()`` after each batch's
-    optimisation steps (``post_steps``); ``resume()`` before ``trainer.train()``
-    restores the run."""
+    optimisation steps (``post_steps``). :meth:`register` also adds the trainer
+    itself to the checkpointer's objects (component ``trainer``: its counters, its
+    collector's frame count, loss module and optimizer), so that
+    ``hook.checkpointer.resume()`` before ``trainer.train()`` continues the run
+    where it stopped instead of starting its frame budget again."""
 
     def __init__(self, checkpointer: Checkpointer):
         self.checkpointer = checkpointer
@@ -191,6 +194,10 @@ class CheckpointerHook(TrainerHookBase):
     def register(self, trainer: Any, name: str = "ckptstore") -> None:
         trainer.register_op("post_steps", self)
         trainer.register_module(name, self)
+        ckpt = self.checkpointer
+        if "trainer" not in ckpt.objects:
+            ckpt.objects["trainer"] = trainer
+            ckpt.components.append("trainer")
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.checkpointer.steps}

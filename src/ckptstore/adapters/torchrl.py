@@ -33,10 +33,11 @@ from torchrl.data.replay_buffers import (
     TensorStorage,
 )
 from torchrl.objectives.utils import TargetNetUpdater
+from torchrl.trainers import Trainer
 
 from .. import jsonvalue
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import Adapter, ComponentState, Json, StateDictAdapter, register_adapter, unflatten
+from .base import Adapter, ComponentState, Json, StateDictAdapter, plain, register_adapter, same_class, unflatten
 from .rng import RNGState, RNGStateAdapter
 from .values import TensorDictAdapter
 
@@ -612,3 +613,29 @@ class GlobalRNGStateAdapter(RNGStateAdapter):
     def check(self, obj: Any, state: ComponentState) -> None:
         super().check(RNGState(), state)
         _expect(obj, GlobalRNGState, state)
+
+
+@register_adapter
+class TrainerAdapter(Adapter):
+    """A TorchRL ``Trainer``'s progress: ``state`` (collected frames, optimisation
+    steps, last log and save) and its collector's ``state_dict()`` (frames and
+    iterations so far, the collector's policy weights), so that ``trainer.train()``
+    continues where it stopped. The loss module and optimizer are components of
+    their own (commit them beside the trainer)."""
+
+    name = "torchrl.trainer"
+    types = (Trainer,)
+
+    def to_state(self, obj: Trainer) -> dict:
+        sd = obj.state_dict()
+        return plain({"state": sd["state"], "collector": sd["collector"]})
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        same_class(obj, state)
+
+    def from_state(self, obj: Trainer, state: ComponentState) -> Trainer:
+        tree = state.tree()
+        obj.collector.load_state_dict(tree["collector"])
+        for key, value in tree["state"].items():
+            setattr(obj, key, value)
+        return obj
