@@ -285,3 +285,33 @@ def test_numpy_arrays_round_trip_with_dtype_and_shape(store, tmp_path):
         store.commit({"o": np.array(["x"], dtype=object)})
     with pytest.raises(ckptstore.errors.ShapeMismatchError, match="stored ndarray"):
         store.checkout("np", into={"arrays": {**target["arrays"], "f32": np.zeros((4, 3), np.float32)}, "w": torch.zeros(2)})
+
+
+def test_a_commit_from_another_device_checks_out_with_map_location(store):
+    """A TensorDict committed on cuda:0 (its device is component metadata) on a machine without that device."""
+    from tensordict import TensorDict
+
+    td = TensorDict({"obs": torch.arange(6.0).view(2, 3), "nested": {"a": torch.ones(2)}}, [2])
+    comps = ckptstore.adapters.capture(td, store.registry)
+    comps[0].meta = {**comps[0].meta, "device": "cuda:7"}  # as made on a GPU machine with 8 devices
+    store.commit_components(comps, tag="gpu")
+    if torch.cuda.device_count() < 8:
+        with pytest.raises(ckptstore.errors.TargetMismatchError, match="stored on cuda:7.*map_location='cpu'"):
+            store.checkout("gpu")
+    back = store.checkout("gpu", map_location="cpu")
+    assert back.device == torch.device("cpu") and back.batch_size == torch.Size([2])
+    assert torch.equal(back["obs"], td["obs"]) and torch.equal(back["nested", "a"], td["nested", "a"])
+    assert store.components("gpu")[""]["meta"]["device"] == "cuda:7"  # the stored record is unchanged
+
+
+def test_rng_state_can_skip_cuda_explicitly(store):
+    state = ckptstore.RNGState(cuda=False)
+    store.commit({"rng": state}, tag="r")
+    assert not any(k.startswith("rng/cuda") for k in (r.path for r in store.manifest("r")))
+    torch.manual_seed(5)
+    want = torch.rand(3)
+    torch.manual_seed(5)
+    store.commit({"rng": state}, tag="r2")
+    torch.rand(10)
+    store.checkout("r2", into={"rng": ckptstore.RNGState(cuda=False)})
+    assert torch.equal(torch.rand(3), want)

@@ -1172,7 +1172,9 @@ class Store:
                 raise IntegrityError(f"commit {cid}, leaf {rec.path}: unknown leaf kind {rec.kind!r}")
         return states
 
-    def checkout(self, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True) -> Any:
+    def checkout(
+        self, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True, map_location: Any = None
+    ) -> Any:
         """Read a commit back, whole or in part.
 
         Args:
@@ -1183,6 +1185,10 @@ class Store:
                 buffer, module, optimizer, RNGState, TensorDict...). Only the
                 components under its structure are read.
             verify: rehash every blob read (on by default).
+            map_location: without ``into``, the device (``"cpu"``, ``"cuda:1"``,
+                a ``torch.device``) the returned tensors and TensorDicts go to, as
+                ``torch.load``'s: a commit made from CUDA tensors checks out on a
+                machine without CUDA. With ``into``, tensors go where the target's are.
 
         Returns:
             Without ``into``: a TensorDict (batch size ``[]``) of the selected
@@ -1215,12 +1221,12 @@ class Store:
                     states = self._states(cid, [s.path for s in steps], comps, reader)
             try:
                 if into is None:
-                    return self._as_tensordict(states, reader)
+                    return self._as_tensordict(states, reader, map_location)
                 return restore(into, steps, states, self.registry, reader)
             finally:
                 reader.close()
 
-    def _as_tensordict(self, states: dict[str, ComponentState], reader: BlobReader) -> Any:
+    def _as_tensordict(self, states: dict[str, ComponentState], reader: BlobReader, map_location: Any = None) -> Any:
         import torch
         from tensordict import TensorDict
 
@@ -1233,6 +1239,12 @@ class Store:
             except AdapterError:
                 continue  # an adapter this process does not have: the raw state still reads
             states[path] = migrate(adapter, state)
+        if map_location is not None:
+            device = str(torch.device(map_location))
+            for state in states.values():
+                if "device" in state.meta:  # a copy: the parsed record is shared
+                    state.meta = {**state.meta, "device": device}
+                state.leaves = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.leaves.items()}
         if len(states) == 1 and "" in states:
             only = states[""]
             if only.adapter == "tensordict":

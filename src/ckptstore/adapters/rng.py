@@ -27,10 +27,19 @@ class RNGState:
 
     ``checkout(ref, into=RNGState())`` (or a dict holding one) sets them all;
     a missing record raises :class:`~ckptstore.errors.MissingLeafError`.
+
+    Args:
+        cuda: with ``False``, CUDA generator states are neither committed nor
+            restored (explicitly skipped: for a checkout on a machine without the
+            GPUs the commit was made on); with ``True`` a stored CUDA state must
+            find as many devices (TargetMismatchError otherwise).
     """
 
+    def __init__(self, cuda: bool = True):
+        self.cuda = cuda
+
     def __repr__(self) -> str:
-        return "RNGState()"
+        return "RNGState()" if self.cuda else "RNGState(cuda=False)"
 
 
 @register_adapter
@@ -49,7 +58,7 @@ class RNGStateAdapter(Adapter):
             },
             "torch": torch.get_rng_state(),
         }
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if getattr(obj, "cuda", True) and torch.cuda.is_available() and torch.cuda.is_initialized():
             state["cuda"] = {str(i): s for i, s in enumerate(torch.cuda.get_rng_state_all())}
         return state
 
@@ -81,7 +90,7 @@ class RNGStateAdapter(Adapter):
             raise bad("numpy", f"position {pos!r} outside [0, 624], or bad cached-gaussian fields")
         if state.spec("torch") != (torch.uint8, tuple(torch.get_rng_state().shape)):
             raise bad("torch", f"expected uint8 {list(torch.get_rng_state().shape)}, stored {state.spec('torch')}")
-        cuda = state.keys("cuda")
+        cuda = state.keys("cuda") if getattr(obj, "cuda", True) else []
         if cuda:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             if len(cuda) != count:
@@ -95,7 +104,7 @@ class RNGStateAdapter(Adapter):
             state.json("numpy/has_gauss"), state.json("numpy/cached_gaussian"),
         ))
         torch.set_rng_state(state.tensor("torch"))
-        for key in state.keys("cuda"):
+        for key in state.keys("cuda") if getattr(obj, "cuda", True) else []:
             torch.cuda.set_rng_state(state.tensor(key), int(key.split("/")[1]))
         return obj
 

@@ -134,6 +134,22 @@ class DictAdapter(Adapter):
         return value
 
 
+def _device_exists(device: str) -> bool:
+    """Can tensors be put on ``device`` in this process (without initialising anything that fails)?"""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        return False
+    if dev.type == "cpu" or dev.type == "meta":
+        return True
+    module = getattr(torch, dev.type, None)
+    try:
+        available = module is not None and module.is_available()
+        return available and (dev.index is None or dev.index < module.device_count())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def _legacy_index(value: Any) -> Any:
     """Decode a version-1 index: a list of ints, ``"..."`` and ``[start, stop, step]`` lists."""
     if not isinstance(value, list):
@@ -225,8 +241,19 @@ class TensorDictAdapter(Adapter):
             )
 
     def build(self, state: ComponentState) -> TensorDict:
-        """A new TensorDict from the stored state."""
-        td = TensorDict({}, batch_size=state.meta.get("batch_size", []), device=state.meta.get("device"))
+        """A new TensorDict from the stored state, on its stored device (see ``map_location``).
+
+        Raises:
+            TargetMismatchError: the stored device does not exist here (a CUDA
+                TensorDict checked out without CUDA): pass ``map_location``.
+        """
+        device = state.meta.get("device")
+        if device is not None and not _device_exists(device):
+            raise TargetMismatchError(
+                f"{state.where('')}: stored on {device}, which this machine does not have; "
+                "pass map_location='cpu' (or another device) to checkout"
+            )
+        td = TensorDict({}, batch_size=state.meta.get("batch_size", []), device=device)
         self._fill(td, state)
         return td
 
