@@ -159,3 +159,32 @@ def test_torch_free_layout_agrees_with_torch():
         except ValueError:
             mine = False
         assert mine == ok, shape
+
+
+def test_long_work_reports_progress(filled, tmp_path, monkeypatch):
+    """export, import, fsck --deep, GC repacks, commits and checkouts report bytes through ckptstore.progress."""
+    import contextlib
+
+    from ckptstore import progress
+
+    seen: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def reporter(description, total):
+        seen[description.split()[0]] = 0
+
+        def advance(n):
+            seen[description.split()[0]] += n
+
+        yield advance
+        assert seen[description.split()[0]] == total, description
+
+    monkeypatch.setattr(progress, "MIN_BYTES", 0)
+    path, _, _ = filled
+    with progress.reporting(reporter), ckptstore.Store(path) as s:
+        s.commit({"big": torch.randn(50_000)}, tag="big")
+        s.checkout("big")
+        s.fsck(deep=True)
+        s.export("big", tmp_path / "big.zip")
+        ckptstore.Store(tmp_path / "o", create=True).import_from(tmp_path / "big.zip", tag="big")
+    assert {"commit:", "checkout", "fsck", "export", "verify"} <= set(seen) and seen["fsck"] > 200_000

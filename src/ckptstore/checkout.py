@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import progress
 from .adapters import ComponentState, LazyTensor, Registry, join, migrate
 from .adapters.base import under
 from .errors import CkptStoreError, IntegrityError, TargetMismatchError
@@ -81,14 +82,17 @@ class BlobReader:
             for i, loc in enumerate(rec.shards):
                 a, b = expected.bounds(i)
                 tasks.append((loc, view[a:b], f"commit {self.cid}, leaf {rec.path}, shard {i}"))
-        def run(task: tuple) -> None:
-            self.packs.read_into(task[0], task[1], task[2], self.verify)
+        total = sum(loc.raw_len for loc, _, _ in tasks)
+        with progress.task(f"checkout {self.cid[:12]}", total) as advance:
+            def run(task: tuple) -> None:
+                self.packs.read_into(task[0], task[1], task[2], self.verify)
+                advance(task[0].raw_len)
 
-        if sum(loc.raw_len for loc, _, _ in tasks) > _INLINE_BYTES:
-            self.store._map(run, tasks)
-        else:
-            for task in tasks:
-                run(task)
+            if total > _INLINE_BYTES:
+                self.store._map(run, tasks)
+            else:
+                for task in tasks:
+                    run(task)
         if states:
             done = {id(lazy): dest for lazy, dest in results}
             for state in states:

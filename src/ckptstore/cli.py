@@ -9,12 +9,14 @@ when they find a problem.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +24,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from . import progress
 from .errors import CkptStoreError, GCLockedError
 from .store import CommitInfo, Store
 
@@ -76,6 +79,30 @@ def fmt_time(t: float, short: bool = False) -> str:
 
 def ratio(x: float | None) -> str:
     return "-" if x is None else ("inf" if x == float("inf") else f"{x:.1f}x")
+
+
+@contextlib.contextmanager
+def bars() -> Iterator[None]:
+    """Show the library's progress reports (ckptstore.progress) as rich bars on stderr
+    (drawn only on a terminal; removed when done)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    if not err.is_terminal:
+        yield
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True), TimeRemainingColumn(),
+                  console=err, transient=True) as shown:
+
+        @contextlib.contextmanager
+        def reporter(description: str, total: int) -> Iterator[progress.Advance]:
+            task = shown.add_task(description, total=total)
+            try:
+                yield lambda n: shown.advance(task, n)
+            finally:
+                shown.remove_task(task)
+
+        with progress.reporting(reporter):
+            yield
 
 
 def store_path(path: Path | None) -> Path:
@@ -279,7 +306,7 @@ def gc(
     as_json: AsJson = False,
 ) -> None:
     """Free what no tag or retained commit needs. Exit 0 done, 1 error, 3 another GC holds the store."""
-    with open_store(store) as s:
+    with open_store(store) as s, bars():
         report = s.gc(keep_last=keep_last, keep_tags=keep_tag or (), keep_within=keep_within, grace=grace, dry_run=dry_run)
     if as_json:
         emit_json(report)
@@ -321,7 +348,7 @@ def fsck(
     as_json: AsJson = False,
 ) -> None:
     """Check the catalog and the blobs; exit 1 when anything is wrong (orphans are reported, not errors)."""
-    with open_store(store) as s:
+    with open_store(store) as s, bars():
         report = s.fsck(deep=deep, sample=sample)
     _print_fsck(report, as_json)
 
@@ -329,7 +356,7 @@ def fsck(
 @app.command()
 def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: StorePath = None, as_json: AsJson = False) -> None:
     """Reread and rehash every blob of one commit; exit 1 when one is missing or corrupt."""
-    with open_store(store) as s:
+    with open_store(store) as s, bars():
         report = s.verify(ref)
     _print_fsck(report, as_json)
 
@@ -363,7 +390,7 @@ def export_cmd(
     as_json: AsJson = False,
 ) -> None:
     """Export one commit to a ZIP archive or a folder."""
-    with open_store(store) as s:
+    with open_store(store) as s, bars():
         out = s.export(ref, dest)
     emit_json({"exported": str(out)}) if as_json else console.print(f"exported {ref} to {out}")
 
@@ -379,8 +406,9 @@ def import_cmd(
     from .adapters import REGISTRY
     from .container import check_export
 
-    check_export(src, REGISTRY)  # before a missing store folder is created
-    with Store(store_path(store)) as s, warnings.catch_warnings(record=True) as caught:
+    with bars():
+        check_export(src, REGISTRY)  # before a missing store folder is created
+    with Store(store_path(store)) as s, warnings.catch_warnings(record=True) as caught, bars():
         warnings.simplefilter("always")
         info = s.import_from(src, tag=tag)
     for w in caught:

@@ -39,7 +39,7 @@ from typing import Any
 import xxhash
 import zstandard
 
-from . import jsonvalue
+from . import jsonvalue, progress
 from .adapters.base import check_key
 from .errors import CkptStoreError, ContainerError, IntegrityError
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
@@ -129,7 +129,9 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
     reader = PackReader(store.root, locate=store.relocate)
 
     def blob_bytes(loc: BlobLoc) -> bytes:  # header and payload as stored, verified first
-        return reader.stored(loc, f"commit {cid}, export")
+        data = reader.stored(loc, f"commit {cid}, export")
+        advance(loc.raw_len)
+        return data
 
     try:
         _remove_stale_staging(dest.parent)
@@ -138,28 +140,29 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
         reader.close()
         raise ContainerError(f"cannot write the export {dest}: {exc.strerror or exc}") from None
     try:
-        out = staging / dest.name  # the staging folder keeps its lock file; only this moves to dest
-        if dest.suffix == ".zip":
-            with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
+        with progress.task(f"export {cid[:12]}", sum(loc.raw_len for loc in blobs.values())) as advance:
+            out = staging / dest.name  # the staging folder keeps its lock file; only this moves to dest
+            if dest.suffix == ".zip":
+                with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
+                    for addr, loc in blobs.items():
+                        zf.writestr(f"blobs/{addr}", blob_bytes(loc))
+                    zf.writestr(MANIFEST, json.dumps(manifest))
+                _fsync(out)
+            else:
+                out.mkdir()
+                (out / "blobs").mkdir()
                 for addr, loc in blobs.items():
-                    zf.writestr(f"blobs/{addr}", blob_bytes(loc))
-                zf.writestr(MANIFEST, json.dumps(manifest))
-            _fsync(out)
-        else:
-            out.mkdir()
-            (out / "blobs").mkdir()
-            for addr, loc in blobs.items():
-                (out / "blobs" / addr).write_bytes(blob_bytes(loc))
-            (out / MANIFEST).write_text(json.dumps(manifest))
-            for f in (out / "blobs").iterdir():
-                _fsync(f)
-            _fsync(out / MANIFEST)
-        try:
-            os.replace(out, dest)  # a folder replaces only an empty folder
-        except OSError as exc:
-            if dest.exists():
-                raise ContainerError(f"{dest} already exists") from None
-            raise ContainerError(f"cannot write the export {dest}: {exc.strerror or exc}") from None
+                    (out / "blobs" / addr).write_bytes(blob_bytes(loc))
+                (out / MANIFEST).write_text(json.dumps(manifest))
+                for f in (out / "blobs").iterdir():
+                    _fsync(f)
+                _fsync(out / MANIFEST)
+            try:
+                os.replace(out, dest)  # a folder replaces only an empty folder
+            except OSError as exc:
+                if dest.exists():
+                    raise ContainerError(f"{dest} already exists") from None
+                raise ContainerError(f"cannot write the export {dest}: {exc.strerror or exc}") from None
     except OSError as exc:
         raise ContainerError(f"cannot write the export {dest}: {exc.strerror or exc}") from None
     finally:
@@ -534,8 +537,10 @@ def _verified(source: _Source, src: Path, registry):
 
     for addr in users:  # every declared size against its entry before any blob is read
         entry_size(addr)
-    for addr in users:  # verify everything before writing anything
-        fetch(addr)
+    with progress.task(f"verify {src.name}", sum(int(a.rsplit("-", 1)[1]) for a in users)) as advance:
+        for addr in users:  # verify everything before writing anything
+            fetch(addr)
+            advance(int(addr.rsplit("-", 1)[1]))
     return commit, comps, leaves, fetch
 
 

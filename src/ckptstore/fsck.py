@@ -20,6 +20,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from . import progress
 from .catalog import rebuild_record
 from .errors import CkptStoreError, IntegrityError, InvalidArgumentError
 from .layout import ShardPlan, address, itemsize
@@ -178,17 +179,19 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
 
     if deep:
         rng = random.Random(seed)
-        for r in blob_rows:
-            if r["id"] in bad_blobs or (sample < 1 and rng.random() >= sample):
-                continue
-            try:
-                reader.read(_loc(r), "fsck")
-            except CkptStoreError:
-                if still_bad(_loc(r), read=True):
-                    rep.corrupt_blobs.append(address(bytes(r["hash"]), r["raw_len"]))
-                    bad_blobs.add(r["id"])
-            rep.blobs_checked += 1
-            rep.bytes_checked += r["raw_len"]
+        with progress.task("fsck --deep", sum(r["raw_len"] for r in blob_rows)) as advance:
+            for r in blob_rows:
+                if r["id"] in bad_blobs or (sample < 1 and rng.random() >= sample):
+                    continue
+                try:
+                    reader.read(_loc(r), "fsck")
+                except CkptStoreError:
+                    if still_bad(_loc(r), read=True):
+                        rep.corrupt_blobs.append(address(bytes(r["hash"]), r["raw_len"]))
+                        bad_blobs.add(r["id"])
+                rep.blobs_checked += 1
+                rep.bytes_checked += r["raw_len"]
+                advance(r["raw_len"])
         for r in rec_rows:
             text = None
             for attempt in range(2):

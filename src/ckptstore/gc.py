@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import progress
 from .errors import GCLockedError, InvalidArgumentError
 from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, fsync_dir, pack_path
 from .records import KIND_COMMIT, KIND_REF
@@ -279,9 +280,11 @@ class Collector:
             reader = PackReader(self.store.root)
             with PackWriter(self.store.root, self.store.compression_level, self.store.pack_bytes) as writer:
                 moved = []
-                for r in blobs:
-                    loc = BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
-                    moved.append(("blobs", r["id"], writer.append(memoryview(reader.read(loc, where)), loc.digest)))
+                with progress.task(f"repack {p['id'][:12]}", sum(r["raw_len"] for r in blobs)) as advance:
+                    for r in blobs:
+                        loc = BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
+                        moved.append(("blobs", r["id"], writer.append(memoryview(reader.read(loc, where)), loc.digest)))
+                        advance(r["raw_len"])
                 for r in recs:
                     loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
                     moved.append(("records", r["id"], writer.append_record(r["kind"], bytes(reader.read(loc, where, magic=RECORD_MAGIC)))))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import jsonvalue, records
+from . import jsonvalue, progress, records
 from .catalog import Catalog, CatalogMissing
 from .diff import DiffReport, diff_commits
 from .errors import (
@@ -544,8 +544,14 @@ class Store:
             written: dict[tuple[bytes, int], BlobLoc] = {}
             todo = [k for k in dict.fromkeys(keys) if k not in known]
             while True:
-                for key, loc in zip(todo, self._map(lambda k: write(writer, k), todo)):
-                    written[key] = loc
+                with progress.task("commit: write new shards", sum(n for _, n in todo)) as advance:
+                    def write_one(key: tuple[bytes, int]) -> BlobLoc:
+                        loc = write(writer, key)
+                        advance(key[1])
+                        return loc
+
+                    for key, loc in zip(todo, self._map(write_one, todo)):
+                        written[key] = loc
                 writer.finish()
                 try:
                     created_at = time.time() if origin is None else origin[2]
