@@ -185,23 +185,29 @@ def test_torchrl_checkpoint_through_the_store(tmp_path):
     store.close()
 
 
-def test_trainer_hook(tmp_path):
+def dqn_trainer(total_frames: int):
+    """A real TorchRL Trainer: DQN on CartPole, 50 frames per batch, one optimisation step per batch."""
     from torchrl.collectors import Collector
     from torchrl.envs import GymEnv
     from torchrl.modules import MLP, QValueActor
     from torchrl.objectives import DQNLoss
     from torchrl.trainers import Trainer
 
-    from ckptstore.torchrl_checkpoint import CheckpointerHook
-
     torch.manual_seed(0)
     env = GymEnv("CartPole-v1")
     actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"], spec=env.action_spec)
     loss = DQNLoss(actor, action_space=env.action_spec)
     optim = torch.optim.Adam(loss.parameters(), lr=1e-3)
-    collector = Collector(env, actor, frames_per_batch=50, total_frames=200, auto_register_policy_transforms=False)
-    trainer = Trainer(collector=collector, total_frames=200, frame_skip=1, optim_steps_per_batch=1, loss_module=loss,
+    collector = Collector(env, actor, frames_per_batch=50, total_frames=total_frames, auto_register_policy_transforms=False)
+    trainer = Trainer(collector=collector, total_frames=total_frames, frame_skip=1, optim_steps_per_batch=1, loss_module=loss,
                       optimizer=optim, progress_bar=False, save_trainer_file=None)
+    return actor, optim, collector, trainer
+
+
+def test_trainer_hook(tmp_path):
+    from ckptstore.torchrl_checkpoint import CheckpointerHook
+
+    actor, optim, collector, trainer = dqn_trainer(200)
     store = ckptstore.Store(tmp_path / "s")
     hook = CheckpointerHook(Checkpointer(store, {"policy": actor, "optim": optim}, every_n_steps=2))
     hook.register(trainer)
@@ -236,23 +242,10 @@ def test_c26_frozen_v1_fixture_migrates(tmp_path):
 
 def test_a_resumed_trainer_continues_its_frame_budget(tmp_path):
     """Stopped after 2 of 6 batches and resumed in fresh objects, train() runs only the other 4."""
-    from torchrl.collectors import Collector
-    from torchrl.envs import GymEnv
-    from torchrl.modules import MLP, QValueActor
-    from torchrl.objectives import DQNLoss
-    from torchrl.trainers import Trainer
-
     from ckptstore.torchrl_checkpoint import CheckpointerHook
 
     def build():
-        torch.manual_seed(0)
-        env = GymEnv("CartPole-v1")
-        actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"], spec=env.action_spec)
-        loss = DQNLoss(actor, action_space=env.action_spec)
-        optim = torch.optim.Adam(loss.parameters(), lr=1e-3)
-        collector = Collector(env, actor, frames_per_batch=50, total_frames=300, auto_register_policy_transforms=False)
-        trainer = Trainer(collector=collector, total_frames=300, frame_skip=1, optim_steps_per_batch=1, loss_module=loss,
-                          optimizer=optim, progress_bar=False, save_trainer_file=None)
+        actor, optim, collector, trainer = dqn_trainer(300)
         hook = CheckpointerHook(Checkpointer(ckptstore.Store(tmp_path / "s", create=True), {"policy": actor, "optim": optim}, every_n_steps=2))
         hook.register(trainer)
         return trainer, hook, collector
