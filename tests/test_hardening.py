@@ -499,3 +499,23 @@ def test_import_torchrl_from_the_store_itself_is_refused_unread(store):
     with catalog_opens() as seen, pytest.raises(ckptstore.errors.ContainerError, match="inside it"):
         store.import_torchrl(store.root / "catalog.sqlite")
     assert seen == [] and store.fsck().ok
+
+
+def test_tag_moves_after_a_recovery_win_over_older_records(tmp_path):
+    """Moves made after a recovery must order after every record found by it: a second
+    recovery (or a GC keeping each tag's newest record) then sees the latest move."""
+    path = tmp_path / "s"
+    with ckptstore.Store(path) as s:
+        for step in range(5):
+            s.commit(state(step), tag="t", metadata={"step": step})
+    for round_ in range(2):
+        for name in CATALOG_FILES:
+            (path / name).unlink(missing_ok=True)
+        ckptstore.Store.recover(path)
+        with ckptstore.Store(path) as s:
+            s.commit(state(10 + round_), tag="t", metadata={"step": 10 + round_})
+            s.gc(grace=0, keep_last=1)
+    for name in CATALOG_FILES:
+        (path / name).unlink(missing_ok=True)
+    assert ckptstore.Store.recover(path).tags.keys() == {"t"}
+    check_tags(path, {"t": 11})

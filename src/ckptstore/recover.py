@@ -171,10 +171,13 @@ def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> None:
             [(k, n, q, loc.digest, loc.pack, loc.offset, loc.raw_len, loc.stored_len) for k, n, q, loc in rec_rows
              if k == KIND_REF or n in kept],
         )
-        run(
-            "INSERT INTO reflog (tag, old_commit, new_commit, at, action) VALUES (?, ?, ?, ?, ?)",
-            [(r["tag"], r["old"], r["new"], r["at"], r["action"]) for r in refs],
-        )
+        # Row ids keep the records' seq (a killed transaction may have left a duplicate: the later
+        # one moves up), so every move made after recovery gets a higher seq than any record here.
+        rows, prev = [], 0
+        for r in refs:
+            prev = max(r["seq"], prev + 1)
+            rows.append((prev, r["tag"], r["old"], r["new"], r["at"], r["action"]))
+        run("INSERT INTO reflog (id, tag, old_commit, new_commit, at, action) VALUES (?, ?, ?, ?, ?, ?)", rows)
         run(
             "INSERT INTO tags (name, commit_id, updated_at) VALUES (?, ?, ?)",
             [(t, cid, last[t]["at"]) for t, cid in report.tags.items()],
