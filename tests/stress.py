@@ -330,7 +330,11 @@ class Worker:
         try:
             fn(ctx, *args)
         except TOLERATED as exc:
-            self.log(f"R {name} {type(exc).__name__}")
+            kind = type(exc).__name__
+            if isinstance(exc, RefNotFoundError):  # the tag was absent, or its commit went before it was used
+                kind += "(tag)" if "cid" not in ctx else "(commit)"
+            self.log(f"R {name} {kind}")
+            time.sleep(0.002)  # a reader thread on a store without tags yet must not spin
             return
         except BaseException as exc:
             self.fail(ctx, exc)
@@ -459,7 +463,7 @@ class Worker:
 
         Now and then the worker retires: it closes its (last) connection and exits while others run.
         """
-        s = self._open(rng)
+        s = self._open()
         while not self.stopped():
             if rng.random() < 0.01:
                 self.retired = True
@@ -470,7 +474,7 @@ class Worker:
                 self.random_op(s, rng)
         s.close()
 
-    def _open(self, rng: random.Random) -> ckptstore.Store:
+    def _open(self) -> ckptstore.Store:
         box: list[ckptstore.Store] = []
         while not box:  # retried after CatalogBusyError (another process creating the store)
             if self.stopped():
@@ -487,8 +491,8 @@ class Worker:
 
     def role_double(self, rng: random.Random) -> None:
         """Two Stores on the same path in this process, a thread on each; thread B keeps reopening its Store."""
-        a = self._open(rng)
-        b = self._open(rng)
+        a = self._open()
+        b = self._open()
         stores = {"A": a, "B": b}
 
         def loop(label: str, trng: random.Random) -> None:
@@ -509,7 +513,7 @@ class Worker:
 
     def role_threads(self, rng: random.Random) -> None:
         """Main thread commits (sync and async); a second thread checks out through the same Store."""
-        s = self._open(rng)
+        s = self._open()
         readers = {"checkout": 10, "partial": 8, "verify": 3, "into": 3}
 
         def reader(trng: random.Random) -> None:
@@ -525,7 +529,7 @@ class Worker:
 
     def role_cron(self, rng: random.Random) -> None:
         """gc(grace=graces[0], 0 by default) and fsck(deep=True) in a loop, as from cron."""
-        s = self._open(rng)
+        s = self._open()
         while not self.stopped():
             self.run_op("gc", self.op_gc, s, rng, self.graces[0])
             self.run_op("fsck", self.op_fsck, s, rng, True)
@@ -670,6 +674,7 @@ class Round:
 
     index: int
     rdir: Path
+    rng: random.Random  # every choice made within the round: one round's timing cannot shift the next one's plan
     procs: list[Proc] = field(default_factory=list)
     collected: bool = False
 
@@ -681,11 +686,9 @@ class Harness:
         self.root = Path(root)
         self.seed = seed
         self.replay = replay
-        self.rng = random.Random(seed)
         self.o = options
         self.verbose = verbose
         self.store = self.root / "store-0"
-        self.next_wid = 1
         self.live: list[Proc] = []
         self.round: Round | None = None
         self.started = time.monotonic()
@@ -719,8 +722,8 @@ class Harness:
     # - processes -
 
     def spawn(self, rnd: Round, role: str, method: str | None = None) -> Proc:
-        wid = self.next_wid
-        self.next_wid += 1
+        wid = rnd.index * 1000 + len(rnd.procs) + 1  # the same in a replay of the round; steps follow from it
+        assert len(rnd.procs) < 999, "too many processes in one round"
         out = rnd.rdir / f"p{wid}.out"
         if role == "cli":
             with out.open("wb") as f:
@@ -728,7 +731,7 @@ class Harness:
                                          stdout=f, stderr=subprocess.STDOUT)
             proc = Proc(wid, role, "cli", popen.pid, out, popen)
         else:
-            method = method or ("exec" if self.rng.random() < self.o.exec_share else "fork")
+            method = method or ("exec" if rnd.rng.random() < self.o.exec_share else "fork")
             args = (str(self.store), self.seed, wid, role, str(rnd.rdir), self.o.graces, self.o.second_stores)
             if method == "exec":
                 cmd = [sys.executable, "-m", "tests.stress", "worker", str(self.store), str(self.seed), str(wid), role, str(rnd.rdir),
@@ -761,21 +764,22 @@ class Harness:
                 self.stats["races"] += 1
                 self.stats["races_by_kind"]["cli_fsck:CatalogBusyError"] += 1
                 return
-            self.abort(rnd)
+            self.abort()
             raise self.failure(rnd.index, f"`ckptstore fsck --deep` (process {proc.wid}) exited {code}: {proc.diagnostic()}")
         if code != 0:
-            self.abort(rnd)
+            self.abort()
             raise self.failure(rnd.index, f"process {proc.wid} ({proc.role}, {proc.method}) exited {code}: {proc.diagnostic()}")
 
-    def abort(self, rnd: Round) -> None:
+    def abort(self) -> None:
+        """SIGKILL every process still running."""
         for p in list(self.live):
             p.kill()
             self.live.remove(p)
 
     # - one round -
 
-    def roles(self, topology: str) -> list[str]:
-        k, r = self.o.workers, self.rng
+    def roles(self, topology: str, r: random.Random) -> list[str]:
+        k = self.o.workers
         two = self.o.second_stores
         roles = ROLES if two else tuple(x for x in ROLES if x != "double")
         if topology == "singles":
@@ -791,8 +795,8 @@ class Harness:
         return [r.choice(roles) for _ in range(k)]
 
     def run_round(self, index: int) -> None:
-        rng = self.rng
-        rnd = self.round = Round(index, self.root / f"round-{index}")
+        rnd = self.round = Round(index, self.root / f"round-{index}", random.Random(f"{self.seed}:round:{index}"))
+        rng = rnd.rng
         rnd.rdir.mkdir(parents=True)
         fresh = index == 0 or rng.random() < self.o.fresh_store_rate
         if fresh:  # every worker creates the store at the same instant
@@ -802,16 +806,17 @@ class Harness:
                 ckptstore.Store(self.store, shard_bytes=SHARD_BYTES, create=True).close()
         topology = rng.choice(TOPOLOGIES if self.o.second_stores else tuple(t for t in TOPOLOGIES if t != "double"))
         self.stats["topologies"][topology] += 1
-        roles = self.roles(topology)
+        roles = self.roles(topology, rng)
         run_for = rng.uniform(*self.o.run_time)
         procs = [self.spawn(rnd, role) for role in roles]
         deadline = time.monotonic() + 120
         while not all((rnd.rdir / f"ready-{p.wid}").exists() for p in procs):  # torch imports in fresh interpreters
             for p in procs:
-                if p.poll() is not None:
+                if p.code is None and p.poll() is not None:
                     self.reap(rnd, p)
+                    raise self.failure(index, f"process {p.wid} ({p.role}, {p.method}) exited {p.code} before it was ready")
             if time.monotonic() > deadline:
-                self.abort(rnd)
+                self.abort()
                 raise self.failure(index, "workers did not start within 120 s")
             time.sleep(0.02)
         (rnd.rdir / "go").touch()
@@ -860,7 +865,7 @@ class Harness:
                 p.killed = True  # stuck, not failed: counted as a straggler
             self.reap(rnd, p)
         events = self.collect_logs(rnd)
-        self.check(index, events)
+        self.check(rnd, events)
         self.stats["rounds"] += 1
         shutil.rmtree(rnd.rdir, ignore_errors=True)
 
@@ -908,7 +913,7 @@ class Harness:
             self.stats["tags_checked"] += 1
         if lineage:
             ancestors = sorted({c.id for tag in found for c in s.log(tag)} - set(steps))
-            for cid in self.rng.sample(ancestors, min(len(ancestors), 12)):
+            for cid in self.round.rng.sample(ancestors, min(len(ancestors), 12)):
                 step = s.info(cid).metadata.get("step")
                 diff = compare(step, s.checkout(cid))
                 if diff:
@@ -951,8 +956,8 @@ class Harness:
             self.stats["losses"] += len(lost)
             raise self.failure(index, f"{len(lost)} durable changes lost: {lost[:5]}")
 
-    def check(self, index: int, events: list[tuple]) -> None:
-        rng = self.rng
+    def check(self, rnd: Round, events: list[tuple]) -> None:
+        index, rng = rnd.index, rnd.rng
         try:
             s = ckptstore.Store(self.store, shard_bytes=SHARD_BYTES, create=not self.store.exists())
         except Exception as exc:
@@ -1041,7 +1046,7 @@ def run_rounds(
                 break
             h.run_round(index)
     finally:
-        h.abort(Round(-1, h.root))
+        h.abort()
     h.stats["seconds"] = round(time.monotonic() - h.started, 1)
     return h.stats
 
