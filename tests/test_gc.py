@@ -196,7 +196,15 @@ def test_deleted_pack_and_bad_header(store):
     raw[rows["a"]["offset"] + 5] = 0
     raw[rows["a"]["offset"] + 8] ^= 1  # raw length field
     pack.write_bytes(bytes(raw))
-    with pytest.raises(BlobCorruptError, match="does not match the catalog"):
+    with pytest.raises(BlobCorruptError, match="does not match the catalog") as err:
+        store.checkout("t", partial=["a"])
+    want = rows["a"]["raw_len"]
+    assert f"raw length {want ^ 1} in the pack, {want} in the catalog" in str(err.value)  # names the field that differs
+    assert "codec" not in str(err.value) and "hash" not in str(err.value)
+    raw[rows["a"]["offset"] + 8] ^= 1
+    raw[rows["a"]["offset"] + 30] ^= 1  # a digest byte
+    pack.write_bytes(bytes(raw))
+    with pytest.raises(BlobCorruptError, match="hash .* in the pack, .* in the catalog"):
         store.checkout("t", partial=["a"])
     pack.unlink()
     with pytest.raises(ckptstore.errors.BlobMissingError, match="missing"):
