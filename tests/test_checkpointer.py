@@ -86,3 +86,12 @@ def test_preemption_signal_commits_at_the_next_step_and_exits_cleanly(tmp_path, 
     assert proc.stdout.readline().split() == ["ready", str(step)]  # the next job resumes there
     proc.kill()
     proc.wait()
+
+
+def test_a_checkpointer_takes_a_store_path_and_refuses_other_things(tmp_path):
+    ckpt = Checkpointer(tmp_path / "run" / "store", {"w": torch.ones(2)}, every_n_steps=1)
+    assert ckpt.resume() is None  # a path makes its store: a training run starts there
+    ckpt.step()
+    assert ckptstore.Store(tmp_path / "run" / "store", create=False).tags().keys() == {"step-1", "latest"}
+    with pytest.raises(ckptstore.errors.InvalidArgumentError, match="store must be a ckptstore.Store or a path"):
+        Checkpointer(42, {"w": torch.ones(2)})

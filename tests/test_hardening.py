@@ -109,7 +109,9 @@ def test_no_operation_opens_the_catalog_outside_sqlite(tmp_path):
             a.import_from(path / "catalog.sqlite")  # an import of the catalog itself is refused unread
         a.close()
         b.close()
-        ckptstore.Store.recover(path)
+        with pytest.raises(ckptstore.errors.InvalidArgumentError, match="nothing to recover"):
+            ckptstore.Store.recover(path)
+        ckptstore.Store.recover(path, force=True)
     assert seen == []
     with ckptstore.Store(path) as s:
         assert s.fsck(deep=True).ok
@@ -295,6 +297,7 @@ def test_sigkill_while_creating_a_store_never_bricks_it(tmp_path):
     code = textwrap.dedent("""
         import sys, ckptstore
         base = sys.argv[1]
+        ckptstore.Store(f"{base}/warm", create=True).close()  # imports done: the kill lands in creations
         print("ready", flush=True)
         i = 0
         while True:
@@ -469,7 +472,7 @@ def test_reading_a_missing_store_never_creates_it(tmp_path):
         ckptstore.Store(tmp_path / "typo", create=False)
     s = ckptstore.Store(tmp_path / "runs" / "sotre")  # a mistyped path: reads fail, nothing is made
     for read in (lambda: s.checkout("latest"), s.tags, s.log, lambda: s.gc(grace=0), s.fsck):
-        with pytest.raises(NotAStoreError, match="first commit creates it"):
+        with pytest.raises(NotAStoreError, match="does not exist; a first commit creates a store there"):
             read()
     assert not (tmp_path / "runs").exists()
     s.commit({"x": torch.ones(1)}, tag="latest")  # the first commit creates it

@@ -184,3 +184,34 @@ def test_commit_async_snapshots_then_commits_in_the_background(store):
         bad.result()
     with pytest.raises(ckptstore.errors.UnsupportedTypeError):
         store.commit_async({"x": object()})
+
+
+def test_tag_names_that_would_hide_a_commit_id_are_refused(store):
+    cid = store.commit({"x": torch.ones(1)}, tag="t").id
+    for name in (cid[:12], "DEADBEEF", "0" * 32, "x" * 256):
+        with pytest.raises(ckptstore.errors.InvalidNameError):
+            store.tag(name, "t")
+    assert store.resolve(cid[:12]) == cid and store.tag("beefy", "t") == cid  # not all hex: fine
+
+
+def test_gc_dry_run_on_a_store_that_cannot_be_written(tmp_path):
+    import os
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    with ckptstore.Store(tmp_path / "src" / "s", create=True) as s:
+        s.commit({"x": torch.ones(1)}, tag="t")
+        s.commit({"x": torch.zeros(1)}, tag="t")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "--bind", str(tmp_path / "src"), str(ro)], capture_output=True).returncode:
+        pytest.skip("cannot bind-mount here")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        with ckptstore.Store(ro / "s", create=False) as s:
+            assert s.gc(grace=0, dry_run=True).commits_dropped == 1
+            with pytest.raises(ckptstore.errors.StoreWriteError, match="read-only"):
+                s.gc(grace=0)
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)

@@ -15,6 +15,7 @@ SLURM or a spot machine, or SIGUSR1) commits at the next step boundary and exits
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import sys
@@ -63,7 +64,8 @@ class Checkpointer:
     """Commits ``objects`` every ``every_n_steps`` calls of :meth:`step`.
 
     Args:
-        store: the store to commit to.
+        store: the store to commit to, or its path (opened with ``create=True``:
+            a training run makes its store).
         objects: ``{name: object}``; each becomes component ``<name>`` (a replay
             buffer ``rb`` gives ``rb/storage``, ``rb/writer``, ``rb/sampler``).
         every_n_steps: commit when the step count crosses a multiple of this.
@@ -90,7 +92,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        store: Store,
+        store: Store | str | os.PathLike,
         objects: dict[str, Any],
         *,
         every_n_steps: int = 1000,
@@ -100,6 +102,10 @@ class Checkpointer:
         keep_last: int | None = 3,
         on_signal: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1),
     ):
+        if isinstance(store, (str, os.PathLike)):
+            store = Store(store, create=True)
+        if not isinstance(store, Store):
+            raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
         if type(objects) is not dict or not objects or not all(type(k) is str for k in objects):
             raise InvalidArgumentError(f"objects must be a non-empty dict of name -> object, got {type(objects).__name__}")
         if type(every_n_steps) is not int or every_n_steps < 1:

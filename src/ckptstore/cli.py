@@ -241,13 +241,17 @@ def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefi
     for path, c in detail["components"].items():
         comps.add_row(path or "<root>", c["adapter"], str(c["version"]), str(c["meta"].get("class", "")))
     console.print(comps)
-    leaves = table("leaf", "kind", "dtype", "shape", "logical", "stored", "shards", "shared w/ parent", title="leaves",
-                   numeric=("logical", "stored", "shards", "shared w/ parent"))
+    wide = console.width >= _NARROW
+    cols = ["leaf", *(["kind"] if wide else []), "dtype", "shape", "logical", "stored", *(["shards", "shared w/ parent"] if wide else [])]
+    longest = min(max((len(leaf["path"]) for leaf in detail["leaves"]), default=6), max(20, console.width - 50))
+    leaves = table(*cols, title="leaves", numeric=("logical", "stored", "shards", "shared w/ parent"), min_width={"leaf": longest})
     for leaf in detail["leaves"]:
-        leaves.add_row(
-            leaf["path"] or "<root>", leaf["kind"], leaf["dtype"] or "", "" if leaf["shape"] is None else str(leaf["shape"]),
-            fmt_bytes(leaf["logical_bytes"]), fmt_bytes(leaf["stored_bytes"]), str(leaf["shards"]), str(leaf["shared_with_parent"]),
-        )
+        row = {
+            "leaf": leaf["path"] or "<root>", "kind": leaf["kind"], "dtype": leaf["dtype"] or leaf["kind"],
+            "shape": "" if leaf["shape"] is None else str(leaf["shape"]), "logical": fmt_bytes(leaf["logical_bytes"]),
+            "stored": fmt_bytes(leaf["stored_bytes"]), "shards": str(leaf["shards"]), "shared w/ parent": str(leaf["shared_with_parent"]),
+        }
+        leaves.add_row(*(row[c] for c in cols))
     console.print(leaves)
 
 
@@ -265,8 +269,9 @@ def diff(
     if as_json:
         emit_json(report)
         return
+    longest = min(max((len(leaf.path) for leaf in report.leaves), default=6), max(20, console.width - 50))
     out = table("leaf", "status", "dtype", "shape", "shards", "changed", "new bytes", title=f"{report.a[:12]} -> {report.b[:12]}",
-                numeric=("shards", "changed", "new bytes"))
+                numeric=("shards", "changed", "new bytes"), min_width={"leaf": longest})
     for leaf in report.leaves:
         if leaf.status != "unchanged" or all_leaves:
             out.add_row(leaf.path or "<root>", leaf.status, leaf.dtype or leaf.kind, "" if leaf.shape is None else str(leaf.shape),
@@ -362,9 +367,13 @@ def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: St
 
 
 @app.command()
-def recover(store: StorePath = None, as_json: AsJson = False) -> None:
+def recover(
+    store: StorePath = None,
+    force: Annotated[bool, typer.Option("--force", help="Rebuild even a catalog that opens and passes SQLite's check.")] = False,
+    as_json: AsJson = False,
+) -> None:
     """Rebuild a lost or damaged catalog from the packs alone; run it while nothing else uses the store."""
-    report = Store.recover(store_path(store))
+    report = Store.recover(store_path(store), force=force)
     if as_json:
         emit_json(report)
         return

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import progress
-from .errors import GCLockedError, InvalidArgumentError
+from .errors import GCLockedError, InvalidArgumentError, StoreWriteError
 from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, fsync_dir, pack_path
 from .records import KIND_COMMIT, KIND_REF
 
@@ -97,9 +97,21 @@ class GCReport:
 
 
 @contextmanager
-def gc_lock(root: Path):
-    """Hold ``<store>/gc.lock``; raise GCLockedError if another GC has it."""
-    fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+def gc_lock(root: Path, read_only_ok: bool = False):
+    """Hold ``<store>/gc.lock``; raise GCLockedError if another GC has it.
+
+    On a store that cannot be written, ``read_only_ok`` (a dry run) goes on
+    without the lock; otherwise StoreWriteError says the store is read-only.
+    """
+    try:
+        fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
+            raise
+        if read_only_ok:
+            yield
+            return
+        raise StoreWriteError(f"{root} is read-only here ({exc.strerror}): a GC cannot run; `gc --dry-run` reports") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -374,7 +386,7 @@ def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...]
     """Run one GC over ``store``; see the module docstring and :meth:`Store.gc`."""
     c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below)
     report = GCReport(dry_run=dry_run)
-    with gc_lock(store.root):
+    with gc_lock(store.root, read_only_ok=dry_run):
         for phase, step in (("commits", c.drop_commits), ("blobs", c.delete_blobs), ("repack", c.repack),
                             ("packs", c.delete_packs), ("leftovers", c.leftovers)):
             t0 = time.perf_counter()

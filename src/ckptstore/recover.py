@@ -39,7 +39,7 @@ from pathlib import Path
 
 from . import jsonvalue
 from .catalog import Catalog, CatalogMissing
-from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, NotAStoreError
+from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, InvalidArgumentError, NotAStoreError
 from .gc import gc_lock
 from .packs import CODEC_RAW, RECORD_MAGIC, PackReader, scan
 from .records import KIND_COMMIT, KIND_REF, CommitRecord, parse_commit, parse_ref
@@ -68,20 +68,28 @@ class RecoverReport:
     seconds: float = 0.0
 
 
-def recover(root: str | os.PathLike) -> RecoverReport:
+def recover(root: str | os.PathLike, force: bool = False) -> RecoverReport:
     """Rebuild ``root``'s catalog from its packs (see the module docstring).
 
     Run it with no other process using the store. It takes the GC lock, so it
-    never runs beside a GC.
+    never runs beside a GC. A catalog that opens and passes SQLite's
+    ``quick_check`` is rebuilt only with ``force`` (as when ``fsck`` reports rows
+    that disagree with their commit records).
 
     Raises:
         NotAStoreError: ``root`` has no ``blobs/`` folder of packs.
+        InvalidArgumentError: the catalog is healthy and ``force`` is false.
         GCLockedError: a GC is running.
     """
     t0 = time.perf_counter()
     root = Path(root)
     if not (root / "blobs").is_dir():
         raise NotAStoreError(f"{root} has no blobs/ folder: nothing to recover from")
+    if not force and _healthy(root / CATALOG):
+        raise InvalidArgumentError(
+            f"{root / CATALOG} opens and passes SQLite's check: nothing to recover. Run `ckptstore fsck`; "
+            "to rebuild it from the packs anyway (fsck names rows that disagree with their records), pass --force (force=True)"
+        )
     report = RecoverReport()
     with gc_lock(root):
         built = root / "tmp" / f"recover-{uuid.uuid4().hex}.sqlite"
@@ -98,6 +106,19 @@ def recover(root: str | os.PathLike) -> RecoverReport:
                 Path(f"{built}{suffix}").unlink(missing_ok=True)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _healthy(path: Path) -> bool:
+    try:
+        cat = Catalog(path, create=False)
+    except (CatalogMissing, CkptStoreError):
+        return False
+    try:
+        return [r[0] for r in cat.rows("PRAGMA quick_check")] == ["ok"]
+    except CkptStoreError:
+        return False
+    finally:
+        cat.close()
 
 
 def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> None:

@@ -152,14 +152,19 @@ def _setting(name: str, value: Any, low: int, high: int) -> Any:
     return value
 
 
+_LOOKS_LIKE_ID = re.compile(r"^[0-9a-fA-F]{4,32}$")
+
+
 def _check_tag(name: Any) -> str:
     if (
         type(name) is not str or not name or len(name) > 255 or name != name.strip() or name.startswith("-")
         or any(c in name for c in "\x00\n\r\t") or not jsonvalue.is_text(name)
     ):
         raise InvalidNameError(
-            f"invalid tag name {name!r}: a non-empty UTF-8 string without control characters or edge spaces, not starting with '-'"
+            f"invalid tag name {name!r}: 1 to 255 characters of UTF-8 without control characters or edge spaces, not starting with '-'"
         )
+    if _LOOKS_LIKE_ID.match(name):
+        raise InvalidNameError(f"invalid tag name {name!r}: 4 to 32 hex digits read as a commit id prefix; a tag would hide it")
     return name
 
 
@@ -224,7 +229,8 @@ class Store:
         self._catalog: Catalog | None = None
         self._catalog_lock = threading.Lock()
         if self._open(create=bool(create)) is None and create is False:
-            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG})")
+            what = "does not exist" if not self.root.exists() else f"is not a ckptstore store (no {CATALOG})"
+            raise NotAStoreError(f"{self.root} {what}")
 
     @property
     def registry(self) -> Registry:
@@ -244,7 +250,8 @@ class Store:
         """
         cat = self._catalog if self._catalog is not None else self._open(create=False)
         if cat is None:
-            raise NotAStoreError(f"{self.root} is not a ckptstore store (no {CATALOG}); a first commit creates it")
+            what = "does not exist" if not self.root.exists() else f"is not a ckptstore store (no {CATALOG})"
+            raise NotAStoreError(f"{self.root} {what}; a first commit creates a store there")
         return cat
 
     def _open(self, create: bool) -> Catalog | None:
@@ -1023,19 +1030,21 @@ class Store:
         return check(self, deep=True, commit=self.resolve(ref))
 
     @staticmethod
-    def recover(path: str | os.PathLike) -> RecoverReport:
+    def recover(path: str | os.PathLike, force: bool = False) -> RecoverReport:
         """Rebuild the catalog of the store at ``path`` from its packs alone.
 
         For a store whose ``catalog.sqlite`` was deleted or damaged beyond
         SQLite's repair: every commit whose blobs are present, its lineage, and
         every tag as of its last move come back. Run it while no other process
-        uses the store. See :mod:`ckptstore.recover`.
+        uses the store. A healthy catalog is rebuilt only with ``force``. See
+        :mod:`ckptstore.recover`.
 
         Raises:
             NotAStoreError: no ``blobs/`` folder at ``path``.
+            InvalidArgumentError: the catalog is healthy and ``force`` is false.
             GCLockedError: a GC is running on the store.
         """
-        return recover(path)
+        return recover(path, force)
 
     # --- containers --------------------------------------------------------------------
 
