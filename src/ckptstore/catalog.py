@@ -397,7 +397,8 @@ class Catalog:
             try:
                 yield
             finally:
-                self.conn.execute("ROLLBACK")
+                if self.conn.in_transaction:  # an I/O error may have ended it already: never mask that error
+                    self.conn.execute("ROLLBACK")
 
     def rows(self, sql: str, params: Iterable = (), raw: bool = False) -> list:
         """All result rows: ``sqlite3.Row`` objects, or plain tuples with ``raw`` (faster)."""
