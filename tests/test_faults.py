@@ -337,3 +337,20 @@ def test_disk_full_during_commit(tmp_path):
 def test_many_more_crash_trials(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "TRIALS", 500)
     test_sigkill_during_commit_loop(tmp_path)
+
+
+def test_a_full_disk_still_opens_and_reads(tmp_path):
+    """A store on a 100 %-full disk opens read-only: checkout, tags, verify work; a commit says why it cannot."""
+    with small_filesystem(tmp_path / "small", "4m") as mount:
+        with ckptstore.Store(mount / "store", create=True) as s:
+            s.commit({"x": torch.arange(1000)}, tag="t")
+        with open(mount / "fill", "wb") as f:  # fill the disk to the last byte
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+        with ckptstore.Store(mount / "store", create=False) as s:
+            assert torch.equal(s.checkout("t")["x"], torch.arange(1000))
+            assert list(s.tags()) == ["t"] and s.verify("t").ok
+            with pytest.raises(ckptstore.errors.StoreWriteError, match="read-only here"):
+                s.commit({"y": torch.ones(1)}, tag="u")
