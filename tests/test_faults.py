@@ -344,11 +344,10 @@ def test_a_full_disk_still_opens_and_reads(tmp_path):
     with small_filesystem(tmp_path / "small", "4m") as mount:
         with ckptstore.Store(mount / "store", create=True) as s:
             s.commit({"x": torch.arange(1000)}, tag="t")
-        with open(mount / "fill", "wb") as f:  # fill the disk to the last byte
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0" * 65536)
-                    f.flush()
+        with open(mount / "fill", "wb") as f, contextlib.suppress(OSError):  # fill the disk to the last byte
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
         with ckptstore.Store(mount / "store", create=False) as s:
             assert torch.equal(s.checkout("t")["x"], torch.arange(1000))
             assert list(s.tags()) == ["t"] and s.verify("t").ok
