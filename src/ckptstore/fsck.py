@@ -53,6 +53,10 @@ def _loc(r) -> BlobLoc:
     return BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
 
 
+def _record_loc(r) -> BlobLoc:
+    return BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
+
+
 def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None) -> FsckReport:
     """Check ``store`` (or only commit id ``commit``, for ``verify``).
 
@@ -193,25 +197,20 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
                 rep.bytes_checked += r["raw_len"]
                 advance(r["raw_len"])
         for r in rec_rows:
-            text = None
-            for attempt in range(2):
-                loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
+            try:
+                text = bytes(reader.read(_record_loc(r), "fsck", magic=RECORD_MAGIC))
+            except CkptStoreError as exc:
+                now = cat.rows("SELECT * FROM records WHERE id = ?", (r["id"],))  # a GC may have dropped or moved it meanwhile
+                if not now:
+                    continue
                 try:
-                    text = bytes(reader.read(loc, "fsck", magic=RECORD_MAGIC))
-                    break
-                except CkptStoreError as exc:
-                    now = cat.rows("SELECT * FROM records WHERE id = ?", (r["id"],))  # a GC may have moved or dropped it
-                    if attempt == 0 and (not now or now[0]["pack"] != r["pack"]):
-                        if not now:
-                            break
-                        r = now[0]
-                        continue
+                    r = now[0]
+                    text = bytes(reader.read(_record_loc(r), "fsck", magic=RECORD_MAGIC))
+                except CkptStoreError:
                     rep.problems.append(f"record of {r['name']} in pack {r['pack']}: {exc}")
                     if r["kind"] == KIND_COMMIT:
                         bad_commits.add(r["name"])
-                    break
-            if text is None:
-                continue
+                    continue
             if r["kind"] == KIND_COMMIT and text.decode(errors="replace") != texts.get(r["name"]):
                 rep.problems.append(f"commit {r['name']}: its record in pack {r['pack']} differs from the catalog's")
         if rep.corrupt_blobs:

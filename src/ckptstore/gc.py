@@ -45,6 +45,8 @@ DEFAULT_GRACE = 3600.0
 REPACK_BELOW = 0.5
 _BATCH_COMMITS = 50
 _BATCH_BLOBS = 2000
+# Ref-move records that a newer move of the same tag supersedes (recovery needs only the newest).
+_SUPERSEDED = f"kind = {KIND_REF} AND seq < (SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -194,8 +196,7 @@ class Collector:
                     report.dropped += victims
                     self._doom(
                         f"SELECT pack, COUNT(*), SUM(stored_len + {BLOB_HEADER.size}) FROM records WHERE "
-                        f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR (kind = {KIND_REF} AND seq < "
-                        f"(SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)) GROUP BY pack",
+                        f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR ({_SUPERSEDED}) GROUP BY pack",
                         victims,
                     )
                     break
@@ -211,10 +212,7 @@ class Collector:
         report.commits_dropped = len(report.dropped)
         if not report.dry_run:  # of each tag's ref-move records, the newest is what recovery needs
             with self.cat.write():
-                self.cat.conn.execute(
-                    f"DELETE FROM records WHERE kind = {KIND_REF} AND seq < "
-                    f"(SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)"
-                )
+                self.cat.conn.execute(f"DELETE FROM records WHERE {_SUPERSEDED}")
 
     # --- blobs ---------------------------------------------------------------------------
 
