@@ -116,8 +116,97 @@ class ShardPlan:
         return start, min(self.nbytes, start + self.shard_bytes)
 
 
+# --- paths: keys escaped into segments joined by "/" ----------------------------------------
+#
+# A state tree's keys are any Python strings; a stored path joins them with "/".
+# Each key is stored as one *segment*: "%" is written "%25", "/" "%2F", NUL "%00",
+# a lone surrogate (not storable as UTF-8) "%uD8xx"; the empty key is the segment
+# "%". Every other character stands for itself (".", "..", spaces, unicode).
+# Exactly one segment spells each key, so paths compare as strings.
+
+_ESCAPES = {"%": "%25", "/": "%2F", "\x00": "%00"}
+_UNESCAPES = {"25": "%", "2F": "/", "00": "\x00"}
+
+
+def escape(key: str) -> str:
+    """The path segment that stores ``key`` (any ``str``; see the rules above).
+
+    >>> escape("x/y"), escape(""), escape("a.b")
+    ('x%2Fy', '%', 'a.b')
+    """
+    if not key:
+        return "%"
+    if key.isalnum() or not any(c in _ESCAPES or "\ud800" <= c <= "\udfff" for c in key):
+        return key
+    return "".join(_ESCAPES.get(c) or (f"%u{ord(c):04X}" if "\ud800" <= c <= "\udfff" else c) for c in key)
+
+
+def unescape(segment: str) -> str:
+    """The key a path segment stores: the inverse of :func:`escape`.
+
+    Raises:
+        ValueError: ``segment`` is not one :func:`escape` writes (a stray "%",
+            a lowercase or unknown escape, a "/").
+    """
+    if "%" not in segment and "/" not in segment:
+        return segment
+    if segment == "%":
+        return ""
+    out, i = [], 0
+    while i < len(segment):
+        c = segment[i]
+        if c == "/":
+            raise ValueError(f"path segment {segment!r} holds a '/'")
+        if c != "%":
+            out.append(c)
+            i += 1
+            continue
+        code = segment[i + 1 : i + 3]
+        if code in _UNESCAPES:
+            out.append(_UNESCAPES[code])
+            i += 3
+            continue
+        hexa = segment[i + 2 : i + 6]
+        if code[:1] == "u" and len(hexa) == 4 and hexa == hexa.upper() and all(h in "0123456789ABCDEF" for h in hexa) and 0xD800 <= int(hexa, 16) <= 0xDFFF:
+            out.append(chr(int(hexa, 16)))
+            i += 6
+            continue
+        raise ValueError(f"path segment {segment!r}: {segment[i:i + 6]!r} is not an escape ckptstore writes (%25, %2F, %00, %uD800-%uDFFF)")
+    return "".join(out)
+
+
+def keypath(*keys: str) -> str:
+    """The stored path of the leaf reached through ``keys``, for ``partial=`` and
+    ``show``: ``keypath("rb", "x/y") == "rb/x%2Fy"``.
+
+    Raises:
+        TypeError: a key that is not a ``str``.
+    """
+    for k in keys:
+        if type(k) is not str:
+            raise TypeError(f"state-tree keys are str, got {type(k).__name__} {k!r}")
+    return "/".join(escape(k) for k in keys)
+
+
+def split(path: str) -> tuple[str, ...]:
+    """The keys along a stored path (``()`` for the root ``""``): inverse of :func:`keypath`.
+
+    Raises:
+        ValueError: a segment :func:`unescape` refuses.
+    """
+    return tuple(unescape(s) for s in path.split("/")) if path else ()
+
+
+def check_path(path: str) -> None:
+    """Raise ValueError unless ``path`` is ``""`` or segments :func:`escape` writes."""
+    if path:
+        for s in path.split("/"):
+            if not s or escape(unescape(s)) != s:
+                raise ValueError(f"path {path!r}: segment {s!r} is not an escaped key")
+
+
 def join(path: str, name: str) -> str:
-    """Join two state-tree paths with ``/`` (the root path is ``""``)."""
+    """Join a path and an already escaped segment or path with ``/`` (the root path is ``""``)."""
     if not path:
         return name
     if not name:
