@@ -16,7 +16,7 @@ import torch
 
 from . import progress
 from .adapters import ComponentState, LazyTensor, Registry, join, migrate
-from .adapters.base import under
+from .adapters.base import check_key, escape, under
 from .errors import CkptStoreError, IntegrityError, TargetMismatchError
 from .packs import PackReader
 from .shards import DTYPES, ShardPlan, byte_view, dense_order
@@ -128,9 +128,9 @@ def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, 
                 f"but the target {type(obj).__name__} is not a container of them"
             )
         for name, child in kids.items():
-            walk(child, join(path, name), (adapter, obj, name))
+            walk(child, join(path, check_key(name, path)), (adapter, obj, name))
         if not adapter.partial_targets:  # a buffer must receive every part the commit has for it
-            names = {join(path, n) for n in kids}
+            names = {join(path, escape(n)) for n in kids}
             left = [c for c in below if selected(c) and not any(under(c, n) for n in names)]
             if left:
                 raise TargetMismatchError(f"{path or '<root>'}: the commit holds {', '.join(left)}, which the target {type(obj).__name__} lacks")

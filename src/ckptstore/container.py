@@ -40,9 +40,9 @@ import xxhash
 import zstandard
 
 from . import jsonvalue, progress
-from .adapters.base import check_key
 from .errors import CkptStoreError, ContainerError, IntegrityError
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
+from .layout import check_path
 from .records import check_paths
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
 
@@ -358,9 +358,8 @@ def _path(p: Any, what: str, allow_root: bool = True) -> str:
     if p == "" and allow_root:
         return p
     try:
-        for part in p.split("/"):
-            check_key(part, p)
-    except CkptStoreError as exc:
+        check_path(p)
+    except ValueError as exc:
         raise ContainerError(f"manifest: unsafe or invalid {what} {p!r} ({exc})") from None
     return p
 

@@ -8,6 +8,7 @@ plus its length in bytes. :mod:`ckptstore.shards` cuts tensors with these.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 
@@ -144,35 +145,22 @@ def escape(key: str) -> str:
 def unescape(segment: str) -> str:
     """The key a path segment stores: the inverse of :func:`escape`.
 
-    Raises:
-        ValueError: ``segment`` is not one :func:`escape` writes (a stray "%",
-            a lowercase or unknown escape, a "/").
+    A ``%`` that does not begin one of the escapes above stands for itself: so
+    read paths of commits made before keys were escaped (when ``/`` was refused
+    in keys and ``%`` stored as is).
     """
-    if "%" not in segment and "/" not in segment:
+    if "%" not in segment:
         return segment
     if segment == "%":
         return ""
-    out, i = [], 0
-    while i < len(segment):
-        c = segment[i]
-        if c == "/":
-            raise ValueError(f"path segment {segment!r} holds a '/'")
-        if c != "%":
-            out.append(c)
-            i += 1
-            continue
-        code = segment[i + 1 : i + 3]
-        if code in _UNESCAPES:
-            out.append(_UNESCAPES[code])
-            i += 3
-            continue
-        hexa = segment[i + 2 : i + 6]
-        if code[:1] == "u" and len(hexa) == 4 and hexa == hexa.upper() and all(h in "0123456789ABCDEF" for h in hexa) and 0xD800 <= int(hexa, 16) <= 0xDFFF:
-            out.append(chr(int(hexa, 16)))
-            i += 6
-            continue
-        raise ValueError(f"path segment {segment!r}: {segment[i:i + 6]!r} is not an escape ckptstore writes (%25, %2F, %00, %uD800-%uDFFF)")
-    return "".join(out)
+    return _ESCAPED.sub(_unescape_one, segment)
+
+
+_ESCAPED = re.compile(r"%(25|2F|00|u(D[89A-F][0-9A-F]{2}))")
+
+
+def _unescape_one(m: re.Match) -> str:
+    return chr(int(m.group(2), 16)) if m.group(2) else _UNESCAPES[m.group(1)]
 
 
 def keypath(*keys: str) -> str:
@@ -191,18 +179,19 @@ def keypath(*keys: str) -> str:
 def split(path: str) -> tuple[str, ...]:
     """The keys along a stored path (``()`` for the root ``""``): inverse of :func:`keypath`.
 
-    Raises:
-        ValueError: a segment :func:`unescape` refuses.
     """
     return tuple(unescape(s) for s in path.split("/")) if path else ()
 
 
 def check_path(path: str) -> None:
-    """Raise ValueError unless ``path`` is ``""`` or segments :func:`escape` writes."""
-    if path:
-        for s in path.split("/"):
-            if not s or escape(unescape(s)) != s:
-                raise ValueError(f"path {path!r}: segment {s!r} is not an escaped key")
+    """Raise ValueError unless ``path`` is ``""`` or non-empty segments joined by ``/``
+    that UTF-8 can hold (lone surrogates escaped)."""
+    if path and "" in path.split("/"):
+        raise ValueError(f"path {path!r} has an empty segment (the empty key is written '%')")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"path {ascii(path)} holds a lone surrogate (written %uD800-%uDFFF)") from None
 
 
 def join(path: str, name: str) -> str:

@@ -40,7 +40,7 @@ from typing import Any
 
 from . import jsonvalue
 from .errors import CkptStoreError, IntegrityError
-from .layout import ShardPlan, address, check_shape, dense_order, digest, itemsize
+from .layout import ShardPlan, address, check_path, check_shape, dense_order, digest, itemsize
 from .packs import BlobLoc
 
 KIND_COMMIT = 1
@@ -101,10 +101,16 @@ def commit_id(text: str) -> str:
 
 def check_paths(paths: list[str]) -> str | None:
     """Why a set of leaf paths cannot live in one state tree, or ``None``: a path twice,
-    one leaf the folder of another (``a`` and ``a/b``), or a root leaf (``""``) beside others."""
+    one leaf the folder of another (``a`` and ``a/b``), a root leaf (``""``) beside others, or
+    an empty segment (``a//b``: the empty key is written ``%``, see :func:`ckptstore.layout.escape`)."""
     present = set(paths)
     if len(present) != len(paths):
         return "a leaf path appears twice"
+    for p in present:
+        try:
+            check_path(p)
+        except ValueError as exc:
+            return str(exc)
     for p in sorted(present):
         parts = p.split("/")
         above = ([""] if p else []) + ["/".join(parts[:i]) for i in range(1, len(parts))]

@@ -55,7 +55,7 @@ from .errors import (
 )
 from .fsck import FsckReport, check
 from .gc import DEFAULT_GRACE, GCReport, collect
-from .layout import DEFAULT_SHARD_BYTES, ShardPlan, address, check_shape, digest, itemsize, under
+from .layout import DEFAULT_SHARD_BYTES, ShardPlan, address, check_path, check_shape, digest, itemsize, keypath, split, under
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
 from .records import LeafRecord
 from .recover import RecoverReport, recover
@@ -1151,11 +1151,21 @@ class Store:
             raise PartialPathError("partial is empty: name at least one path prefix, or pass None to read everything")
         prefixes = []
         for p in partial:
-            if type(p) is not str or not jsonvalue.is_text(p):
-                raise PartialPathError(f"partial prefixes must be strings, got {p!r}")
-            p = p.strip("/")
+            if type(p) is tuple:  # keys, escaped here: ("rb", "x/y") is "rb/x%2Fy"
+                try:
+                    p = keypath(*p)
+                except TypeError as exc:
+                    raise PartialPathError(f"partial path {p!r}: {exc}") from None
+            elif type(p) is not str or not jsonvalue.is_text(p):
+                raise PartialPathError(f"partial prefixes must be strings (escaped paths) or tuples of keys, got {p!r}")
+            else:
+                p = p.strip("/")
             if not p:
                 return None
+            try:
+                check_path(p)
+            except ValueError as exc:
+                raise PartialPathError(f"partial: {exc}") from None
             hit = any(under(c, p) for c in comps) or any(under(r.path, p) for r in self.record(cid).leaves)
             if not hit:
                 names = ", ".join(c or "<root>" for c in comps) or "(none)"
@@ -1194,8 +1204,10 @@ class Store:
 
         Args:
             ref: a tag, a full commit id or a unique id prefix.
-            partial: path prefixes (``"sampler"``, ``"rb/storage/data/obs"``);
-                only their leaves' blobs are read.
+            partial: path prefixes (``"sampler"``, ``"rb/storage/data/obs"``),
+                or tuples of keys (``("td", "x/y")``); only their leaves' blobs are
+                read. A path joins keys with ``/``; a key holding ``/`` or ``%`` is
+                written escaped (``"td/x%2Fy"``, :func:`ckptstore.layout.keypath`).
             into: an object, or a dict of objects, to load in place (a replay
                 buffer, module, optimizer, RNGState, TensorDict...). Only the
                 components under its structure are read.
@@ -1271,10 +1283,10 @@ class Store:
         out = TensorDict({}, batch_size=[])
         for state in states.values():
             if state.adapter == "tensordict" and state.path:
-                out.set(tuple(state.path.split("/")), self.registry.named("tensordict", state.path).build(state))
+                out.set(split(state.path), self.registry.named("tensordict", state.path).build(state))
                 continue
             for rel, value in state.leaves.items():
-                key = tuple(join(state.path, rel).split("/"))
+                key = split(join(state.path, rel))
                 if isinstance(value, torch.Tensor):
                     out.set(key, value)
                 else:

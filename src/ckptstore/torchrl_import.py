@@ -395,7 +395,7 @@ class _Reader:
             raise ContainerError(f"{self.src.where(rel)}: a file this importer does not know; importing without it could lose state")
 
     def td(self, folder: str) -> tuple[tuple[int, ...], dict[str, _Memmap | _NonTensor]]:
-        """A TensorDict memmap folder: its batch size and ``{"a/b": entry}`` for every leaf."""
+        """A TensorDict memmap folder: its batch size and ``{"a/b": entry}`` for every leaf (keys escaped)."""
         rel = join(folder, "meta.json")
         where = self.src.where(rel)
         meta = self.json(rel)
@@ -406,8 +406,9 @@ class _Reader:
         for key, entry in meta.items():
             if type(entry) is not dict:
                 continue  # the TensorDict's own batch size, device and class
+            _need(key not in ("", ".", ".."), where, f"entry {key!r} cannot be a file name")
             try:
-                check_key(key, folder)
+                segment = check_key(key, folder)
             except CkptStoreError as exc:
                 raise ContainerError(f"{where}: {exc}") from None
             name = join(folder, _fs_name(key))
@@ -415,13 +416,13 @@ class _Reader:
             if kind == "TensorDict":
                 sub_batch, sub = self.td(name)
                 _need(sub_batch[: len(batch)] == batch, where, f"{key!r}: batch size {list(sub_batch)} does not extend {list(batch)}")
-                out.update({f"{key}/{k}": v for k, v in sub.items()})
+                out.update({join(segment, k): v for k, v in sub.items()})
             elif kind == "NonTensorData":
-                out[key] = self._non_tensor(name)
+                out[segment] = self._non_tensor(name)
             elif kind is None and set(entry) == {"device", "shape", "dtype", "is_nested"} and entry["is_nested"] is False:
                 shape = _shape(entry["shape"], where)
                 _need(shape[: len(batch)] == batch, where, f"{key!r}: shape {list(shape)} does not extend the batch size {list(batch)}")
-                out[key] = _Memmap(name + ".memmap", _dtype(entry["dtype"], where), shape)
+                out[segment] = _Memmap(name + ".memmap", _dtype(entry["dtype"], where), shape)
             else:
                 what = json.dumps(entry)[:200]
                 raise ContainerError(f"{where}: entry {key!r} is not a dense tensor, TensorDict or NonTensorData: {what}")

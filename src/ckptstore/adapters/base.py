@@ -48,25 +48,25 @@ from ..errors import (
     TargetMismatchError,
     UnsupportedTypeError,
 )
-from ..layout import join, under  # noqa: F401 (re-exported: the adapters' path helpers)
+from ..layout import escape, join, split, under, unescape  # noqa: F401 (re-exported: the adapters' path helpers)
 
 _MISSING = object()
 
 
 def check_key(key: Any, path: str) -> str:
-    """Validate one state-tree key. Raises InvalidNameError for bad keys."""
-    if not _valid_key(key):
-        raise InvalidNameError(f"{path or '<root>'}: key {key!r} is not a valid state-tree key (non-empty str without '/')")
-    return key
+    """The path segment of one state-tree key (:func:`ckptstore.layout.escape`).
 
-
-def _valid_key(k: Any) -> bool:
-    return type(k) is str and bool(k) and "/" not in k and k not in (".", "..") and "\x00" not in k and jsonvalue.is_text(k)
+    Raises:
+        InvalidNameError: ``key`` is not a ``str``.
+    """
+    if type(key) is not str:
+        raise InvalidNameError(f"{path or '<root>'}: key {key!r} is a {type(key).__name__}; keys of containers holding tensors or objects must be str")
+    return escape(key)
 
 
 def is_subtree(value: Any) -> bool:
-    """A ``dict`` that flattens into child leaves (non-empty, all keys valid)."""
-    return type(value) is dict and bool(value) and all(_valid_key(k) for k in value)
+    """A ``dict`` that flattens into child leaves (non-empty, all keys ``str``)."""
+    return type(value) is dict and bool(value) and all(type(k) is str for k in value)
 
 
 class Json:
@@ -81,13 +81,14 @@ class Json:
 def flatten(tree: Any, path: str = "") -> dict[str, Any]:
     """Flatten a state tree into ``{path: tensor or JSON value}``.
 
-    A non-empty ``dict`` with valid ``str`` keys is a subtree; a tensor is a
-    tensor leaf; a :class:`Json` or anything else is a JSON value (checked here).
+    A non-empty ``dict`` with ``str`` keys is a subtree, each key escaped into one
+    path segment (:func:`ckptstore.layout.escape`: any ``str`` is a key, ``"x/y"``
+    is stored as ``x%2Fy``); a tensor is a tensor leaf; a :class:`Json` or anything
+    else is a JSON value (checked here).
 
     Raises:
         UnsupportedTypeError: a value that is neither, naming its path and type.
-        InvalidNameError: a dict holding tensors under a key that is not a
-            non-empty ``str`` without ``/``.
+        InvalidNameError: a dict holding tensors under a key that is not a ``str``.
     """
     out: dict[str, Any] = {}
 
@@ -99,12 +100,12 @@ def flatten(tree: Any, path: str = "") -> dict[str, Any]:
             return
         elif is_subtree(node):
             for k, v in node.items():
-                walk(v, join(p, k))
+                walk(v, join(p, escape(k)))
             return
         if _holds_tensor(node):
-            bad = [k for k in node if not _valid_key(k)] if type(node) is dict else []
-            if bad:
-                raise InvalidNameError(f"{p or '<root>'}: key {bad[0]!r} is not a valid state-tree key (non-empty str without '/')")
+            if type(node) is dict:
+                for k in node:
+                    check_key(k, p)
             raise UnsupportedTypeError(f"{p or '<root>'}: tensors inside lists, tuples or non-dict containers are not supported")
         jsonvalue.encode(node, p)  # validates, raises with the path
         out[p] = node
@@ -124,13 +125,17 @@ def _holds_tensor(node: Any) -> bool:
 
 
 def unflatten(flat: Mapping[str, Any]) -> Any:
-    """Inverse of :func:`flatten` (relative paths; ``""`` is the root leaf)."""
+    """Inverse of :func:`flatten` (relative escaped paths; ``""`` is the root leaf).
+
+    Raises:
+        ValueError: a path segment that is not an escaped key.
+    """
     if "" in flat:
         return flat[""]
     root: dict[str, Any] = {}
     for path, value in flat.items():
         node = root
-        *parents, last = path.split("/")
+        *parents, last = split(path)
         for p in parents:
             node = node.setdefault(p, {})
         node[last] = value
@@ -189,7 +194,9 @@ class ComponentState:
     """The stored state of one component, handed to :meth:`Adapter.from_state`.
 
     Leaves are addressed by their path relative to the component (``""`` when
-    the component is a single leaf). Tensors stay unread until asked for.
+    the component is a single leaf): keys escaped and joined by ``/``
+    (:func:`ckptstore.layout.escape`; :meth:`names` and :meth:`tree` give the
+    keys themselves). Tensors stay unread until asked for.
     """
 
     path: str
@@ -206,6 +213,17 @@ class ComponentState:
         if not prefix:
             return list(self.leaves)
         return [k for k in self.leaves if k == prefix or k.startswith(prefix + "/")]
+
+    def names(self, prefix: str = "") -> dict[str, str]:
+        """The keys directly under ``prefix``: ``{key: its relative path}``
+        (``{"x/y": "x%2Fy"}``), in stored order."""
+        cut = len(prefix) + 1 if prefix else 0
+        out: dict[str, str] = {}
+        for k in self.keys(prefix):
+            if k != prefix:
+                segment = k[cut:].split("/", 1)[0]
+                out.setdefault(unescape(segment), join(prefix, segment))
+        return out
 
     def has(self, key: str) -> bool:
         return key in self.leaves

@@ -38,19 +38,21 @@ class ModuleAdapter(Adapter):
         if not isinstance(obj, torch.nn.Module):
             raise TargetMismatchError(f"{state.where('')}: stored a module, target is {type(obj).__name__}")
         target = obj.state_dict(keep_vars=False)
-        _same_keys("state-dict", state.keys(), list(target), state.where(""))
+        stored = state.names()
+        _same_keys("state-dict", list(stored), list(target), state.where(""))
         for key, value in target.items():
             if isinstance(value, torch.Tensor):
-                if not state.is_tensor(key):
-                    raise ShapeMismatchError(f"{state.where(key)}: stored a JSON value, target holds a tensor")
-                dtype, shape = state.spec(key)
+                leaf = stored[key]
+                if not state.has(leaf) or not state.is_tensor(leaf):
+                    raise ShapeMismatchError(f"{state.where(leaf)}: stored a JSON value, target holds a tensor")
+                dtype, shape = state.spec(leaf)
                 if (dtype, shape) != (value.dtype, tuple(value.shape)):
                     raise ShapeMismatchError(
-                        f"{state.where(key)}: size mismatch, stored {dtype} {list(shape)}, target {value.dtype} {list(value.shape)}"
+                        f"{state.where(leaf)}: size mismatch, stored {dtype} {list(shape)}, target {value.dtype} {list(value.shape)}"
                     )
 
     def from_state(self, obj: torch.nn.Module, state: ComponentState) -> torch.nn.Module:
-        obj.load_state_dict({k: state.value(k) for k in state.keys()}, strict=True)
+        obj.load_state_dict(state.tree(), strict=True)
         return obj
 
 

@@ -37,7 +37,7 @@ from torchrl.trainers import Trainer
 
 from .. import jsonvalue
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import Adapter, ComponentState, Json, StateDictAdapter, plain, register_adapter, same_class, unflatten
+from .base import Adapter, ComponentState, Json, StateDictAdapter, escape, join, plain, register_adapter, same_class, split, unflatten
 from .rng import RNGState, RNGStateAdapter
 from .values import TensorDictAdapter
 
@@ -76,7 +76,7 @@ def _expect(obj: Any, cls: type, state: ComponentState) -> None:
 
 
 def _storage_leaves(data: Any, path: str) -> dict[str, torch.Tensor]:
-    """``{key path: full-capacity tensor}`` of a storage's backing data."""
+    """``{escaped key path: full-capacity tensor}`` of a storage's backing data."""
     if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
         return {"": data}
     if not is_tensor_collection(data):
@@ -86,7 +86,7 @@ def _storage_leaves(data: Any, path: str) -> dict[str, torch.Tensor]:
     def walk(td: Any, prefix: str) -> None:
         for key in td.keys():
             value = td._get_str(key, None)
-            p = f"{prefix}/{key}" if prefix else key
+            p = join(prefix, escape(key))
             if is_non_tensor(value):
                 raise UnsupportedTypeError(f"{path}/data/{p}: non-tensor data in a tensor storage is not supported")
             if is_tensor_collection(value):
@@ -202,7 +202,7 @@ class TensorStorageAdapter(Adapter):
             dtype, shape = state.spec(key)
             if td is None:
                 td = TensorDict({}, batch_size=shape[1:ndim])
-            td.set(tuple(key.split("/")[1:]), torch.zeros(shape[1:], dtype=dtype))
+            td.set(split(key)[1:], torch.zeros(shape[1:], dtype=dtype))
         if td is None:
             raise TargetMismatchError(f"{state.where('data')}: an initialised storage with no data")
         return td
@@ -218,7 +218,7 @@ class TensorStorageAdapter(Adapter):
             dtype, shape = state.spec(leaf)
             if key not in target:  # a key the buffer added on write (TorchRL's "index"): add it as TorchRL would
                 target[key] = torch.zeros((obj._storage.shape[0], *shape[1:]), dtype=dtype)
-                obj._storage.set(tuple(key.split("/")), target[key])
+                obj._storage.set(split(key), target[key])
             state.read_into(leaf, target[key][: shape[0]])
         obj._len = state.json("len")
         if hasattr(obj, "_bump_mutation_revision"):
@@ -506,7 +506,7 @@ class ListStorageAdapter(Adapter):
             elif kind == "tensordict":
                 td = TensorDict({}, batch_size=next(sizes))
                 for leaf in state.keys(key):
-                    rel = tuple(leaf[len(key) + 1:].split("/"))
+                    rel = split(leaf[len(key) + 1:])
                     td.set(rel, state.tensor(leaf)) if state.is_tensor(leaf) else td.set_non_tensor(rel, state.json(leaf))
                 items.append(td)
             else:

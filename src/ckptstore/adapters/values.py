@@ -10,7 +10,7 @@ import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
 
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import REGISTRY, Adapter, ComponentState, Json, plain, register_adapter
+from .base import REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, split
 
 
 @register_adapter
@@ -193,46 +193,47 @@ class TensorDictAdapter(Adapter):
     types = (TensorDictBase,)
     migrations = {1: _tensordict_v1_to_v2}
 
-    def _walk(self, td: TensorDictBase, prefix: str, out: dict, stacks: list) -> None:
+    def _walk(self, td: TensorDictBase, prefix: str, info: dict) -> dict:
+        """``td`` as a nested dict of tensors and :class:`Json` leaves; ``info`` collects
+        the escaped paths of non-tensor stacks and the batch sizes of nested TensorDicts
+        that are empty or batched beyond their parent (what setting leaves cannot rebuild)."""
+        tree: dict = {}
         for key in td.keys():
             value = td._get_str(key, None)
-            path = f"{prefix}/{key}" if prefix else key
+            path = join(prefix, escape(key))
             if is_non_tensor(value):
                 if isinstance(value, NonTensorStack):
-                    stacks.append(path)
-                    out[path] = Json(value.tolist())
+                    info["stacks"].append(path)
+                    tree[key] = Json(value.tolist())
                 else:
-                    out[path] = Json(value.data)
+                    tree[key] = Json(value.data)
             elif is_tensor_collection(value):
-                self._walk(value, path, out, stacks)
+                sub = self._walk(value, path, info)
+                if not sub or list(value.batch_size) != list(td.batch_size):
+                    info["nested"][path] = list(value.batch_size)
+                tree[key] = sub or Json({})  # an empty TensorDict is a leaf, so partial= can select it
             else:
-                out[path] = value
-
-    def _flat(self, td: TensorDictBase) -> tuple[dict, list]:
-        out: dict = {}
-        stacks: list = []
-        self._walk(td, "", out, stacks)
-        return out, stacks
-
-    def to_state(self, obj: TensorDictBase) -> Any:
-        flat, _ = self._flat(obj)
-        tree: dict = {}
-        for path, value in flat.items():
-            node = tree
-            *parents, last = path.split("/")
-            for p in parents:
-                node = node.setdefault(p, {})
-            node[last] = value
+                tree[key] = value
         return tree
 
+    def _flat(self, td: TensorDictBase) -> tuple[dict, dict]:
+        info: dict = {"stacks": [], "nested": {}}
+        return self._walk(td, "", info), info
+
+    def to_state(self, obj: TensorDictBase) -> Any:
+        return self._flat(obj)[0]
+
     def meta(self, obj: TensorDictBase) -> dict:
-        _, stacks = self._flat(obj)
-        return {
+        _, info = self._flat(obj)
+        out = {
             **super().meta(obj),
             "batch_size": list(obj.batch_size),
             "device": None if obj.device is None else str(obj.device),
-            "stacks": stacks,
+            "stacks": info["stacks"],
         }
+        if info["nested"]:
+            out["nested"] = info["nested"]
+        return out
 
     def check(self, obj: Any, state: ComponentState) -> None:
         if isinstance(obj, TensorDictBase) and list(obj.batch_size) != state.meta.get("batch_size"):
@@ -259,8 +260,20 @@ class TensorDictAdapter(Adapter):
 
     def _fill(self, td: TensorDictBase, state: ComponentState) -> None:
         stacks = set(state.meta.get("stacks", ()))
-        for key in state.keys():
-            nested = tuple(key.split("/")) if key else ()
+        nested_sizes = state.meta.get("nested", {})
+        if not (type(nested_sizes) is dict and all(type(b) is list and all(type(n) is int and n >= 0 for n in b) for b in nested_sizes.values())):
+            raise TargetMismatchError(f"{state.where('')}: malformed nested batch sizes {nested_sizes!r}")
+        keys = state.keys()
+        for path in sorted(nested_sizes, key=lambda p: p.count("/")):  # parents first, only those read
+            if path in keys or state.keys(path):
+                nested = split(path)
+                current = td.get(nested, None)
+                if path in keys or not (is_tensor_collection(current) and list(current.batch_size) == nested_sizes[path]):
+                    td.set(nested, TensorDict({}, batch_size=nested_sizes[path], device=td.device))
+        for key in keys:
+            if key in nested_sizes:
+                continue  # an empty TensorDict, set above
+            nested = split(key)
             if state.is_tensor(key):
                 current = td.get(nested, None)
                 dtype, shape = state.spec(key)
