@@ -16,7 +16,7 @@ import torch
 
 from . import progress
 from .adapters import ComponentState, LazyTensor, Registry, join, migrate
-from .adapters.base import check_key, escape, under
+from .adapters.base import Scope, check_key, escape, under
 from .errors import CkptStoreError, IntegrityError, TargetMismatchError
 from .packs import PackReader
 from .shards import DTYPES, ShardPlan, byte_view, dense_order
@@ -103,16 +103,20 @@ class Step:
 def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, registry: Registry, cid: str):
     """Match ``into``'s structure to the commit's components.
 
-    Returns the restore steps, one per component to load.
+    Returns the restore steps, one per component to load, and the :class:`Scope`
+    of the target's modules at component paths (restored or not: an optimizer
+    finds its parameters there by name).
     Raises TargetMismatchError for structure that does not match.
     """
     steps: list[Step] = []
+    at_components: list[tuple[str, Any]] = []
 
     def selected(path: str) -> bool:
         return prefixes is None or any(under(path, p) or under(p, path) for p in prefixes)
 
     def walk(obj: Any, path: str, parent) -> None:
         if path in comps:
+            at_components.append((path, obj))
             if selected(path):
                 steps.append(Step(obj, path, parent))
             return
@@ -140,7 +144,7 @@ def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, 
         for p in prefixes:
             if not any(under(s.path, p) or under(p, s.path) for s in steps):
                 raise TargetMismatchError(f"partial path {p!r} selects components that the target given as into does not contain")
-    return steps
+    return steps, Scope(at_components)
 
 
 _VALUE_ADAPTERS = ("tensor", "json", "dict", "tensordict")
@@ -161,7 +165,9 @@ def _compatible(stored: Any, step: Step, registry: Registry) -> None:
         )
 
 
-def restore(into: Any, steps: list[Step], states: dict[str, ComponentState], registry: Registry, reader: BlobReader) -> Any:
+def restore(
+    into: Any, steps: list[Step], scope: Scope, states: dict[str, ComponentState], registry: Registry, reader: BlobReader
+) -> Any:
     """Check every component, read the small ones, then load them all."""
     plans = []
     for step in steps:
@@ -169,7 +175,10 @@ def restore(into: Any, steps: list[Step], states: dict[str, ComponentState], reg
         adapter = registry.named(state.adapter, step.path)
         _compatible(adapter, step, registry)
         state = migrate(adapter, state)
-        adapter.check(step.obj, state)
+        if adapter.uses_scope:
+            adapter.check(step.obj, state, scope=scope)
+        else:
+            adapter.check(step.obj, state)
         plans.append((step, adapter, state))
     prefetch = [s for _, a, s in plans if not a.direct]
     reader.read_many([(lt, None) for s in prefetch for lt in s.lazy()], states=prefetch)
@@ -177,7 +186,7 @@ def restore(into: Any, steps: list[Step], states: dict[str, ComponentState], reg
     with torch.no_grad():
         for done, (step, adapter, state) in enumerate(plans):
             try:
-                new = adapter.from_state(step.obj, state)
+                new = adapter.from_state(step.obj, state, scope=scope) if adapter.uses_scope else adapter.from_state(step.obj, state)
             except CkptStoreError:
                 raise
             except Exception as exc:  # an adapter's check let through state its object refuses

@@ -307,6 +307,9 @@ class Adapter:
         partial_targets: for containers, ``True`` if a target may hold only some
             of the committed children (a dict); otherwise every committed child
             must have its target.
+        uses_scope: ``True`` if ``to_state``, ``check`` and ``from_state`` take a
+            keyword ``scope`` (:class:`Scope`: the modules committed or restored
+            beside the object; optimizers name their parameters through it).
     """
 
     name: ClassVar[str] = ""
@@ -315,6 +318,7 @@ class Adapter:
     migrations: ClassVar[dict[int, Callable[[dict, dict], dict]]] = {}
     direct: ClassVar[bool] = False
     partial_targets: ClassVar[bool] = False
+    uses_scope: ClassVar[bool] = False
 
     def children(self, obj: Any) -> dict[str, Any] | None:
         """Child objects of a container (by name), or ``None`` for a leaf adapter."""
@@ -473,22 +477,68 @@ class Captured:
     owner: Any = None  # the object the fingerprints belong to
 
 
+class Scope:
+    """The modules of one commit, or of one checkout's target, by component path.
+
+    A parameter's *name* in a commit is the leaf path where its module's
+    component stores it (``"policy/0.weight"``; a parameter two modules share is
+    named where it is met first, depth first). Optimizers are stored by these
+    names (see :class:`~ckptstore.adapters.torch_nn.OptimizerAdapter`), and found
+    again at checkout through every name of the target's modules.
+    """
+
+    def __init__(self, modules: list[tuple[str, Any]]):
+        self.modules = [(p, m) for p, m in modules if isinstance(m, torch.nn.Module)]
+        self._names: dict[int, str] | None = None
+        self._params: dict[str, torch.Tensor] | None = None
+
+    def name(self, param: torch.Tensor) -> str | None:
+        """The name of ``param`` in this commit, or ``None`` if no module here holds it."""
+        if self._names is None:
+            self._names = {}
+            for path, module in self.modules:
+                for n, p in module.named_parameters():
+                    self._names.setdefault(id(p), join(path, escape(n)))
+        return self._names.get(id(param))
+
+    def param(self, name: str) -> torch.Tensor | None:
+        """The target's parameter a stored name refers to, or ``None``."""
+        if self._params is None:
+            self._params = {}
+            for path, module in self.modules:
+                for n, p in module.named_parameters(remove_duplicate=False):
+                    self._params.setdefault(join(path, escape(n)), p)
+        return self._params.get(name)
+
+
+def _find(obj: Any, registry: Registry, path: str, out: list[tuple[str, Adapter, Any]]) -> None:
+    adapter = registry.for_object(obj, path)
+    kids = adapter.children(obj)
+    if kids is None:
+        out.append((path, adapter, obj))
+        return
+    for name, child in kids.items():
+        _find(child, registry, join(path, check_key(name, path)), out)
+
+
 def capture(obj: Any, registry: Registry = REGISTRY, path: str = "") -> list[Captured]:
     """Turn ``obj`` into components (depth first, children in their order).
+
+    Adapters with ``uses_scope`` get the commit's :class:`Scope` (``to_state(obj, scope=)``).
 
     Raises:
         UnsupportedTypeError / InvalidNameError: naming the offending path.
     """
-    adapter = registry.for_object(obj, path)
-    kids = adapter.children(obj)
-    if kids is not None:
-        out: list[Captured] = []
-        for name, child in kids.items():
-            out += capture(child, registry, join(path, check_key(name, path)))
-        return out
-    leaves = flatten(adapter.to_state(obj), path)
-    tokens = {join(path, rel): token for rel, token in adapter.fingerprints(obj).items()}
-    return [Captured(path, adapter.name, adapter.version, adapter.meta(obj), leaves, tokens, obj if tokens else None)]
+    found: list[tuple[str, Adapter, Any]] = []
+    _find(obj, registry, path, found)
+    scope = Scope([(p, o) for p, _, o in found])
+    out = []
+    for p, adapter, o in found:
+        state = adapter.to_state(o, scope=scope) if adapter.uses_scope else adapter.to_state(o)
+        leaves = flatten(state, p)
+        tokens = {join(p, rel): token for rel, token in adapter.fingerprints(o).items()}
+        out.append(Captured(p, adapter.name, adapter.version, adapter.meta(o), leaves, tokens, o if tokens else None))
+    return out
 
 
 def migrate(adapter: Adapter, state: ComponentState) -> ComponentState:

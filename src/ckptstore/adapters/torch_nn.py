@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import Adapter, ComponentState, StateDictAdapter, register_adapter, same_class
+from .base import Adapter, ComponentState, Scope, StateDictAdapter, register_adapter, same_class
 
 
 def _same_keys(what: str, stored: list[str], target: list[str], where: str) -> None:
@@ -58,8 +58,9 @@ class ModuleAdapter(Adapter):
 
 def _check_optimizer(state: ComponentState, opt: torch.optim.Optimizer, stored_class: str, groups: list[dict], params: dict[str, Any]) -> None:
     """Same optimizer class, numeric options still numbers, per-parameter state
-    tensors shaped like their parameter: checked before loading, since
-    ``load_state_dict`` accepts a misfit that only fails at the next ``step()``."""
+    tensors shaped like their parameter (``params``: stored key -> target parameter):
+    checked before loading, since ``load_state_dict`` accepts a misfit that only
+    fails at the next ``step()``."""
     where = state.where("")
     if stored_class and not stored_class.endswith(".Optimizer"):  # imported state may not name its class
         same_class(opt, state, stored_class)
@@ -67,13 +68,15 @@ def _check_optimizer(state: ComponentState, opt: torch.optim.Optimizer, stored_c
         for key, value in target.items():
             if key != "params" and type(value) in (int, float) and type(g.get(key)) not in (int, float):
                 raise TargetMismatchError(f"{where}: param_groups/{i}/{key} is {g.get(key)!r}, a number was expected")
-    for leaf in state.keys("state"):
-        parts = leaf.split("/")
-        if len(parts) == 3 and parts[1] in params and state.is_tensor(leaf):
-            param = params[parts[1]]
-            _, shape = state.spec(leaf)
-            if len(shape) == param.dim() and shape != tuple(param.shape):
-                raise ShapeMismatchError(f"{state.where(leaf)}: stored {list(shape)}, its parameter is {list(param.shape)}")
+    for key, rel in state.names("state").items():
+        param = params.get(key)
+        if param is None:
+            raise TargetMismatchError(f"{state.where(rel)}: state of parameter {key!r}, which no param group lists")
+        for leaf in state.names(rel).values():
+            if state.has(leaf) and state.is_tensor(leaf):
+                _, shape = state.spec(leaf)
+                if len(shape) == param.dim() and shape != tuple(param.shape):
+                    raise ShapeMismatchError(f"{state.where(leaf)}: stored {list(shape)}, its parameter {key} is {list(param.shape)}")
 
 
 def _indexed(tree: Any, where: str) -> list:
@@ -85,41 +88,107 @@ def _indexed(tree: Any, where: str) -> list:
     return [tree[str(i)] for i in range(len(tree))]
 
 
+def _load(opt: torch.optim.Optimizer, per_param: dict[str, Any], groups: list[dict], params: dict[str, Any]) -> None:
+    """``load_state_dict`` pairs saved ids with the target's parameters by position:
+    number every parameter by its position in ``opt`` and key its state so."""
+    index = {id(p): j for j, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    loaded = [{**g, "params": [index[id(p)] for p in target["params"]]} for g, target in zip(groups, opt.param_groups)]
+    opt.load_state_dict({"state": {index[id(params[k])]: v for k, v in per_param.items()}, "param_groups": loaded})
+
+
 @register_adapter
 class OptimizerAdapter(Adapter):
-    """A ``torch.optim.Optimizer``: ``state/<param index>/<name>`` and
+    """A ``torch.optim.Optimizer``: ``state/<param>/<name>`` and
     ``param_groups/<group index>/<option>`` leaves (tensors or JSON values).
 
-    Checkout needs the same number of groups and parameters per group.
+    ``<param>`` is the parameter's *name* when every parameter of the optimizer
+    belongs to a module committed with it: the leaf path where that module
+    stores it (``"model/0.weight"``, one escaped key: ``state/model%2F0.weight/exp_avg``;
+    see :class:`~ckptstore.adapters.base.Scope`). Otherwise it is the
+    parameter's position in the optimizer (torch's ``state_dict`` numbering).
+    ``param_groups/<i>/params`` lists them in the group's order.
+
+    Checkout of named state looks each name up among the parameters of the
+    modules at the same paths in ``into`` (restored in the same checkout or
+    not), so each parameter gets its own moments whatever order a refactored
+    module declares them in. Each group must hold the same parameters (in any
+    order) and every moment the shape of its parameter; otherwise
+    TargetMismatchError / ShapeMismatchError naming the parameter, before the
+    optimizer is touched. When ``into`` holds none of those modules, parameters
+    are matched by position, as ``load_state_dict`` does.
+
+    Version 1 state is the positional form.
     """
 
     name = "torch.optim.Optimizer"
+    version = 2
     types = (torch.optim.Optimizer,)
+    migrations = {1: lambda flat, meta: flat}
+    uses_scope = True
 
-    def to_state(self, obj: torch.optim.Optimizer) -> dict:
+    def to_state(self, obj: torch.optim.Optimizer, scope: Scope | None = None) -> dict:
         sd = obj.state_dict()
+        params = [p for g in obj.param_groups for p in g["params"]]
+        names = [scope.name(p) for p in params] if scope is not None else [None]
+        if None in names:
+            return {
+                "state": {str(i): dict(s) for i, s in sd["state"].items()},
+                "param_groups": {str(i): dict(g) for i, g in enumerate(sd["param_groups"])},
+            }
         return {
-            "state": {str(i): dict(s) for i, s in sd["state"].items()},
-            "param_groups": {str(i): dict(g) for i, g in enumerate(sd["param_groups"])},
+            "state": {names[i]: dict(s) for i, s in sd["state"].items()},
+            "param_groups": {str(i): {**g, "params": [names[j] for j in g["params"]]} for i, g in enumerate(sd["param_groups"])},
         }
 
     def _groups(self, state: ComponentState) -> list[dict]:
-        return _indexed(state.tree("param_groups"), state.where("param_groups"))
+        groups = _indexed(state.tree("param_groups"), state.where("param_groups"))
+        for i, g in enumerate(groups):
+            keys = g.get("params") if isinstance(g, dict) else None
+            if type(keys) is not list or not (all(type(k) is int for k in keys) or all(type(k) is str for k in keys)):
+                raise TargetMismatchError(f"{state.where(f'param_groups/{i}/params')}: expected a list of parameter positions or names")
+        return groups
 
-    def check(self, obj: Any, state: ComponentState) -> None:
+    def _params(self, opt: torch.optim.Optimizer, state: ComponentState, groups: list[dict], scope: Scope | None) -> dict[str, Any]:
+        """``{stored parameter key: target parameter}``, or TargetMismatchError naming what differs."""
+        where = state.where("")
+        if len(groups) != len(opt.param_groups):
+            raise TargetMismatchError(f"{where}: the commit has {len(groups)} param groups, the target {len(opt.param_groups)}")
+        keys = [k for g in groups for k in g["params"]]
+        found = {k: scope.param(k) for k in keys if type(k) is str} if scope is not None else {}
+        named = any(p is not None for p in found.values())
+        if named and None in found.values():
+            missing = [k for k, p in found.items() if p is None]
+            raise TargetMismatchError(f"{where}: parameters {missing[:10]} of the commit are not parameters of the target's modules")
+        out: dict[str, Any] = {}
+        for i, (g, target) in enumerate(zip(groups, opt.param_groups)):
+            if named:
+                mine = {id(p) for p in target["params"]}
+                theirs = {id(found[k]): k for k in g["params"]}
+                if set(theirs) != mine:
+                    names = {id(p): scope.name(p) or list(p.shape) for p in target["params"]}
+                    raise TargetMismatchError(
+                        f"{where}: param group {i} differs: in the commit only {[theirs[x] for x in theirs if x not in mine][:10]}, "
+                        f"in the target only {[names[x] for x in mine if x not in theirs][:10]}"
+                    )
+                out.update({k: found[k] for k in g["params"]})
+            else:
+                if len(g["params"]) != len(target["params"]):
+                    stored = [len(x["params"]) for x in groups]
+                    raise TargetMismatchError(
+                        f"{where}: parameters per group differ: stored {stored}, target {[len(x['params']) for x in opt.param_groups]}"
+                    )
+                out.update({str(k): p for k, p in zip(g["params"], target["params"])})
+        return out
+
+    def check(self, obj: Any, state: ComponentState, scope: Scope | None = None) -> None:
         if not isinstance(obj, torch.optim.Optimizer):
             raise TargetMismatchError(f"{state.where('')}: stored an optimizer, target is {type(obj).__name__}")
         groups = self._groups(state)
-        stored = [len(g["params"]) for g in groups]
-        target = [len(g["params"]) for g in obj.param_groups]
-        if stored != target:
-            raise TargetMismatchError(f"{state.where('')}: parameters per group differ: stored {stored}, target {target}")
-        params = [p for g in obj.param_groups for p in g["params"]]
-        _check_optimizer(state, obj, state.meta.get("class", ""), groups, {str(i): p for i, p in enumerate(params)})
+        _check_optimizer(state, obj, state.meta.get("class", ""), groups, self._params(obj, state, groups, scope))
 
-    def from_state(self, obj: torch.optim.Optimizer, state: ComponentState) -> torch.optim.Optimizer:
-        per_param = state.tree("state")
-        obj.load_state_dict({"state": {int(k): v for k, v in per_param.items()}, "param_groups": self._groups(state)})
+    def from_state(self, obj: torch.optim.Optimizer, state: ComponentState, scope: Scope | None = None) -> torch.optim.Optimizer:
+        groups = self._groups(state)
+        _load(obj, state.tree("state"), groups, self._params(obj, state, groups, scope))
         return obj
 
 
@@ -224,11 +293,6 @@ class NamedOptimizerAdapter(Adapter):
         _check_optimizer(state, obj.optimizer, state.meta.get("optimizer", ""), groups, dict(obj.module.named_parameters()))
 
     def from_state(self, obj: NamedOptimizer, state: ComponentState) -> NamedOptimizer:
-        # load_state_dict pairs ids with the target's parameters by position: number them in the target's order
-        order = [n for group in self._groups(obj) for n in group]
-        index = {name: i for i, name in enumerate(order)}
         groups = _indexed(state.tree("param_groups"), state.where("param_groups"))
-        loaded = [{**g, "params": [index[n] for n in names]} for g, names in zip(groups, self._groups(obj))]
-        per_param = {index[n]: v for n, v in state.tree("state").items()}
-        obj.optimizer.load_state_dict({"state": per_param, "param_groups": loaded})
+        _load(obj.optimizer, state.tree("state"), groups, dict(obj.module.named_parameters()))
         return obj

@@ -1,0 +1,325 @@
+"""Issue 11: what a user commits is what a user gets back.
+
+1. Any ``str`` key round-trips (property tests over dicts, TensorDicts and
+   module state dicts), and ``partial=`` addresses any key without ambiguity.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tensordict import TensorDict
+
+import ckptstore
+from ckptstore.errors import PartialPathError, ShapeMismatchError, TargetMismatchError
+from ckptstore.layout import escape, keypath, split, unescape
+
+from .conftest import assert_bit_equal
+
+# keys users and libraries choose, and the ones that collide with the store's own path syntax
+SPECIAL = ["", " ", "  x ", "/", "//", "x/y", "/a", "a/", "%", "%2F", "%25", "%u", "%uD800", ".", "..", "a.b", "\x00", "\ud800", "ü", "日本", "\n"]
+KEYS = st.one_of(st.sampled_from(SPECIAL), st.text(max_size=5), st.text(alphabet="%/.2F5u", max_size=5))
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def tensors_tree(depth: int = 2):
+    leaf = st.integers(0, 3).map(lambda n: torch.arange(n * 2, dtype=torch.float32).reshape(n, 2) + n)
+    if depth == 0:
+        return st.dictionaries(KEYS, leaf, min_size=1, max_size=4)
+    return st.dictionaries(KEYS, st.one_of(leaf, tensors_tree(depth - 1)), min_size=1, max_size=4)
+
+
+def leaves(tree: dict, prefix: tuple = ()) -> dict[tuple, torch.Tensor]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(leaves(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def td_leaves(td) -> dict[tuple, torch.Tensor]:
+    return {k if isinstance(k, tuple) else (k,): td.get(k) for k in td.keys(True, True)}
+
+
+@given(KEYS)
+def test_escape_is_a_bijection_onto_segments(key):
+    segment = escape(key)
+    assert segment and "/" not in segment
+    assert unescape(segment) == key
+    assert split(keypath("a", key, key)) == ("a", key, key)
+
+
+def test_escapes_are_written_as_documented():
+    assert [escape(k) for k in ["x/y", "", "50%", "a\x00", "\ud800", ".", "a.b"]] == ["x%2Fy", "%", "50%25", "a%00", "%uD800", ".", "a.b"]
+    # a "%" that begins no escape stands for itself: paths of commits made before keys were escaped
+    assert [unescape(s) for s in ["50%", "%zz", "%2f", "%u0041"]] == ["50%", "%zz", "%2f", "%u0041"]
+
+
+@SETTINGS
+@given(tree=tensors_tree(), name=st.integers(0, 10**9))
+def test_any_str_key_of_a_dict_round_trips(store, tree, name):
+    tag = f"d-{name}"
+    store.commit({"state": tree}, tag=tag)
+    back = store.checkout(tag)
+    got = td_leaves(back)
+    want = {("state",) + k: v for k, v in leaves(tree).items()}
+    assert sorted(got, key=repr) == sorted(want, key=repr)
+    for k, v in want.items():
+        assert_bit_equal(got[k], v)
+    # restoring into a dict gives the same keys, nested the same way
+    target: dict = {"state": {}}
+    store.checkout(tag, into=target)
+    assert sorted(leaves(target["state"]), key=repr) == sorted(leaves(tree), key=repr)
+    # each leaf is addressable by its keys, as a tuple or as the escaped path, and only it is read
+    path, value = next(iter(want.items()))
+    for sel in (path, keypath(*path)):
+        part = store.checkout(tag, partial=[sel])
+        assert list(td_leaves(part)) == [path]
+        assert_bit_equal(part.get(path), value)
+
+
+@SETTINGS
+@given(tree=tensors_tree(), name=st.integers(0, 10**9))
+def test_any_tensordict_round_trips_with_identical_keys(store, tree, name):
+    td = TensorDict(tree, batch_size=[])
+    td["empty"] = TensorDict({}, batch_size=[])
+    tag = f"t-{name}"
+    store.commit({"td": td}, tag=tag)
+    back = store.checkout(tag)["td"]
+    assert sorted(back.keys(True, False), key=repr) == sorted(td.keys(True, False), key=repr)
+    for k, v in td_leaves(td).items():
+        assert_bit_equal(back.get(k), v)
+    into = TensorDict({}, batch_size=[])
+    store.checkout(tag, into={"td": into})
+    assert sorted(into.keys(True, False), key=repr) == sorted(td.keys(True, False), key=repr)
+
+
+def test_dotted_key_beside_nested_key_and_batch_sizes_are_kept(store):
+    td = TensorDict({"a.b": torch.zeros(4), "a": {"b": torch.ones(4)}, "deep": TensorDict({"x": torch.ones(4, 3)}, [4, 3]),
+                     "none": TensorDict({}, [4, 2])}, batch_size=[4])
+    store.commit(td, tag="t")
+    back = store.checkout("t")
+    assert_bit_equal(back["a.b"], torch.zeros(4))
+    assert_bit_equal(back["a", "b"], torch.ones(4))
+    assert back["deep"].batch_size == torch.Size([4, 3]) and back["none"].batch_size == torch.Size([4, 2])
+    assert store.checkout("t", partial=["none"])["none"].batch_size == torch.Size([4, 2])
+    assert [leaf.path for leaf in store.manifest("t")] == ["a.b", "a/b", "deep/x", "none"]
+
+
+def test_module_with_slash_and_percent_in_its_names(store):
+    def build():
+        torch.manual_seed(0)
+        m = torch.nn.Module()
+        m.add_module("enc/0", torch.nn.Linear(3, 2))
+        m.register_buffer("50%", torch.arange(3.0))
+        return m
+
+    m = build()
+    with torch.no_grad():
+        m.get_submodule("enc/0").weight.add_(1)
+    store.commit({"model": m}, tag="m")
+    fresh = build()
+    store.checkout("m", into={"model": fresh})
+    for k, v in m.state_dict().items():
+        assert_bit_equal(fresh.state_dict()[k], v)
+    assert sorted(leaf.path for leaf in store.manifest("m")) == ["model/50%25", "model/enc%2F0.bias", "model/enc%2F0.weight"]
+    part = store.checkout("m", partial=[("model", "enc/0.weight")])
+    assert list(part["model"].keys()) == ["enc/0.weight"]
+
+
+def test_partial_errors_name_the_path(store):
+    store.commit({"x/y": torch.ones(2)}, tag="t")
+    with pytest.raises(PartialPathError, match="matches nothing"):
+        store.checkout("t", partial=["x/y"])  # that is key "x", then key "y"
+    with pytest.raises(PartialPathError, match="empty segment"):
+        store.checkout("t", partial=["x//y"])
+    with pytest.raises(PartialPathError, match="keys are str"):
+        store.checkout("t", partial=[("x", 1)])
+    assert_bit_equal(store.checkout("t", partial=["x%2Fy"])["x/y"], torch.ones(2))
+
+
+def test_cli_shows_escaped_paths(store, tmp_path):
+    store.commit({"x/y": torch.ones(2), "": torch.zeros(1)}, tag="t")
+    from typer.testing import CliRunner
+
+    from ckptstore.cli import app
+
+    out = CliRunner().invoke(app, ["--store", str(store.root), "show", "t"]).output
+    assert "x%2Fy" in out and "%" in out
+
+
+# --- 2. optimizers by parameter name ---------------------------------------------------------
+
+SHAPES = {"enc.weight": (4, 3), "enc.bias": (4,), "head.weight": (2, 4), "head.bias": (2,), "scale": (1,)}
+
+
+class Net(torch.nn.Module):
+    """Parameters named as in SHAPES, declared in ``order`` (a refactor reorders them)."""
+
+    def __init__(self, order: list[str], seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.enc, self.head = torch.nn.Module(), torch.nn.Module()
+        for name in order:
+            owner, _, leaf = name.rpartition(".")
+            target = getattr(self, owner) if owner else self
+            target.register_parameter(leaf, torch.nn.Parameter(torch.randn(SHAPES[name], generator=gen)))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.enc.weight.T + self.enc.bias)
+        return (h @ self.head.weight.T + self.head.bias) * self.scale
+
+
+OPTIMIZERS = {
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=0.01),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.01, amsgrad=True),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=0.01, centered=True),
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=0.1),
+}
+
+
+def split_groups(net: Net) -> list[dict]:
+    """Two groups chosen by name (weights, then the rest), each in the module's declaration order."""
+    named = list(net.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "lr": 0.05},
+            {"params": [p for n, p in named if not n.endswith("weight")]}]
+
+
+def train(net, opt, sched=None, scaler=None, steps=3, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x, y = torch.randn(5, 3, generator=gen), torch.randn(5, 2, generator=gen)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        if sched is not None:
+            sched.step()
+
+
+def by_name(net: Net, opt) -> dict[str, dict]:
+    return {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.state[p].items()} for n, p in net.named_parameters()}
+
+
+def assert_same_by_name(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert sorted(a[name]) == sorted(b[name]), name
+        for k, v in a[name].items():
+            if isinstance(v, torch.Tensor):
+                assert_bit_equal(b[name][k], v)
+            else:
+                assert b[name][k] == v
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(kind=st.sampled_from(sorted(OPTIMIZERS)), order=st.permutations(sorted(SHAPES)), grouped=st.booleans(), n=st.integers(0, 10**9))
+def test_optimizer_state_follows_each_parameter_by_name(store, kind, order, grouped, n):
+    net = Net(sorted(SHAPES))
+    opt = OPTIMIZERS[kind](split_groups(net) if grouped else net.parameters())
+    train(net, opt)
+    store.commit({"model": net, "optim": opt}, tag=f"o-{n}")
+    assert {leaf.path.split("/")[2] for leaf in store.manifest(f"o-{n}", ["optim/state"])} <= {f"model%2F{k}" for k in SHAPES}
+
+    refactored = Net(list(order), seed=7)
+    opt2 = OPTIMIZERS[kind](split_groups(refactored) if grouped else refactored.parameters())
+    store.checkout(f"o-{n}", into={"model": refactored, "optim": opt2})
+    assert_same_by_name(by_name(net, opt), by_name(refactored, opt2))
+    # both continue identically, parameter by parameter
+    train(net, opt, seed=2)
+    train(refactored, opt2, seed=2)
+    for name, p in net.named_parameters():
+        assert_bit_equal(refactored.get_parameter(name), p)
+
+
+def test_scheduler_and_grad_scaler_continue_after_a_refactor(store):
+    def build(order, seed):
+        net = Net(order, seed)
+        opt = torch.optim.Adam(split_groups(net), lr=0.01)
+        return net, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5), torch.amp.GradScaler("cpu", init_scale=2.0**8)
+
+    net, opt, sched, scaler = build(sorted(SHAPES), 0)
+    train(net, opt, sched, scaler, steps=5)
+    store.commit({"model": net, "optim": opt, "sched": sched, "scaler": scaler}, tag="t")
+    net2, opt2, sched2, scaler2 = build(sorted(SHAPES, reverse=True), 3)
+    store.checkout("t", into={"model": net2, "optim": opt2, "sched": sched2, "scaler": scaler2})
+    assert sched2.get_last_lr() == sched.get_last_lr() and scaler2.get_scale() == scaler.get_scale()
+    train(net, opt, sched, scaler, steps=3, seed=5)
+    train(net2, opt2, sched2, scaler2, steps=3, seed=5)
+    for name, p in net.named_parameters():
+        assert_bit_equal(net2.get_parameter(name), p)
+    assert sched2.get_last_lr() == sched.get_last_lr() and scaler2.get_scale() == scaler.get_scale()
+
+
+def test_optimizer_restored_alone_finds_its_module_in_into(store):
+    net = Net(sorted(SHAPES))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    train(net, opt)
+    store.commit({"model": net, "optim": opt}, tag="t")
+    refactored = Net(sorted(SHAPES, reverse=True), seed=9)
+    before = {n: p.clone() for n, p in refactored.named_parameters()}
+    opt2 = torch.optim.Adam(refactored.parameters(), lr=0.01)
+    store.checkout("t", into={"model": refactored, "optim": opt2}, partial=["optim"])
+    assert_same_by_name(by_name(net, opt), by_name(refactored, opt2))
+    for n, p in refactored.named_parameters():  # the module was not restored
+        assert_bit_equal(p, before[n])
+    # without the module in into, parameters are matched by position, as load_state_dict does
+    same_order = Net(sorted(SHAPES), seed=9)
+    opt3 = torch.optim.Adam(same_order.parameters(), lr=0.01)
+    store.checkout("t", into={"optim": opt3}, partial=["optim"])
+    assert_same_by_name(by_name(net, opt), by_name(same_order, opt3))
+
+
+def test_optimizer_mismatches_name_the_parameter_and_change_nothing(store):
+    net = Net(sorted(SHAPES))
+    opt = torch.optim.Adam(split_groups(net), lr=0.01)
+    train(net, opt)
+    store.commit({"model": net, "optim": opt}, tag="t")
+
+    class Wider(Net):
+        def __init__(self):
+            super().__init__(sorted(SHAPES))
+            self.head.bias = torch.nn.Parameter(torch.zeros(3))
+            self.head.weight = torch.nn.Parameter(torch.zeros(3, 4))
+
+    cases = []
+    wider = Wider()
+    cases.append(({"model": wider, "optim": torch.optim.Adam(split_groups(wider), lr=0.01)}, ShapeMismatchError, r"stored \[2, 4\], its parameter model/head.weight is \[3, 4\]"))
+    swapped = Net(sorted(SHAPES))
+    groups = split_groups(swapped)
+    groups[0]["params"].append(groups[1]["params"].pop(0))  # scale moved into the weights' group
+    cases.append(({"model": swapped, "optim": torch.optim.Adam(groups, lr=0.01)}, TargetMismatchError, r"param group 0 differs: in the commit only \[\], in the target only \['model/scale'\]"))
+    missing = Net(sorted(SHAPES))
+    del missing.scale
+    cases.append(({"model": missing, "optim": torch.optim.Adam(split_groups(missing), lr=0.01)}, TargetMismatchError, "model/scale"))
+    for into, error, match in cases:
+        opt_before = into["optim"].state_dict()
+        params_before = {n: p.clone() for n, p in into["model"].named_parameters()}
+        with pytest.raises(error, match=match):
+            store.checkout("t", into=into, partial=["optim"])
+        assert into["optim"].state_dict()["state"] == opt_before["state"] == {}
+        for n, p in into["model"].named_parameters():
+            assert_bit_equal(p, params_before[n])
+
+
+def test_optimizer_over_parameters_of_no_committed_module_is_stored_by_position(store):
+    free = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([free], lr=0.1, momentum=0.9)
+    free.grad = torch.ones(3)
+    opt.step()
+    store.commit({"model": torch.nn.Linear(2, 2), "optim": opt}, tag="t")
+    assert [leaf.path for leaf in store.manifest("t", ["optim/state"])] == ["optim/state/0/momentum_buffer"]
+    free2 = torch.nn.Parameter(torch.ones(3))
+    opt2 = torch.optim.SGD([free2], lr=0.1, momentum=0.9)
+    store.checkout("t", into={"optim": opt2}, partial=["optim"])
+    assert_bit_equal(opt2.state[free2]["momentum_buffer"], opt.state[free]["momentum_buffer"])
