@@ -323,3 +323,131 @@ def test_optimizer_over_parameters_of_no_committed_module_is_stored_by_position(
     opt2 = torch.optim.SGD([free2], lr=0.1, momentum=0.9)
     store.checkout("t", into={"optim": opt2}, partial=["optim"])
     assert_bit_equal(opt2.state[free2]["momentum_buffer"], opt.state[free]["momentum_buffer"])
+
+
+# --- 3. partial restores leave consistent replay buffers ------------------------------------
+
+from itertools import combinations  # noqa: E402
+
+from torchrl.data import LazyTensorStorage, ListStorage, TensorDictReplayBuffer  # noqa: E402
+from torchrl.data.replay_buffers import (  # noqa: E402
+    PrioritizedSampler,
+    PrioritizedSliceSampler,
+    RandomSampler,
+    SamplerWithoutReplacement,
+    SliceSampler,
+    SliceSamplerWithoutReplacement,
+    TensorDictMaxValueWriter,
+)
+
+from ckptstore.adapters import capture  # noqa: E402
+
+CAPACITY, ROWS, BATCH = 64, 40, 8
+SAMPLERS = {
+    "prioritized": lambda: PrioritizedSampler(CAPACITY, alpha=0.7, beta=0.5),
+    "random": RandomSampler,
+    "without_replacement": SamplerWithoutReplacement,
+    "slice": lambda: SliceSampler(num_slices=2, traj_key="episode"),
+    "slice_without_replacement": lambda: SliceSamplerWithoutReplacement(num_slices=2, traj_key="episode"),
+    "prioritized_slice": lambda: PrioritizedSliceSampler(CAPACITY, num_slices=2, traj_key="episode", alpha=0.7, beta=0.5),
+}
+PARTS = ("storage", "writer", "sampler")
+SELECTIONS = [c for r in (1, 2) for c in combinations(PARTS, r)]
+
+
+def buffer(kind: str, rows: int, seed: int) -> TensorDictReplayBuffer:
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY), sampler=SAMPLERS[kind](), batch_size=BATCH,
+                                generator=torch.Generator().manual_seed(seed))
+    if rows:
+        rb.extend(TensorDict({"obs": torch.arange(rows, dtype=torch.float32) + 1000 * seed, "episode": torch.arange(rows) // 10}, [rows]))
+    if kind.startswith("prioritized") and rows:
+        rb.update_priority(torch.arange(rows), torch.rand(rows, generator=torch.Generator().manual_seed(seed)) + 0.1)
+    return rb
+
+
+def state_of(rb) -> dict:
+    """Every leaf of the buffer as ckptstore captures it (tensors cloned)."""
+    return {path: v.clone() if isinstance(v, torch.Tensor) else v for c in capture(rb) for path, v in c.leaves.items()}
+
+
+def assert_same_state(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b)
+    for k, v in a.items():
+        if isinstance(v, torch.Tensor):
+            assert_bit_equal(b[k], v)
+        else:
+            assert b[k] == v, k
+
+
+@pytest.mark.parametrize("kind", sorted(SAMPLERS))
+def test_partial_restores_of_a_buffer_are_consistent_or_refused(store, kind):
+    committed = buffer(kind, ROWS, seed=1)
+    committed.sample()  # a started permutation / priorities in use
+    store.commit({"rb": committed}, tag="t")
+    want = state_of(committed)
+    outcomes = []
+    for selection in SELECTIONS:
+        for rows in (0, ROWS, ROWS + 9):
+            target = buffer(kind, rows, seed=2)
+            before = state_of(target)
+            needs_rows = "storage" not in selection
+            try:
+                store.checkout("t", into={"rb": target}, partial=[f"rb/{p}" for p in selection])
+            except TargetMismatchError as exc:
+                assert needs_rows and rows != ROWS, (selection, rows, exc)
+                assert "check out rb/storage as well" in str(exc)
+                assert_same_state(before, state_of(target))  # refused before anything changed
+                outcomes.append("refused")
+                continue
+            assert not (needs_rows and rows != ROWS), (selection, rows)
+            got = state_of(target)
+            for part in selection:  # what was restored equals what was committed
+                assert_same_state({k: v for k, v in want.items() if k.startswith(part)}, {k: v for k, v in got.items() if k.startswith(part)})
+            if "storage" in selection and "writer" not in selection:
+                assert (target._writer._cursor, target._writer._write_count) == (ROWS % CAPACITY, ROWS)
+            if "storage" in selection and "sampler" not in selection and kind.startswith("prioritized"):
+                # every restored row has the default priority, nothing beyond
+                sampler = target._sampler
+                expected = (1.0 + sampler._eps) ** sampler._alpha
+                assert torch.equal(torch.as_tensor(sampler._sum_tree[torch.arange(CAPACITY)]),
+                                   torch.tensor([expected] * ROWS + [0.0] * (CAPACITY - ROWS), dtype=torch.float32))
+            for _ in range(3):  # usable at once: samples only filled rows, and takes new data
+                index = target.sample()["index"]
+                assert int(index.max()) < len(target)
+            target.extend(TensorDict({"obs": torch.zeros(4), "episode": torch.full((4,), 99)}, [4]))
+            assert int(target.sample()["index"].max()) < len(target)
+            outcomes.append("restored")
+    assert outcomes.count("refused") == 2 * 3  # writer, sampler, writer+sampler, each into 0 and ROWS + 9 rows
+
+
+def test_storage_alone_into_a_max_value_writer_buffer_is_refused(store):
+    def build(rows):
+        rb = TensorDictReplayBuffer(storage=LazyTensorStorage(16), writer=TensorDictMaxValueWriter(rank_key="r"), batch_size=4)
+        if rows:
+            rb.extend(TensorDict({"r": torch.arange(rows, dtype=torch.float32)}, [rows]))
+        return rb
+
+    store.commit({"rb": build(10)}, tag="t")
+    target = build(0)
+    with pytest.raises(TargetMismatchError, match="TensorDictMaxValueWriter cannot be rebuilt from restored rows: check out rb/writer"):
+        store.checkout("t", into={"rb": target}, partial=["rb/storage"])
+    assert len(target) == 0
+    store.checkout("t", into={"rb": target}, partial=["rb/storage", "rb/writer"])
+    assert len(target) == 10
+
+
+def test_list_storage_partial_sampler_restore_checks_rows(store):
+    def build(rows):
+        rb = TensorDictReplayBuffer(storage=ListStorage(16), sampler=SamplerWithoutReplacement(), batch_size=2)
+        if rows:
+            rb.extend(TensorDict({"x": torch.arange(rows)}, [rows]))
+        return rb
+
+    committed = build(6)
+    committed.sample()
+    store.commit({"rb": committed}, tag="t")
+    with pytest.raises(TargetMismatchError, match="the 6 rows the commit's did; it holds 3"):
+        store.checkout("t", into={"rb": build(3)}, partial=["rb/sampler"])
+    target = build(6)
+    store.checkout("t", into={"rb": target}, partial=["rb/sampler"])
+    assert torch.equal(target._sampler._sample_list, committed._sampler._sample_list)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import progress
-from .adapters import ComponentState, LazyTensor, Registry, join, migrate
+from .adapters import Adapter, ComponentState, LazyTensor, Registry, join, migrate
 from .adapters.base import Scope, check_key, escape, under
 from .errors import CkptStoreError, IntegrityError, TargetMismatchError
 from .packs import PackReader
@@ -100,16 +100,36 @@ class Step:
     parent: tuple[Any, Any, str] | None  # (container adapter, container, child name)
 
 
-def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, registry: Registry, cid: str):
+@dataclass
+class Partial:
+    """A container (with partial-restore rules) of which only some committed children are restored."""
+
+    adapter: Any
+    obj: Any
+    restored: list[str]  # child names
+    skipped: dict[str, str]  # child name -> component path
+
+
+@dataclass
+class Plan:
+    steps: list[Step]  # one per component to load
+    scope: Scope  # the target's modules at component paths, restored or not (optimizers find their parameters there)
+    partials: list[Partial]
+
+    @property
+    def paths(self) -> list[str]:
+        """Components whose stored state the restore looks at (loaded, or checked for consistency)."""
+        return [s.path for s in self.steps] + [p for part in self.partials for p in part.skipped.values()]
+
+
+def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, registry: Registry, cid: str) -> Plan:
     """Match ``into``'s structure to the commit's components.
 
-    Returns the restore steps, one per component to load, and the :class:`Scope`
-    of the target's modules at component paths (restored or not: an optimizer
-    finds its parameters there by name).
     Raises TargetMismatchError for structure that does not match.
     """
     steps: list[Step] = []
     at_components: list[tuple[str, Any]] = []
+    partials: list[Partial] = []
 
     def selected(path: str) -> bool:
         return prefixes is None or any(under(path, p) or under(p, path) for p in prefixes)
@@ -131,8 +151,14 @@ def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, 
                 f"{path or '<root>'}: the commit holds components {', '.join(below)} here, "
                 f"but the target {type(obj).__name__} is not a container of them"
             )
+        first = len(steps)
         for name, child in kids.items():
             walk(child, join(path, check_key(name, path)), (adapter, obj, name))
+        if type(adapter).check_partial is not Adapter.check_partial:
+            committed = {n: join(path, escape(n)) for n in kids if join(path, escape(n)) in comps}
+            restored = [n for n, c in committed.items() if any(s.path == c for s in steps[first:])]
+            if restored and len(restored) < len(committed):
+                partials.append(Partial(adapter, obj, restored, {n: c for n, c in committed.items() if n not in restored}))
         if not adapter.partial_targets:  # a buffer must receive every part the commit has for it
             names = {join(path, escape(n)) for n in kids}
             left = [c for c in below if selected(c) and not any(under(c, n) for n in names)]
@@ -144,7 +170,7 @@ def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, 
         for p in prefixes:
             if not any(under(s.path, p) or under(p, s.path) for s in steps):
                 raise TargetMismatchError(f"partial path {p!r} selects components that the target given as into does not contain")
-    return steps, Scope(at_components)
+    return Plan(steps, Scope(at_components), partials)
 
 
 _VALUE_ADAPTERS = ("tensor", "json", "dict", "tensordict")
@@ -165,12 +191,11 @@ def _compatible(stored: Any, step: Step, registry: Registry) -> None:
         )
 
 
-def restore(
-    into: Any, steps: list[Step], scope: Scope, states: dict[str, ComponentState], registry: Registry, reader: BlobReader
-) -> Any:
-    """Check every component, read the small ones, then load them all."""
+def restore(into: Any, plan: Plan, states: dict[str, ComponentState], registry: Registry, reader: BlobReader) -> Any:
+    """Check every component and partial restore, read the small components, then load them all."""
     plans = []
-    for step in steps:
+    scope = plan.scope
+    for step in plan.steps:
         state = states[step.path]
         adapter = registry.named(state.adapter, step.path)
         _compatible(adapter, step, registry)
@@ -180,6 +205,8 @@ def restore(
         else:
             adapter.check(step.obj, state)
         plans.append((step, adapter, state))
+    for part in plan.partials:
+        part.adapter.check_partial(part.obj, part.restored, {n: states[c] for n, c in part.skipped.items()})
     prefetch = [s for _, a, s in plans if not a.direct]
     reader.read_many([(lt, None) for s in prefetch for lt in s.lazy()], states=prefetch)
     result = into
@@ -200,5 +227,7 @@ def restore(
                 else:
                     parent_adapter, container, name = step.parent
                     parent_adapter.set_child(container, name, new)
+        for part in plan.partials:
+            part.adapter.after_partial(part.obj, part.restored, list(part.skipped))
     return result
 

@@ -1242,14 +1242,14 @@ class Store:
                 if into is None:
                     states = self._states(cid, prefixes, comps, reader)
                 else:
-                    steps, scope = plan_restore(into, comps, prefixes, self.registry, cid)
-                    if not steps:
+                    plan = plan_restore(into, comps, prefixes, self.registry, cid)
+                    if not plan.steps:
                         return into
-                    states = self._states(cid, [s.path for s in steps], comps, reader)
+                    states = self._states(cid, plan.paths, comps, reader)
             try:
                 if into is None:
                     return self._as_tensordict(states, reader, map_location)
-                return restore(into, steps, scope, states, self.registry, reader)
+                return restore(into, plan, states, self.registry, reader)
             finally:
                 reader.close()
 

@@ -351,6 +351,17 @@ class Adapter:
         """
         return {}
 
+    def check_partial(self, obj: Any, restored: list[str], skipped: dict[str, ComponentState]) -> None:
+        """For containers whose children depend on each other (a replay buffer): a
+        checkout restores only the ``restored`` children of ``obj``; ``skipped``
+        holds the stored (unread) state of the committed children it leaves alone.
+        Raise TargetMismatchError if the result could not be made consistent
+        (called before anything is changed)."""
+
+    def after_partial(self, obj: Any, restored: list[str], skipped: list[str]) -> None:
+        """After such a partial restore: bring the ``skipped`` children to a state
+        consistent with the restored ones."""
+
     def check(self, obj: Any, state: ComponentState) -> None:
         """Validate that ``state`` fits ``obj`` before anything is read or written.
 

@@ -54,6 +54,50 @@ class ReplayBufferAdapter(Adapter):
     name = "torchrl.replay_buffer"
     types = (ReplayBuffer,)
 
+    def check_partial(self, obj: ReplayBuffer, restored: list[str], skipped: dict[str, ComponentState]) -> None:
+        """The rules of a partial restore (docs/adapters.md):
+
+        - a writer or sampler restored without the storage needs the target's
+          storage to hold as many rows as the committed one did (their cursors,
+          priorities and permutations index those rows);
+        - a storage restored without its writer or sampler resets them as if the
+          restored rows had just been written, in order, into an emptied buffer:
+          supported for round-robin writers without generation tracking and for
+          every sampler over a one-dimensional storage.
+        """
+        parent = skipped[next(iter(skipped))].path.rpartition("/")[0]
+        where, storage_path = parent or "<root>", join(parent, "storage")
+        dependent = [n for n in ("writer", "sampler") if n in restored]
+        if "storage" in skipped and dependent:
+            state = skipped["storage"]
+            rows = len(state.json("kinds")) if state.adapter == ListStorageAdapter.name else state.json("len")
+            if rows != len(obj._storage):
+                raise TargetMismatchError(
+                    f"{where}: restoring the {' and '.join(dependent)} without the storage needs the target's storage to hold "
+                    f"the {rows} rows the commit's did; it holds {len(obj._storage)}: check out {storage_path} as well"
+                )
+        if "storage" in restored:
+            writer = obj._writer
+            if "writer" in skipped and not (isinstance(writer, RoundRobinWriter) and not getattr(writer, "_track_generations", False)):
+                raise TargetMismatchError(
+                    f"{where}: a {type(writer).__name__} cannot be rebuilt from restored rows: check out {join(parent, 'writer')} with the storage"
+                )
+            if "sampler" in skipped and getattr(obj._storage, "ndim", 1) != 1:
+                raise TargetMismatchError(f"{where}: check out {join(parent, 'sampler')} with a storage of ndim {obj._storage.ndim}")
+
+    def after_partial(self, obj: ReplayBuffer, restored: list[str], skipped: list[str]) -> None:
+        if "storage" not in restored:
+            return
+        rows = len(obj._storage)
+        if "writer" in skipped:
+            obj._writer._cursor = rows % obj._storage.max_size
+            obj._writer._write_count = rows
+        if "sampler" in skipped:
+            sampler = obj._sampler
+            sampler._empty()  # what ReplayBuffer.empty() does
+            if isinstance(sampler, PrioritizedSampler) and rows:
+                sampler.mark_update(torch.arange(rows), storage=obj._storage)  # what extend() does: the default priority
+
     def children(self, obj: ReplayBuffer) -> dict:
         kids = {"storage": obj._storage, "writer": obj._writer, "sampler": obj._sampler}
         rng = getattr(obj, "_rng", None)
