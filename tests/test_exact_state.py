@@ -1,18 +1,34 @@
-"""Issue 11: what a user commits is what a user gets back.
+"""What a user commits is what a user gets back.
 
 1. Any ``str`` key round-trips (property tests over dicts, TensorDicts and
    module state dicts), and ``partial=`` addresses any key without ambiguity.
+2. Optimizer state follows each parameter by name when its module is committed
+   with it (property test over optimizers, declaration orders and groups).
+3. Partial restores of replay buffers leave consistent buffers or are refused
+   before anything changes (table over samplers, selections and targets).
 """
 
 from __future__ import annotations
+
+from itertools import combinations
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensordict import TensorDict
+from torchrl.data import LazyTensorStorage, ListStorage, TensorDictReplayBuffer
+from torchrl.data.replay_buffers import (
+    PrioritizedSampler,
+    PrioritizedSliceSampler,
+    RandomSampler,
+    SamplerWithoutReplacement,
+    SliceSampler,
+    SliceSamplerWithoutReplacement,
+    TensorDictMaxValueWriter,
+)
 
-import ckptstore
+from ckptstore.adapters import capture
 from ckptstore.errors import PartialPathError, ShapeMismatchError, TargetMismatchError
 from ckptstore.layout import escape, keypath, split, unescape
 
@@ -213,9 +229,9 @@ def by_name(net: Net, opt) -> dict[str, dict]:
 
 def assert_same_by_name(a: dict, b: dict) -> None:
     assert sorted(a) == sorted(b)
-    for name in a:
-        assert sorted(a[name]) == sorted(b[name]), name
-        for k, v in a[name].items():
+    for name, moments in a.items():
+        assert sorted(moments) == sorted(b[name]), name
+        for k, v in moments.items():
             if isinstance(v, torch.Tensor):
                 assert_bit_equal(b[name][k], v)
             else:
@@ -326,21 +342,6 @@ def test_optimizer_over_parameters_of_no_committed_module_is_stored_by_position(
 
 
 # --- 3. partial restores leave consistent replay buffers ------------------------------------
-
-from itertools import combinations  # noqa: E402
-
-from torchrl.data import LazyTensorStorage, ListStorage, TensorDictReplayBuffer  # noqa: E402
-from torchrl.data.replay_buffers import (  # noqa: E402
-    PrioritizedSampler,
-    PrioritizedSliceSampler,
-    RandomSampler,
-    SamplerWithoutReplacement,
-    SliceSampler,
-    SliceSamplerWithoutReplacement,
-    TensorDictMaxValueWriter,
-)
-
-from ckptstore.adapters import capture  # noqa: E402
 
 CAPACITY, ROWS, BATCH = 64, 40, 8
 SAMPLERS = {

@@ -41,8 +41,8 @@ import zstandard
 
 from . import jsonvalue, progress
 from .errors import CkptStoreError, ContainerError, IntegrityError
-from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
 from .layout import check_path
+from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
 from .records import check_paths
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
 

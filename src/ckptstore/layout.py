@@ -191,7 +191,7 @@ def check_path(path: str) -> None:
     try:
         path.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"path {ascii(path)} holds a lone surrogate (written %uD800-%uDFFF)") from None
+        raise ValueError(f"path {path!a} holds a lone surrogate (written %uD800-%uDFFF)") from None
 
 
 def join(path: str, name: str) -> str:
