@@ -132,3 +132,12 @@ class BlobCorruptError(IntegrityError):
 
 class ContainerError(CkptStoreError):
     """An export archive or folder is malformed, unsafe, or of an unknown format."""
+
+
+# --- warnings -------------------------------------------------------------------------
+
+
+class StaleFingerprintWarning(UserWarning):
+    """A tensor's bytes changed although its fingerprint (version counter, address)
+    did not: a write torch does not count (``.data``, a numpy view, another process).
+    The commit rehashed it in full, so the checkpoint is right; see ``reuse_hashes``."""

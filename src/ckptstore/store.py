@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import gc
 import os
+import random
 import re
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -50,6 +52,7 @@ from .errors import (
     NotAStoreError,
     PartialPathError,
     RefNotFoundError,
+    StaleFingerprintWarning,
     StoreWriteError,
     UnsupportedTypeError,
 )
@@ -185,11 +188,19 @@ class Store:
         pack_bytes: pack files roll over past this size in bytes.
         workers: threads for hashing, compression and I/O (default: CPU count).
         registry: the adapter registry (default: the global one, ``ckptstore.adapters.REGISTRY``).
-        reuse_hashes: skip rehashing a TorchRL storage's tensors when neither its
-            mutation revision nor the tensors' version counters changed since
-            this store last committed it (see ``Adapter.fingerprints``). Turn it
-            off if you write into storage tensors behind TorchRL's and torch's
-            back (through ``.data``, numpy views or another process's raw memory).
+        reuse_hashes: skip rehashing a tensor that this store committed before
+            when its fingerprint says it did not change: for plain tensors (module
+            parameters and buffers, optimizer moments, TensorDict and dict leaves)
+            the storage, address, layout and torch's version counter
+            (:func:`ckptstore.adapters.base.plain_token`); for a TorchRL storage its
+            mutation revision too (``Adapter.fingerprints``). Writes torch does not
+            count (through ``.data``, numpy views, another process's memory) keep the
+            fingerprint, so every commit also rehashes a random sample of each such
+            tensor's shards (1 %, at least one): a write to every element, like
+            TorchRL's target-network updates through ``.data``, is always caught, a
+            sparse one with the sample's odds; a catch rehashes the tensor in full and
+            warns (``StaleFingerprintWarning``). Shared and file-backed memory and CUDA
+            tensors are always hashed. ``False`` always hashes everything.
 
     Raises:
         NotAStoreError: the folder holds other files and no catalog.
@@ -442,7 +453,7 @@ class Store:
         components = self._snapshot(self._capture(obj))
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-commit")
-        future = self._committer.submit(self.commit_components, components, tag, message, metadata, parents, t0=t0)
+        future = self._committer.submit(self.commit_components, components, tag, message, metadata, parents, t0=t0, reuse_checked=True)
         self._pending = future
         return future
 
@@ -451,11 +462,12 @@ class Store:
         import torch
 
         from .adapters.base import Captured
-        from .shards import check_tensor, dense_order, plan
+        from .shards import check_tensor, dense_order, physical, plan, tensor_bytes
 
         free = self._pending is None or self._pending.done()  # the last snapshot's buffers are reusable
         buffers = self._snapshots if free else {}
         out = []
+        stale: set[str] = set()
         for comp in components:
             leaves = {}
             for path, value in comp.leaves.items():
@@ -463,10 +475,16 @@ class Store:
                     leaves[path] = jsonvalue.loads(jsonvalue.dumps(value, path))
                     continue
                 token = comp.fingerprints.get(path)
-                entry = self._cached(comp.owner, path, token, plan(tuple(value.shape), value.dtype, self.shard_bytes).count)
-                if entry is not None and entry[0] == token:
-                    leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
-                    continue
+                if token is not None:
+                    phys, _ = physical(value, path)
+                    p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+                    entry = self._cached(comp.owner, path, token, p.count)
+                    if entry is not None and entry[0] == token:
+                        if self._still_same(entry[1], tensor_bytes(phys, path), p, path):
+                            leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
+                            continue
+                        stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
+                        self._digest_cache[id(comp.owner)][1].pop((path, self.shard_bytes), None)
                 check_tensor(value, path)
                 buf = buffers.get(path)
                 if buf is None or buf.dtype != value.dtype or buf.shape != value.shape or buf.stride() != value.stride():
@@ -475,7 +493,8 @@ class Store:
                 buf.copy_(value.detach())
                 leaves[path] = buf
                 buffers[path] = buf
-            out.append(Captured(comp.path, comp.adapter, comp.version, comp.meta, leaves, comp.fingerprints, comp.owner))
+            tokens = {k: v for k, v in comp.fingerprints.items() if k not in stale}
+            out.append(Captured(comp.path, comp.adapter, comp.version, comp.meta, leaves, tokens, comp.owner))
         self._snapshots = buffers
         return out
 
@@ -488,9 +507,12 @@ class Store:
         parents: Sequence[str] | None = None,
         *,
         t0: float | None = None,
+        reuse_checked: bool = False,
     ) -> CommitInfo:
         """Commit components already captured (by :func:`ckptstore.adapters.capture`
-        or built by an importer); same arguments, result and errors as :meth:`commit`."""
+        or built by an importer); same arguments, result and errors as :meth:`commit`.
+        ``reuse_checked``: the shard hashes reused by fingerprint were sample-checked
+        already (:meth:`commit_async` checks them when it snapshots the state)."""
         t0 = time.perf_counter() if t0 is None else t0
         tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
         tags = list(dict.fromkeys(_check_tag(t) for t in tags))
@@ -502,7 +524,7 @@ class Store:
         jsonvalue.encode(metadata, "metadata")
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
-        leaves, views, tokens, prior, from_cache = self._leaves(components)
+        leaves, views, tokens, prior, from_cache = self._leaves(components, reuse_checked)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
         for shard_views in views:
@@ -587,13 +609,14 @@ class Store:
         )
         return info, ids
 
-    def _leaves(self, components: list[Captured]):
+    def _leaves(self, components: list[Captured], checked: bool = False):
         """Manifest records; for each tensor leaf its shards' (digest, bytes);
         ``(owner, path, token)`` per leaf whose hashes the digest cache can keep;
         the blob ids the digest cache suggests for addresses (``prior``); and the
         addresses whose hashes came from that cache, unverified (``from_cache``).
 
-        A leaf whose fingerprint is unchanged takes its hashes from the cache. A
+        A leaf whose fingerprint is unchanged takes its hashes from the cache once
+        a random sample of its shards rehashes to them (unless ``checked``). A
         changed one is hashed, and each shard whose hash equals the one at the same
         position last time takes that blob id: no catalog lookup (the commit's
         transaction checks every such id still holds that address).
@@ -621,6 +644,8 @@ class Store:
                     mv = tensor_bytes(phys, path)
                     entry = self._cached(comp.owner, path, token, p.count)
                     known = entry[1] if entry is not None and entry[0] == token else None
+                    if known and not checked and not self._still_same(known, mv, p, path):
+                        known = None
                     if entry is not None and known is None:
                         previous[len(recs)] = entry[1]
                     for s in range(p.count):
@@ -646,6 +671,23 @@ class Store:
                 if d == last_d:
                     prior[(d, len(mv))] = blob
         return recs, views, tokens, prior, from_cache
+
+    @staticmethod
+    def _still_same(known: list[tuple[bytes, int]], mv: memoryview, p: ShardPlan, path: str) -> bool:
+        """Rehash a random sample of a tensor's shards whose hashes a fingerprint says are
+        unchanged: one shard, and 1 % of them for large tensors. A write torch did not see
+        (through ``.data``, a numpy view, another process) that touches a sampled shard, as
+        any write to every element does, is caught here: warn, and rehash it all."""
+        sample = random.sample(range(p.count), max(1, p.count // 100))
+        if all(digest(mv[slice(*p.bounds(i))]) == known[i][0] for i in sample):
+            return True
+        warnings.warn(
+            f"{path}: its bytes changed without torch counting a write (through .data, a numpy view or another "
+            "process); it was rehashed in full. Pass reuse_hashes=False to the Store to always hash.",
+            StaleFingerprintWarning,
+            stacklevel=4,
+        )
+        return False
 
     def _cached(self, owner: Any, path: str, token: Any, count: int) -> tuple[Any, list[tuple[bytes, int]]] | None:
         """``(fingerprint, [(shard hash, blob id)])`` of leaf ``path`` of ``owner`` as this
