@@ -1,6 +1,7 @@
 """torch.distributed.checkpoint through ckptstore (ckptstore.dcp): real gloo process
-groups on the CPU (forked ranks, rendezvous through a FileStore in tmp_path, hard
-timeouts), real SIGKILLs, exact values and exact blob counts."""
+groups on the CPU (ranks forked from a forkserver that has this module preloaded,
+rendezvous through a FileStore in tmp_path, hard timeouts), real SIGKILLs, exact
+values and exact blob counts."""
 
 from __future__ import annotations
 
@@ -65,7 +66,8 @@ def run_ranks(world: int, fn, *args, timeout: float = 60, expect_ok: bool = True
     rank's JSON result. A rank that dies or hangs ends the run: the others are SIGKILLed."""
     root = Path(os.environ["DCP_TEST_TMP"]) / f"pg-{uuid.uuid4().hex[:8]}"
     root.mkdir(parents=True)
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("forkserver")  # ranks fork from a clean single-threaded server, not from pytest
+    ctx.set_forkserver_preload([__name__])
     procs = [ctx.Process(target=_entry, args=(r, world, fn, args, str(root)), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -387,3 +389,64 @@ def test_checkpointer_dcp_mode_on_two_ranks(tmp_path):
     s = Store(store_path)
     assert set(s.tags()) == {"latest", "step-4"} and s.resolve("latest") == r0[3]
     assert s.checkout("latest", partial=["checkpointer.step"])["checkpointer.step"] == 4
+
+
+# --- multi-rank RL: each rank's own replay buffer, one checkpoint ----------------------------------
+
+
+def _buffer(rank: int, fill: bool):
+    """A prioritized buffer of 256 rows; ``fill=False``: the restore target, as full but with other data."""
+    from tensordict import TensorDict
+    from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
+
+    rb = TensorDictPrioritizedReplayBuffer(alpha=0.6, beta=0.4, storage=LazyTensorStorage(256), batch_size=8)
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 300 + 17 * rank if fill else 270  # past capacity: the writer wraps around (the target: other rows, other cursor)
+    if not fill:
+        g.manual_seed(999)
+    rb.extend(TensorDict({"obs": torch.randn(n, 5, generator=g), "action": torch.randint(4, (n,), generator=g)}, [n]))
+    if fill:
+        rb.update_priority(torch.arange(0, 256, 3), torch.rand(86, generator=g) + 0.1)
+    return rb
+
+
+def _rl_ranks(rank: int, world: int, store: str) -> int:
+    from ckptstore.adapters import capture
+    from ckptstore.dcp import AdapterState
+
+    torch.manual_seed(0)
+    policy = torch.nn.Linear(5, 4)  # replicated learner weights
+    rb = _buffer(rank, fill=True)
+    w = StoreWriter(store, tag="rl")
+    dcp.save({f"rb{rank}": AdapterState(rb), "policy": policy}, storage_writer=w)
+    fresh, fresh_policy = _buffer(rank, fill=False), torch.nn.Linear(5, 4)
+    dcp.load({f"rb{rank}": AdapterState(fresh), "policy": fresh_policy}, storage_reader=StoreReader(store, "rl"))
+    want, got = capture(rb), capture(fresh)
+    assert [(c.path, c.adapter) for c in want] == [(c.path, c.adapter) for c in got]
+    for a, b in zip(want, got):
+        assert a.leaves.keys() == b.leaves.keys()
+        for k, v in a.leaves.items():
+            if isinstance(v, torch.Tensor):
+                assert_bit_equal(b.leaves[k], v)
+            else:
+                assert b.leaves[k] == v, (k, b.leaves[k], v)
+    assert len(fresh) == len(rb) == 256 and torch.equal(fresh_policy.weight, policy.weight)
+    import numpy as np
+
+    torch.manual_seed(5), np.random.seed(5)
+    s1 = rb.sample()
+    torch.manual_seed(5), np.random.seed(5)
+    s2 = fresh.sample()
+    assert torch.equal(s1["index"], s2["index"]) and torch.equal(s1["obs"], s2["obs"])
+    return len(rb)
+
+
+def test_each_rank_restores_its_own_replay_buffer(tmp_path):
+    store_path = str(tmp_path / "store")
+    assert run_ranks(2, _rl_ranks, store_path) == [256, 256]
+    s = Store(store_path)
+    comps = s.components("rl")
+    assert list(comps) == [""] and comps[""]["adapter"] == "dcp"
+    items = comps[""]["meta"]["items"]
+    assert items["rb0.components"]["rank"] == 0 and items["rb1.components"]["rank"] == 1
+    assert s.fsck(deep=True).ok

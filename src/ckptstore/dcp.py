@@ -63,7 +63,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import jsonvalue
-from .adapters.base import Adapter, Captured, ComponentState, register_adapter
+from .adapters.base import REGISTRY, Adapter, Captured, ComponentState, Registry, capture, register_adapter
 from .errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -78,7 +78,7 @@ from .shards import DTYPES, byte_view, dense_order, dtype_name, physical, tensor
 from .shards import plan as shard_plan
 from .store import CommitInfo, Store, check_tag
 
-__all__ = ["ADAPTER", "DCPAdapter", "StoreReader", "StoreWriter", "item_path"]
+__all__ = ["ADAPTER", "AdapterState", "DCPAdapter", "StoreReader", "StoreWriter", "item_path"]
 
 #: The adapter name stamped on the one component of a DCP commit.
 ADAPTER = "dcp"
@@ -638,3 +638,67 @@ class StoreReader(StorageReader):
                 raise IntegrityError(f"{where}, leaf {leaf.path}: DCP expects {list(target.shape)}, the stored chunk gives {list(piece.shape)}")
             target.copy_(piece)
             planner.commit_tensor(item, target)
+
+
+# --- objects that ckptstore has adapters for, inside a DCP state dict -----------------------------
+
+
+class AdapterState:
+    """Wraps any object ckptstore has an adapter for (a TorchRL replay buffer with its
+    storage, writer and sampler, an :class:`~ckptstore.RNGState`, a collector...) as a
+    DCP ``Stateful``, so it can go into ``dcp.save`` / ``dcp.load`` state dicts::
+
+        dcp.save({f"rb{rank}": AdapterState(rb), "policy": policy}, storage_writer=StoreWriter(path, tag="t"))
+        dcp.load({f"rb{rank}": AdapterState(rb)}, storage_reader=StoreReader(path, "t"))
+
+    ``state_dict()`` is the adapters' state: ``"components"`` (JSON text: each
+    component's path, adapter, version and meta) and one item per leaf at its path,
+    tensors as they are, JSON values as JSON text (so DCP stores each as one value).
+    ``load_state_dict`` restores through the adapters, checking each component against
+    the object first (TargetMismatchError). DCP loads tensors in place, so the object
+    must already hold tensors of the stored shapes: a replay buffer of the same
+    capacity whose storage is allocated (extended once). Give each rank's own objects
+    their own key (``rb{rank}``): DCP saves one copy of a key that several ranks hold.
+    """
+
+    def __init__(self, obj: Any, registry: Registry | None = None):
+        self.obj = obj
+        self.registry = REGISTRY if registry is None else registry
+
+    def state_dict(self) -> dict[str, Any]:
+        with torch.no_grad():
+            comps = capture(self.obj, self.registry)
+        out: dict[str, Any] = {"components": jsonvalue.dumps([[c.path, c.adapter, c.version, c.meta] for c in comps], "components")}
+        for c in comps:
+            for path, value in c.leaves.items():
+                out[path or "%"] = value if isinstance(value, torch.Tensor) else jsonvalue.dumps(value, path)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from .checkout import plan_restore, restore
+
+        text = state_dict.get("components")
+        if type(text) is not str:
+            raise IntegrityError("AdapterState: the loaded state has no 'components' (was it saved from an AdapterState?)")
+        comps = jsonvalue.loads(text)
+        states: dict[str, ComponentState] = {}
+        for path, adapter, version, meta in comps:
+            leaves = {}
+            for key, value in state_dict.items():
+                leaf = "" if key == "%" else key
+                if key == "components" or not (path == "" or leaf == path or leaf.startswith(path + "/")):
+                    continue
+                rel = leaf[len(path) + 1 :] if path and leaf != path else ("" if leaf == path else leaf)
+                leaves[rel] = value if isinstance(value, torch.Tensor) else jsonvalue.loads(value)
+            states[path] = ComponentState(path, adapter, version, meta, leaves)
+        info = {p: {"adapter": st.adapter, "version": st.version, "meta": st.meta} for p, st in states.items()}
+        steps = plan_restore(self.obj, info, None, self.registry, "dcp")
+        self.obj = restore(self.obj, steps, states, self.registry, _NoReads())
+
+
+class _NoReads:
+    """The blob reader of :func:`ckptstore.checkout.restore` when every tensor is already loaded."""
+
+    def read_many(self, pairs: list, states: list | None = None) -> None:
+        if pairs:
+            raise IntegrityError("AdapterState: a leaf was not loaded by DCP")
