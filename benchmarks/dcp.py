@@ -1,7 +1,7 @@
 """Multi-rank torch.distributed.checkpoint: DCP's FileSystemWriter/FileSystemReader against
 ckptstore's StoreWriter/StoreReader, side by side in one run, on 2 and 4 gloo ranks (CPU).
 
-    .venv/bin/python -m benchmarks.dcp                     # 2 and 4 ranks, 32 MiB per rank, ~3 min on 2 cores
+    .venv/bin/python -m benchmarks.dcp                     # 2 and 4 ranks, 128 MiB per rank, ~2 min on 2 cores
     .venv/bin/python -m benchmarks.dcp --ranks 2 --mib-per-rank 8 --saves 3 --repetitions 1   # a quick look
 
 Each rank holds its own shard of a model (FSDP-like: ``rank<r>.layer<i>`` float32 tensors of
@@ -164,7 +164,7 @@ def summarize(world: int, r: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.dcp", description=__doc__.split("\n\n")[0])
     ap.add_argument("--ranks", default="2,4", help="world sizes to run, comma-separated")
-    ap.add_argument("--mib-per-rank", type=int, default=32, help="MiB of model shards per rank")
+    ap.add_argument("--mib-per-rank", type=int, default=128, help="MiB of model shards per rank")
     ap.add_argument("--tensors", type=int, default=2, help="tensors per rank")
     ap.add_argument("--saves", type=int, default=10, help="saves for the stored-bytes comparison")
     ap.add_argument("-r", "--repetitions", type=int, default=3)

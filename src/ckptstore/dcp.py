@@ -594,6 +594,31 @@ class StoreReader(StorageReader):
         dtype = DTYPES[leaf.dtype]
         shape = tuple(leaf.shape)
         splan = ShardPlan(leaf.nbytes, leaf.shard_bytes)
+
+        def read(first: int, last: int, view: memoryview, start: int) -> None:
+            tasks = []
+            for i in range(first, last + 1 if leaf.nbytes else first):
+                key = leaf.keys[i]
+                loc = locs.get(key)
+                if loc is None:
+                    raise IntegrityError(f"{where}, leaf {leaf.path}: shard {i} (blob {address(*key)}) is not in the catalog")
+                a, b = splan.bounds(i)
+                tasks.append((loc, view[a - start : b - start], f"{where}, leaf {leaf.path}, shard {i}"))
+            run = lambda task: reader.read_into(task[0], task[1], task[2], self.verify)
+            workers = min(4, os.cpu_count() or 1)
+            if leaf.nbytes > _INLINE_HASH_BYTES and workers > 1 and len(tasks) > 1:
+                with ThreadPoolExecutor(workers) as pool:
+                    list(pool.map(run, tasks))
+            else:
+                for task in tasks:
+                    run(task)
+
+        if leaf.stride is None and len(items) == 1 and all(o == 0 for o in items[0].storage_offsets) and tuple(items[0].lengths) == shape:
+            target = planner.resolve_tensor(items[0]).detach()
+            if target.device.type == "cpu" and target.dtype == dtype and tuple(target.shape) == shape and target.is_contiguous():
+                read(0, splan.count - 1, byte_view(target), 0)  # the whole chunk, straight into the destination
+                planner.commit_tensor(items[0], target)
+                return
         row = leaf.nbytes // shape[0] if shape and shape[0] and leaf.stride is None else None
         if row is None:  # 0-d, empty, or a permuted layout: read it whole
             lo, hi = 0, leaf.nbytes
@@ -603,14 +628,7 @@ class StoreReader(StorageReader):
         first, last = lo // splan.shard_bytes, max(lo, hi - 1) // splan.shard_bytes
         start, stop = splan.bounds(first)[0], splan.bounds(last)[1] if leaf.nbytes else 0
         buf = torch.empty(stop - start, dtype=torch.uint8)
-        view = byte_view(buf)
-        for i in range(first, last + 1 if leaf.nbytes else first):
-            key = leaf.keys[i]
-            loc = locs.get(key)
-            a, b = splan.bounds(i)
-            if loc is None:
-                raise IntegrityError(f"{where}, leaf {leaf.path}: shard {i} (blob {address(*key)}) is not in the catalog")
-            reader.read_into(loc, view[a - start : b - start], f"{where}, leaf {leaf.path}, shard {i}", self.verify)
+        read(first, last, byte_view(buf), start)
         if row is None:
             if leaf.nbytes == 0:
                 src = torch.empty(shape, dtype=dtype)
