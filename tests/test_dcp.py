@@ -151,7 +151,7 @@ def _save_edit_load(rank: int, world: int, store: str) -> dict:
     return out
 
 
-def test_save_resave_async_and_load_on_two_ranks(tmp_path):
+def test_save_resave_async_and_load_on_two_ranks(tmp_path, monkeypatch, capsys):
     store_path = str(tmp_path / "store")
     r0, r1 = run_ranks(2, _save_edit_load, store_path)
     assert r1["first"] is None and r1["info1"] is None  # only the coordinator commits
@@ -193,6 +193,21 @@ def test_save_resave_async_and_load_on_two_ranks(tmp_path):
     assert_bit_equal(other.checkout("x")["model.w"], expected)
     with pytest.raises(TargetMismatchError, match="stored by dcp"):
         s.checkout("step-3", into={"model.w": torch.zeros(1)})
+    # `ckptstore show`: per item (the leaves) and per rank
+    from rich.console import Console
+
+    from ckptstore import cli as cli_module
+
+    monkeypatch.setattr("sys.argv", ["ckptstore", "show", "step-3", "--store", store_path])
+    monkeypatch.setattr(cli_module, "console", Console(width=300, highlight=False))
+    cli_module.main()
+    out = capsys.readouterr().out
+    assert "written by rank" in out and "model.w" in out and "rank1.counter" in out
+    per_rank = {}
+    for meta in s.components("step-3")[""]["meta"]["items"].values():
+        for rank in [meta["rank"]] if "bytes" in meta else [c[3] for c in meta["chunks"]]:
+            per_rank[rank] = per_rank.get(rank, 0) + 1
+    assert sorted(per_rank) == [0, 1] and sum(per_rank.values()) == 12
 
 
 def test_single_process_save_refuses_non_json_and_changes_nothing(tmp_path):
