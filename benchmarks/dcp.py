@@ -78,19 +78,19 @@ def _rank_main(rank: int, world: int, cfg: dict, out: str) -> None:
         for rep in range(cfg["repetitions"]):
             fs_dir, store_dir = work / f"fs-{rep}", work / f"store-{rep}"
             base = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
-            results["fs_first"].append(timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(fs_dir / "0"))))
-            results["store_first"].append(timed(lambda: dcp.save(sd, storage_writer=StoreWriter(store_dir, tag="s0"))))
+            results["fs_first"].append(timed(lambda d=fs_dir: dcp.save(sd, storage_writer=dcp.FileSystemWriter(d / "0"))))
+            results["store_first"].append(timed(lambda d=store_dir: dcp.save(sd, storage_writer=StoreWriter(d, tag="s0"))))
             change(1)
-            results["fs_resave"].append(timed(lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(fs_dir / "1"))))
+            results["fs_resave"].append(timed(lambda d=fs_dir: dcp.save(sd, storage_writer=dcp.FileSystemWriter(d / "1"))))
             w = StoreWriter(store_dir, tag="s1")
-            results["store_resave"].append(timed(lambda: dcp.save(sd, storage_writer=w)))
+            results["store_resave"].append(timed(lambda w=w: dcp.save(sd, storage_writer=w)))
             if w.commit_info is not None:
                 results["store_new_bytes"].append([w.commit_info.new_bytes, w.commit_info.logical_bytes])
             target = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
-            results["fs_load"].append(timed(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(fs_dir / "1"))))
+            results["fs_load"].append(timed(lambda t=target, d=fs_dir: dcp.load(t, storage_reader=dcp.FileSystemReader(d / "1"))))
             assert all(torch.equal(target[k], sd[k]) for k in sd if isinstance(sd[k], torch.Tensor))
             target = {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else None) for k, v in sd.items()}
-            results["store_load"].append(timed(lambda: dcp.load(target, storage_reader=StoreReader(store_dir, "s1"))))
+            results["store_load"].append(timed(lambda t=target, d=store_dir: dcp.load(t, storage_reader=StoreReader(d, "s1"))))
             assert all(torch.equal(target[k], sd[k]) for k in sd if isinstance(sd[k], torch.Tensor)) and target["step"] == 1
             dist.barrier()
             if rank == 0:
@@ -111,7 +111,7 @@ def _rank_main(rank: int, world: int, cfg: dict, out: str) -> None:
             Path(out).write_text(json.dumps(results))
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - reported to the parent, which names the rank
         Path(out + f".rank{rank}.err").write_text(traceback.format_exc())
         os._exit(1)
     os._exit(0)
