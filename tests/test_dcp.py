@@ -289,7 +289,8 @@ def _save_sharded(rank: int, world: int, store: str) -> str | None:
 
     mesh = init_device_mesh("cpu", (world,))
     a, b = _global()
-    sd = {"a": distribute_tensor(a, mesh, [Shard(0)]), "b": distribute_tensor(b, mesh, [Shard(1)]), "plain": b.clone(), "epoch": 3}
+    sd = {"a": distribute_tensor(a, mesh, [Shard(0)]), "b": distribute_tensor(b, mesh, [Shard(1)]), "plain": b.clone(), "epoch": 3,
+          "tiny": distribute_tensor(torch.arange(2.0), mesh, [Shard(0)])}  # 2 rows on 4 ranks: ranks 2 and 3 hold empty chunks
     w = StoreWriter(store, tag="sharded")
     dcp.save(sd, storage_writer=w)
     return None if w.commit_info is None else w.commit_info.id
@@ -302,11 +303,11 @@ def _load_sharded(rank: int, world: int, store: str) -> int:
     mesh = init_device_mesh("cpu", (world,))
     a, b = _global()
     sd = {"a": distribute_tensor(torch.zeros(13, 6), mesh, [Shard(0)]), "b": distribute_tensor(torch.zeros(8, 4), mesh, [Shard(1)]),
-          "plain": torch.zeros(8, 4), "epoch": 0}
+          "plain": torch.zeros(8, 4), "epoch": 0, "tiny": distribute_tensor(torch.zeros(2), mesh, [Shard(0)])}
     reader = StoreReader(store, "sharded")
     dcp.load(sd, storage_reader=reader)
     assert torch.equal(sd["a"].full_tensor(), a) and torch.equal(sd["b"].full_tensor(), b) and torch.equal(sd["plain"], b)
-    assert sd["epoch"] == 3
+    assert sd["epoch"] == 3 and torch.equal(sd["tiny"].full_tensor(), torch.arange(2.0))
     return reader.blobs_read
 
 
@@ -317,16 +318,18 @@ def test_dtensor_saved_on_four_ranks_loads_on_two_and_one(tmp_path):
     s = Store(store_path)
     paths = [leaf.path for leaf in s.record("sharded").leaves]
     # a: rows 4+4+4+1 on ranks 0-3; b: one column each; plain: whole, saved once
-    assert sorted(paths) == sorted(["a/0,0", "a/4,0", "a/8,0", "a/12,0", "b/0,0", "b/0,1", "b/0,2", "b/0,3", "plain", "epoch"])
+    assert sorted(paths) == sorted(["a/0,0", "a/4,0", "a/8,0", "a/12,0", "b/0,0", "b/0,1", "b/0,2", "b/0,3", "plain", "epoch",
+                                    "tiny/0", "tiny/1", "tiny/2"])  # ranks 2 and 3 both hold the empty chunk at offset 2: saved once
     assert item_path("a", (4, 0), whole=False) == "a/4,0"
     info = s.info("sharded")
-    assert (info.logical_bytes, info.shards_total) == (13 * 6 * 4 + 2 * 8 * 4 * 4, 9)
+    assert (info.logical_bytes, info.shards_total) == (13 * 6 * 4 + 2 * 8 * 4 * 4 + 2 * 4, 9 + 3)
     td = s.checkout("sharded", partial=["a"])
     a, _ = _global()
     assert_bit_equal(torch.cat([td["a", k] for k in ("0,0", "4,0", "8,0", "12,0")]), a)
-    # two ranks: rank 0 needs rows 0-6 of a (2 chunks), columns 0-1 of b (2), plain (1); rank 1 rows 7-12 (3), 2 columns, plain
-    assert run_ranks(2, _load_sharded, store_path) == [5, 6]
-    assert run_ranks(1, _load_sharded, store_path) == [9]
+    # two ranks: rank 0 needs rows 0-6 of a (2 chunks), columns 0-1 of b (2), plain (1), tiny row 0 (1);
+    # rank 1 rows 7-12 of a (3), 2 columns of b, plain, tiny row 1; no rank reads the empty chunk
+    assert run_ranks(2, _load_sharded, store_path) == [6, 7]
+    assert run_ranks(1, _load_sharded, store_path) == [11]
 
 
 # --- crashes: SIGKILL of a rank mid-save, of the coordinator before finish -----------------------

@@ -42,6 +42,7 @@ from __future__ import annotations
 import io
 import os
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -141,6 +142,7 @@ class _RankPlan:
     """What the coordinator tells each rank in ``SavePlan.storage_data``."""
 
     rank: int
+    paths: dict  # {MetadataIndex: leaf path} of this rank's items
     known: frozenset  # {(digest, length)} the store holds for this rank's items
     shard_bytes: int
     compression_level: int
@@ -242,20 +244,21 @@ class StoreWriter(StorageWriter):
         store = self._opened = _open(self.store, create=True)
         if not store.catalog.writable:
             raise StoreWriteError(f"{store.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
-        paths = [[item_path(i.index.fqn, i.index.offset, _whole(i)) for i in p.items] for p in plans]
+        chunks = Counter(i.index.fqn for p in plans for i in p.items if i.type != WriteItemType.BYTE_IO)
+        paths = [{i.index: item_path(i.index.fqn, i.index.offset, chunks[i.index.fqn] <= 1 and _whole(i)) for i in p.items} for p in plans]
         current = store.tags()
         refs = [current[t] for t in self.tags if t in current]
         newest = store.newest_commit(ADAPTER)
         if newest is not None:
             refs.append(newest)
-        hints = store.leaf_blobs(refs, [q for ps in paths for q in ps]) if refs else {}
+        hints = store.leaf_blobs(refs, [q for ps in paths for q in ps.values()]) if refs else {}
         out = []
         for rank, (p, ps) in enumerate(zip(plans, paths)):
             known: dict[tuple[bytes, int], int] = {}
-            for q in ps:
+            for q in ps.values():
                 known.update(hints.get(q, {}))
             self._prior.update(known)
-            info = _RankPlan(rank, frozenset(known), store.shard_bytes, store.compression_level, store.pack_bytes)
+            info = _RankPlan(rank, ps, frozenset(known), store.shard_bytes, store.compression_level, store.pack_bytes)
             out.append(replace(p, storage_data=info))
         return out
 
@@ -275,7 +278,7 @@ class StoreWriter(StorageWriter):
         seen: dict[tuple[bytes, int], BlobLoc | None] = dict.fromkeys(info.known)
         tensors = []
         for item in plan.items:
-            path = item_path(item.index.fqn, item.index.offset, _whole(item))
+            path = info.paths[item.index]
             if item.type == WriteItemType.BYTE_IO:
                 text = values[item.index]
                 data = {"path": path, "kind": "json", "value": text}
