@@ -253,6 +253,27 @@ def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefi
         }
         leaves.add_row(*(row[c] for c in cols))
     console.print(leaves)
+    for c in detail["components"].values():
+        if c["adapter"] == "dcp" and isinstance(c["meta"].get("items"), dict):
+            console.print(_dcp_ranks(c["meta"]["items"], detail["leaves"]))
+
+
+def _dcp_ranks(items: dict, leaves: list[dict]):
+    """Per rank, what a torch.distributed.checkpoint commit holds: items, logical and stored bytes."""
+    by_path = {leaf["path"]: leaf for leaf in leaves}
+    ranks: dict = {}
+    for entry in items.values():
+        if not isinstance(entry, dict):
+            continue
+        chunks = [(entry.get("bytes"), entry.get("rank"))] if "bytes" in entry else [(c[2], c[3]) for c in entry.get("chunks", []) if isinstance(c, list) and len(c) == 4]
+        for path, rank in chunks:
+            leaf = by_path.get(path, {})
+            n, logical, stored = ranks.get(rank, (0, 0, 0))
+            ranks[rank] = (n + 1, logical + leaf.get("logical_bytes", 0), stored + leaf.get("stored_bytes", 0))
+    out = table("rank", "items", "logical", "stored", title="written by rank (torch.distributed.checkpoint)", numeric=("items", "logical", "stored"))
+    for rank, (n, logical, stored) in sorted(ranks.items(), key=lambda kv: (kv[0] is None, kv[0] if isinstance(kv[0], int) else 0)):
+        out.add_row(str(rank), str(n), fmt_bytes(logical), fmt_bytes(stored))
+    return out
 
 
 @app.command()

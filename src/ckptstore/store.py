@@ -129,6 +129,12 @@ class _ReusedBlobsGone(Exception):
         self.keys = keys
 
 
+def _given_stored(written: dict[tuple[bytes, int], BlobLoc], given_packs) -> int:
+    """Bytes (headers included) of the blobs in ``written`` that other processes wrote to ``given_packs``."""
+    ids = {pid for pid, _ in given_packs}
+    return sum(loc.stored_len + BLOB_HEADER.size for loc in written.values() if loc.pack in ids) if ids else 0
+
+
 @contextmanager
 def paused_gc():
     """Pause Python's cyclic garbage collector around a commit or checkout.
@@ -540,7 +546,9 @@ class Store:
         self._remember_digests(views, tokens, ids)
         return info
 
-    def commit_manifest(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None):
+    def commit_manifest(
+        self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None
+    ):
         """Steps 3 and 4 of the commit protocol for a manifest already built (commits and
         importers): ``leaves`` are :class:`LeafRecord` s, ``keys`` every tensor shard's
         address in order, and ``write(writer, key)`` writes one new blob to a PackWriter.
@@ -550,6 +558,11 @@ class Store:
         commit made elsewhere (an import) with its own id, parents and time: the
         rebuilt record must hash to that id (IntegrityError otherwise), and a
         commit the store already has is not written again (only the tags move).
+        ``written`` = ``(locations, packs)``: blobs other processes already made
+        durable in their own packs (the ranks of a ``torch.distributed.checkpoint``
+        save, :mod:`ckptstore.dcp`), ``{address: BlobLoc}`` and ``[(pack id, size)]``;
+        they are indexed in this commit's transaction and not written again (an
+        address the catalog already holds keeps its row; that copy is left for GC).
         Returns the CommitInfo and every address's blob id.
         """
         if not self._open(create=True).writable:
@@ -569,9 +582,10 @@ class Store:
                 raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
         known = dict(prior or {})
         known.update(self._lookup([k for k in dict.fromkeys(keys) if k not in known]))
+        given, given_packs = written or ({}, [])
         with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
-            written: dict[tuple[bytes, int], BlobLoc] = {}
-            todo = [k for k in dict.fromkeys(keys) if k not in known]
+            written = {k: loc for k, loc in given.items() if k not in known}
+            todo = [k for k in dict.fromkeys(keys) if k not in known and k not in written]
             while True:
                 with progress.task("commit: write new shards", sum(n for _, n in todo)) as advance:
                     def write_one(key: tuple[bytes, int]) -> BlobLoc:
@@ -587,6 +601,7 @@ class Store:
                     cid, parent_ids, seconds, ids = self._commit_txn(
                         components, leaves, keys, known, written, writer, tags, message, meta_json,
                         explicit_parents if origin is None else list(origin[1]), created_at, t0, None if origin is None else origin[0],
+                        given_packs,
                     )
                     break
                 except _ReusedBlobsGone as gone:  # a GC removed them meanwhile: write them again
@@ -602,7 +617,7 @@ class Store:
             metadata=metadata,
             logical_bytes=sum(r.nbytes for r in leaves if r.kind == "tensor"),
             new_bytes=sum(n for _, n in written),
-            stored_bytes=writer.stored_bytes,
+            stored_bytes=writer.stored_bytes + _given_stored(written, given_packs),
             shards_total=len(keys),
             shards_new=len(written),
             seconds=seconds,
@@ -768,7 +783,9 @@ class Store:
                 writer.discard()
                 raise
 
-    def _commit_txn(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0, expect=None):
+    def _commit_txn(
+        self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0, expect=None, given_packs=(),
+    ):
         with self._write() as batch:
             db = self.catalog.db
             if known:
@@ -778,7 +795,9 @@ class Store:
                 gone = [k for k, i in known.items() if held.get(i) != k]
                 if gone:
                     raise _ReusedBlobsGone(gone)
-            db["packs"].insert_all(({"id": pid, "size": size, "created_at": created_at} for pid, size in writer.pack_ids), ignore=True)
+            db["packs"].insert_all(
+                ({"id": pid, "size": size, "created_at": created_at} for pid, size in [*writer.pack_ids, *given_packs]), ignore=True
+            )
             run_many = self.catalog.conn.executemany  # the bulk rows: sqlite-utils' per-row checks cost more than the inserts
             run_many(
                 "INSERT OR IGNORE INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -807,7 +826,8 @@ class Store:
             db["commits"].insert({
                 "id": cid, "created_at": created_at, "message": message, "metadata": meta_json,
                 "logical_bytes": sum(r.nbytes for r in leaves if r.kind == "tensor"), "new_bytes": new_bytes,
-                "stored_bytes": writer.stored_bytes, "shards_total": len(keys), "shards_new": len(written), "seconds": seconds,
+                "stored_bytes": writer.stored_bytes + _given_stored(written, given_packs),
+                "shards_total": len(keys), "shards_new": len(written), "seconds": seconds,
                 "record": record,
             })
             batch.append((records.KIND_COMMIT, cid, None, record))
@@ -1035,6 +1055,34 @@ class Store:
             "dedup_ratio": c["logical"] / b["raw"] if b["raw"] else None,
             "compression_ratio": b["raw"] / b["stored"] if b["stored"] else None,
         }
+
+    # --- for integrations that write blobs in other processes (ckptstore.dcp) ----------------
+
+    def locate(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], BlobLoc]:
+        """Where the catalog says each blob (``(XXH3-128 digest, length)`` address) is; absent ones are left out."""
+        return self._locate(keys)
+
+    def newest_commit(self, adapter: str) -> str | None:
+        """Id of the newest commit holding a component stored by ``adapter``, or ``None``."""
+        rows = self.catalog.rows(
+            "SELECT c.id FROM commits c JOIN components k ON k.commit_id = c.id WHERE k.adapter = ? ORDER BY c.created_at DESC, c.id LIMIT 1",
+            (adapter,),
+        )
+        return rows[0]["id"] if rows else None
+
+    def leaf_blobs(self, commits: Sequence[str], paths: Sequence[str]) -> dict[str, dict[tuple[bytes, int], int]]:
+        """``{leaf path: {address: blob id}}`` of the shards that leaves ``paths`` of ``commits``
+        (commit ids) reference, from the catalog's index. Hints only: a commit that reuses
+        these ids passes them as ``prior``, and its transaction rechecks each one."""
+        out: dict[str, dict[tuple[bytes, int], int]] = {}
+        for cid in dict.fromkeys(commits):
+            rows = self.catalog.chunked(
+                "SELECT l.path, b.hash, b.raw_len, b.id FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
+                "WHERE l.commit_id = ? AND l.path IN ({})", list(dict.fromkeys(paths)), (cid,), raw=True,
+            )
+            for path, h, n, i in rows:
+                out.setdefault(path, {})[(h, n)] = i
+        return out
 
     # --- maintenance ---------------------------------------------------------------------
 
@@ -1336,4 +1384,8 @@ class Store:
         return out
 
 
-__all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store"]
+#: Validate a tag name (returns it); raises InvalidNameError. Public for integrations that
+#: take tags before they commit (``ckptstore.dcp.StoreWriter``).
+check_tag = _check_tag
+
+__all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store", "check_tag"]

@@ -375,7 +375,7 @@ class Adapter:
 
 
 #: Adapter modules imported on first need, by the top-level package they serve.
-LAZY_MODULES = {"torchrl": "ckptstore.adapters.torchrl"}
+LAZY_MODULES = {"torchrl": "ckptstore.adapters.torchrl", "dcp": "ckptstore.dcp"}
 
 
 def plain(value: Any) -> Any:
