@@ -73,7 +73,7 @@ def test_unchanged_plain_state_reuses_every_hash_and_changed_state_is_committed(
 
 @pytest.mark.parametrize("how", ["data", "numpy"])
 def test_writes_torch_does_not_count_are_caught_and_committed(store, how):
-    net, opt = net_and_opt()
+    net, _ = net_and_opt()
     store.commit({"model": net}, tag="a")
     weight = net[0].weight
     version = weight._version

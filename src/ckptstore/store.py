@@ -490,7 +490,7 @@ class Store:
                             leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
                             continue
                         stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
-                        self._digest_cache[id(comp.owner)][1].pop((path, self.shard_bytes), None)
+                        self._digest_cache[id(self._keeper(comp.owner, token))][1].pop((path, self.shard_bytes), None)
                 check_tensor(value, path)
                 buf = buffers.get(path)
                 if buf is None or buf.dtype != value.dtype or buf.shape != value.shape or buf.stride() != value.stride():
@@ -704,11 +704,23 @@ class Store:
         )
         return False
 
+    @staticmethod
+    def _keeper(owner: Any, token: Any) -> Any:
+        """What a digest-cache entry lives as long as: the tensor's storage for a plain
+        token (a dict owner cannot be weakly referenced, and a new dict each commit
+        must still find the hashes), else the object the adapter fingerprinted."""
+        from .adapters.base import StorageIdentity
+
+        if type(token) is tuple and token and isinstance(token[0], StorageIdentity):
+            return token[0].ref()
+        return owner
+
     def _cached(self, owner: Any, path: str, token: Any, count: int) -> tuple[Any, list[tuple[bytes, int]]] | None:
         """``(fingerprint, [(shard hash, blob id)])`` of leaf ``path`` of ``owner`` as this
         store last committed it, if it had ``count`` shards at the current shard size."""
         if token is None or not self.reuse_hashes:
             return None
+        owner = self._keeper(owner, token)
         cached = self._digest_cache.get(id(owner))
         if cached is None or cached[0]() is not owner:
             return None
@@ -720,9 +732,14 @@ class Store:
         for shards, entry in zip(views, tokens):
             if entry is not None:
                 owner, path, token = entry
+                owner = self._keeper(owner, token)
+                if owner is None:  # its storage is gone already
+                    continue
                 hashes = [(d, ids[(d, len(mv))]) for d, mv in shards]
                 fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][(path, self.shard_bytes)] = (token, hashes)
-        self._digest_cache.update(fresh)
+        live = {k: v for k, v in self._digest_cache.items() if v[0]() is not None}  # entries of freed objects go
+        live.update(fresh)
+        self._digest_cache = live
 
     def _map(self, fn, items: list) -> list:
         """``[fn(x) for x in items]`` across the thread pool, a few chunks per thread

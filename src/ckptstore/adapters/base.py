@@ -552,7 +552,7 @@ def plain_token(t: torch.Tensor) -> tuple | None:
     inference tensors get no token, and a store checks a sample of every reused
     tensor's shards at each commit (see ``Store``, ``reuse_hashes``).
     """
-    if t.device.type != "cpu" or t.is_inference() or t.is_shared():
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or t.is_inference() or t.is_shared():
         return None
     storage = t.untyped_storage()
     if getattr(storage, "filename", None) is not None:
