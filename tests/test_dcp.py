@@ -151,6 +151,34 @@ def _save_edit_load(rank: int, world: int, store: str) -> dict:
     return out
 
 
+def _resave_untracked(rank: int, world: int, store: str) -> list:
+    sd = state_of(rank)
+    infos = []
+    for step, edit in enumerate([None, None, "data", "numpy"]):
+        if edit == "data":
+            sd["model"]["w"].data.mul_(2)  # every row, without a version bump: the reuse sample catches it
+        elif edit == "numpy":
+            sd["model"]["w"].numpy()[:, :] += 1
+        w = StoreWriter(store, tag="t")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dcp.save(sd, storage_writer=w)
+        stale = sum("changed without torch counting a write" in str(c.message) for c in caught)
+        infos.append([step, stale, None if w.commit_info is None else w.commit_info.new_bytes])
+        target = zeroed(rank)
+        dcp.load(target, storage_reader=StoreReader(store, "t"))
+        assert target["model"]["w"].view(torch.int32).equal(sd["model"]["w"].view(torch.int32))
+    return infos
+
+
+def test_resaves_reuse_hashes_and_catch_writes_torch_does_not_count(tmp_path):
+    r0, r1 = run_ranks(2, _resave_untracked, str(tmp_path / "store"))
+    w_bytes = ROWS * 64 * 4
+    assert [i[2] for i in r0] == [ROWS * 64 * 4 + 64 * 4 + 1024 * 64 * 4 + 2 * 3 * 8, 0, w_bytes, w_bytes]
+    # the rank that writes model.w (DCP plans a replicated item on one rank) warned for each untracked write
+    assert [a[1] + b[1] for a, b in zip(r0, r1)] == [0, 0, 1, 1]
+
+
 def test_save_resave_async_and_load_on_two_ranks(tmp_path, monkeypatch, capsys):
     store_path = str(tmp_path / "store")
     r0, r1 = run_ranks(2, _save_edit_load, store_path)

@@ -18,20 +18,21 @@ from .conftest import assert_bit_equal
 
 def commit_seeing_reuse(store: ckptstore.Store, obj, tag: str) -> tuple[ckptstore.CommitInfo, set[str]]:
     """Commit; also return the leaves whose hashes a fingerprint vouched for (sample-checked)."""
+    import ckptstore.store as store_module
+
     seen = []
-    original = store._still_same
+    original = store_module.sample_unchanged
 
     def spy(known, mv, p, path):
         seen.append(path)
         return original(known, mv, p, path)
 
-    store._still_same = spy
+    store_module.sample_unchanged = spy
     try:
         info = store.commit(obj, tag=tag)
     finally:
-        del store._still_same
-    reused = set(seen)
-    return info, reused
+        store_module.sample_unchanged = original
+    return info, set(seen)
 
 
 def net_and_opt():

@@ -64,7 +64,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import jsonvalue
-from .adapters.base import REGISTRY, Adapter, Captured, ComponentState, Registry, capture, register_adapter
+from .adapters.base import REGISTRY, Adapter, Captured, ComponentState, Registry, capture, plain_token, register_adapter
 from .errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -72,7 +72,7 @@ from .errors import (
     TargetMismatchError,
     UnsupportedTypeError,
 )
-from .layout import ShardPlan, address, digest, escape
+from .layout import ShardPlan, address, digest, escape, sample_unchanged
 from .packs import BlobLoc, PackReader, PackWriter, pack_path
 from .records import LeafRecord
 from .shards import DTYPES, byte_view, dense_order, dtype_name, physical, tensor_bytes
@@ -88,6 +88,8 @@ FORMAT_VERSION = 1
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
 _INLINE_HASH_BYTES = 4 << 20
+#: (store root, leaf path) -> (plain token, shard hashes) of the tensors this process saved
+_REUSED: dict[tuple[str, str], tuple[tuple, list[bytes]]] = {}
 
 
 @register_adapter
@@ -161,6 +163,10 @@ class StoreWriter(StorageWriter):
         metadata: the commit's metadata (a dict of JSON values).
         tags: more tags to move to the same commit.
         workers: threads per rank for hashing, compression and writes (default: CPU count).
+        reuse_hashes: a rank skips rehashing a tensor it saved to this store before in
+            this process when its fingerprint (storage, address, layout, version
+            counter) is unchanged, checking a random sample of its shards as
+            ``Store(reuse_hashes=)`` does (docs/performance.md); ``False`` hashes every byte.
 
     After ``dcp.save`` returns, the coordinator's writer holds the
     :class:`~ckptstore.CommitInfo` in :attr:`commit_info` (``None`` on other ranks).
@@ -182,6 +188,7 @@ class StoreWriter(StorageWriter):
         metadata: dict | None = None,
         tags: Sequence[str] = (),
         workers: int | None = None,
+        reuse_hashes: bool = True,
     ):
         if not isinstance(store, (Store, str, os.PathLike)):
             raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
@@ -198,6 +205,7 @@ class StoreWriter(StorageWriter):
         self.message = message
         self.metadata = metadata
         self.workers = workers
+        self.reuse_hashes = reuse_hashes
         self.commit_info: CommitInfo | None = None
         self._clear()
 
@@ -273,6 +281,9 @@ class StoreWriter(StorageWriter):
         for item in plan.items:  # every non-tensor value is checked before any blob is written
             if item.type == WriteItemType.BYTE_IO:
                 values[item.index] = jsonvalue.dumps(_lookup_object(planner, item), item.index.fqn)
+        root = str(_root(self.store))
+        for k in [k for k, (token, _) in _REUSED.items() if token[0].ref() is None]:
+            del _REUSED[k]  # tensors freed since
         writer = self._writer = PackWriter(_root(self.store), info.compression_level, info.pack_bytes)
         self._release = weakref.finalize(self, writer.close)
         seen: dict[tuple[bytes, int], BlobLoc | None] = dict.fromkeys(info.known)
@@ -295,23 +306,32 @@ class StoreWriter(StorageWriter):
                 "path": path, "kind": "tensor", "dtype": dtype_name(t.dtype, item.index.fqn), "shape": list(t.shape),
                 "stride": stride, "nbytes": p.nbytes, "shard_bytes": p.shard_bytes, "keys": [], "locs": {}, "packs": {},
             }
-            tensors.append((data, [mv[slice(*p.bounds(s))] for s in range(p.count)]))
+            views = [mv[slice(*p.bounds(s))] for s in range(p.count)]
+            token = plain_token(t) if self.reuse_hashes else None
+            cached = _REUSED.get((root, path)) if token is not None else None
+            known = None
+            if cached is not None and cached[0] == token and len(cached[1]) == p.count and sample_unchanged(cached[1], mv, p, path):
+                known = cached[1]
+            tensors.append((data, views, known, token))
             results.append(WriteResult(index=item.index, size_in_bytes=p.nbytes, storage_data=data))
-        flat = [v for _, views in tensors for v in views]
+        flat = [v for _, views, known, _ in tensors if known is None for v in views]
         workers = self.workers or os.cpu_count() or 1
         big = sum(len(v) for v in flat) > _INLINE_HASH_BYTES and workers > 1
         with ThreadPoolExecutor(workers) if big else _Inline() as pool:
-            digests = list(pool.map(digest, flat))
+            fresh = iter(list(pool.map(digest, flat)))
             todo = []
-            i = 0
-            for data, views in tensors:
-                for v in views:
-                    key = (digests[i], len(v))
-                    i += 1
+            for data, views, known, token in tensors:
+                digests = known or [next(fresh) for _ in views]
+                if known is not None and any((d, len(v)) not in seen and digest(v) != d for d, v in zip(known, views)):
+                    digests = [digest(v) for v in views]  # a shard to write that the sample did not check changed
+                for d, v in zip(digests, views):
+                    key = (d, len(v))
                     data["keys"].append(key)
                     if key not in seen:
                         seen[key] = None
                         todo.append((data, key, v))
+                if token is not None:
+                    _REUSED[(root, data["path"])] = (token, digests)
             locs = list(pool.map(lambda job: writer.append(job[2], job[1][0]), todo))
         writer.finish()  # durable under its final names before this rank reports back
         sizes = dict(writer.pack_ids)

@@ -24,11 +24,9 @@ from __future__ import annotations
 
 import gc
 import os
-import random
 import re
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -52,13 +50,24 @@ from .errors import (
     NotAStoreError,
     PartialPathError,
     RefNotFoundError,
-    StaleFingerprintWarning,
     StoreWriteError,
     UnsupportedTypeError,
 )
 from .fsck import FsckReport, check
 from .gc import DEFAULT_GRACE, GCReport, collect
-from .layout import DEFAULT_SHARD_BYTES, ShardPlan, address, check_path, check_shape, digest, itemsize, keypath, split, under
+from .layout import (
+    DEFAULT_SHARD_BYTES,
+    ShardPlan,
+    address,
+    check_path,
+    check_shape,
+    digest,
+    itemsize,
+    keypath,
+    sample_unchanged,
+    split,
+    under,
+)
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
 from .records import LeafRecord
 from .recover import RecoverReport, recover
@@ -486,7 +495,7 @@ class Store:
                     p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
                     entry = self._cached(comp.owner, path, token, p.count)
                     if entry is not None and entry[0] == token:
-                        if self._still_same(entry[1], tensor_bytes(phys, path), p, path):
+                        if sample_unchanged([d for d, _ in entry[1]], tensor_bytes(phys, path), p, path):
                             leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
                             continue
                         stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
@@ -659,7 +668,7 @@ class Store:
                     mv = tensor_bytes(phys, path)
                     entry = self._cached(comp.owner, path, token, p.count)
                     known = entry[1] if entry is not None and entry[0] == token else None
-                    if known and not checked and not self._still_same(known, mv, p, path):
+                    if known and not checked and not sample_unchanged([d for d, _ in known], mv, p, path):
                         known = None
                     if entry is not None and known is None:
                         previous[len(recs)] = entry[1]
@@ -686,23 +695,6 @@ class Store:
                 if d == last_d:
                     prior[(d, len(mv))] = blob
         return recs, views, tokens, prior, from_cache
-
-    @staticmethod
-    def _still_same(known: list[tuple[bytes, int]], mv: memoryview, p: ShardPlan, path: str) -> bool:
-        """Rehash a random sample of a tensor's shards whose hashes a fingerprint says are
-        unchanged: one shard, and 1 % of them for large tensors. A write torch did not see
-        (through ``.data``, a numpy view, another process) that touches a sampled shard, as
-        any write to every element does, is caught here: warn, and rehash it all."""
-        sample = random.sample(range(p.count), max(1, p.count // 100))
-        if all(digest(mv[slice(*p.bounds(i))]) == known[i][0] for i in sample):
-            return True
-        warnings.warn(
-            f"{path}: its bytes changed without torch counting a write (through .data, a numpy view or another "
-            "process); it was rehashed in full. Pass reuse_hashes=False to the Store to always hash.",
-            StaleFingerprintWarning,
-            stacklevel=4,
-        )
-        return False
 
     @staticmethod
     def _keeper(owner: Any, token: Any) -> Any:
