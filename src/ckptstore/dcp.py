@@ -162,7 +162,8 @@ class StoreWriter(StorageWriter):
         message: the commit message.
         metadata: the commit's metadata (a dict of JSON values).
         tags: more tags to move to the same commit.
-        workers: threads per rank for hashing, compression and writes (default: CPU count).
+        workers: threads per rank for hashing, compression and writes (default: the CPUs
+            divided among the ranks on this machine, ``LOCAL_WORLD_SIZE`` or the world size).
         reuse_hashes: a rank skips rehashing a tensor it saved to this store before in
             this process when its fingerprint (storage, address, layout, version
             counter) is unchanged, checking a random sample of its shards as
@@ -315,10 +316,10 @@ class StoreWriter(StorageWriter):
             tensors.append((data, views, known, token))
             results.append(WriteResult(index=item.index, size_in_bytes=p.nbytes, storage_data=data))
         flat = [v for _, views, known, _ in tensors if known is None for v in views]
-        workers = self.workers or os.cpu_count() or 1
+        workers = self.workers or _rank_workers()
         big = sum(len(v) for v in flat) > _INLINE_HASH_BYTES and workers > 1
         with ThreadPoolExecutor(workers) if big else _Inline() as pool:
-            fresh = iter(list(pool.map(digest, flat)))
+            fresh = iter(_chunked(pool, digest, flat, workers) if big else [digest(v) for v in flat])
             todo = []
             for data, views, known, token in tensors:
                 digests = known or [next(fresh) for _ in views]
@@ -402,6 +403,24 @@ class StoreWriter(StorageWriter):
         if self._release is not None:
             self._release()
         self._writer = self._release = None
+
+
+def _rank_workers() -> int:
+    """Threads per rank by default: this machine's CPUs shared by the ranks on it
+    (``LOCAL_WORLD_SIZE`` from torchrun, else every rank of the group)."""
+    ranks = os.environ.get("LOCAL_WORLD_SIZE")
+    if ranks is None:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return max(1, (os.cpu_count() or 1) // max(1, int(ranks)))
+
+
+def _chunked(pool: ThreadPoolExecutor, fn, items: list, workers: int) -> list:
+    """``[fn(x) for x in items]`` in a few tasks per thread (a task per shard costs more in locking than hashing it)."""
+    size = -(-len(items) // (4 * workers))
+    parts = pool.map(lambda i: [fn(x) for x in items[i : i + size]], range(0, len(items), size))
+    return [y for part in parts for y in part]
 
 
 class _Inline:
