@@ -203,6 +203,49 @@ def tag_cmd(
     emit_json({"tag": name, "commit": cid}) if as_json else console.print(f"{name} -> {cid}")
 
 
+Force = Annotated[bool, typer.Option("--force", help="Move the tag even when its commit is not an ancestor of REF's.")]
+
+
+def _transfer_done(report, as_json: bool, direction: str) -> None:
+    if as_json:
+        emit_json(report)
+        return
+    moved = f"; {report.tag} -> {report.commit}" if report.tag else ""
+    console.print(
+        f"{direction} {report.commit[:12]}: {len(report.commits_copied)} commit(s), {report.blobs_copied} blob(s), "
+        f"{fmt_bytes(report.bytes_copied)} copied{moved}"
+    )
+
+
+@app.command()
+def push(
+    remote: Annotated[Path, typer.Argument(help="The other store (created if missing).")],
+    ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix to copy; a tag also moves there.")],
+    store: StorePath = None,
+    force: Force = False,
+    as_json: AsJson = False,
+) -> None:
+    """Copy REF and the ancestors REMOTE lacks into REMOTE (commit ids kept, only missing blobs
+    copied), then move REMOTE's tag if that is a fast-forward."""
+    with open_store(store) as s:
+        report = s.push(remote, ref, force=force)
+    _transfer_done(report, as_json, "pushed")
+
+
+@app.command()
+def pull(
+    remote: Annotated[Path, typer.Argument(help="The other store.")],
+    ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix of REMOTE to copy; a tag also moves there.")],
+    store: StorePath = None,
+    force: Force = False,
+    as_json: AsJson = False,
+) -> None:
+    """Copy REF of REMOTE and the ancestors this store lacks into this store (created if missing)."""
+    with Store(store_path(store), create=True) as s:
+        report = s.pull(remote, ref, force=force)
+    _transfer_done(report, as_json, "pulled")
+
+
 @app.command("delete-tag")
 def delete_tag_cmd(name: Annotated[str, typer.Argument(help="Tag to delete.")], store: StorePath = None, as_json: AsJson = False) -> None:
     """Delete tag NAME; its commits stay until a GC no longer keeps them."""

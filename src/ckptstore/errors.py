@@ -63,6 +63,11 @@ class AmbiguousRefError(RefError):
     """A commit id prefix matches more than one commit."""
 
 
+class RefConflictError(RefError):
+    """A tag did not name the commit a compare-and-swap expected (another writer moved
+    it), or a push/pull would move it to a commit that does not descend from it."""
+
+
 class InvalidNameError(RefError):
     """A tag name or a state-tree key is not allowed (empty, contains '/', ...)."""
 

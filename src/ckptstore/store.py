@@ -49,6 +49,7 @@ from .errors import (
     InvalidNameError,
     NotAStoreError,
     PartialPathError,
+    RefConflictError,
     RefNotFoundError,
     StoreWriteError,
     UnsupportedTypeError,
@@ -78,6 +79,7 @@ if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or 
     from .adapters import ComponentState, Registry
     from .adapters.base import Captured
     from .checkout import BlobReader
+    from .transfer import TransferReport
 
 CATALOG = "catalog.sqlite"
 _STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|\.v\d+\.bak)?|blobs|tmp|gc\.lock)$")
@@ -920,16 +922,51 @@ class Store:
         """``{tag name: commit id}``, sorted by name."""
         return {r["name"]: r["commit_id"] for r in self.catalog.rows("SELECT name, commit_id FROM tags ORDER BY name")}
 
-    def tag(self, name: str, ref: str) -> str:
+    def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
         """Create or move tag ``name`` to the commit ``ref`` names; returns its id.
 
-        Atomic: one transaction moves the tag and appends a reflog row.
+        Atomic: one transaction moves the tag and appends a reflog row. With
+        ``expect`` (a commit id, or ``None`` for "no such tag yet") it is a
+        compare-and-swap: RefConflictError, and nothing changes, when the tag
+        names something else at that moment.
         """
         _check_tag(name)
         with self._write() as batch:
             cid = self.resolve(ref)
+            if expect is not ...:
+                current = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
+                current = current[0]["commit_id"] if current else None
+                if current != expect:
+                    raise RefConflictError(f"tag {name!r} names {current or 'nothing'}, not {expect or 'nothing'}: another writer moved it")
             self._move_tag(batch, name, cid, "tag", time.time())
         return cid
+
+    def has_commit(self, cid: str) -> bool:
+        """Does the store hold commit ``cid`` (a full id)? ``False`` for a store not created yet."""
+        return self._open(create=False) is not None and bool(self.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)))
+
+    def push(self, remote: Store | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
+        """Copy ``ref`` and the ancestors ``remote`` lacks into ``remote`` (created if
+        missing), keeping commit ids; then move the remote tag (when ``ref`` is a tag)
+        if it is a fast-forward. See :mod:`ckptstore.transfer`.
+
+        Raises:
+            RefConflictError: the remote tag names a commit that is not an ancestor of
+                ``ref``'s (naming both; ``force=True`` overrides) or moved meanwhile.
+            RefNotFoundError / AmbiguousRefError / IntegrityError / StoreWriteError.
+        """
+        from .transfer import transfer
+
+        other = remote if isinstance(remote, Store) else Store(remote, create=True)
+        return transfer(self, other, ref, force)
+
+    def pull(self, remote: Store | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
+        """The reverse of :meth:`push`: copy ``ref`` of ``remote`` into this store (created if missing)."""
+        from .transfer import transfer
+
+        other = remote if isinstance(remote, Store) else Store(remote, create=False)
+        self._open(create=True)
+        return transfer(other, self, ref, force)
 
     def delete_tag(self, name: str) -> str:
         """Delete tag ``name`` (its commits stay until GC); returns the commit it named.
