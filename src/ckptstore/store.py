@@ -257,7 +257,7 @@ class Store:
         self._catalog: Catalog | None = None
         self._catalog_lock = threading.Lock()
         if self._open(create=bool(create)) is None and create is False:
-            what = "does not exist" if not self.root.exists() else f"is not a ckptstore store (no {CATALOG})"
+            what = self._missing()
             raise NotAStoreError(f"{self.root} {what}")
 
     @property
@@ -278,9 +278,18 @@ class Store:
         """
         cat = self._catalog if self._catalog is not None else self._open(create=False)
         if cat is None:
-            what = "does not exist" if not self.root.exists() else f"is not a ckptstore store (no {CATALOG})"
+            what = self._missing()
             raise NotAStoreError(f"{self.root} {what}; a first commit creates a store there")
         return cat
+
+    def _missing(self) -> str:
+        """Why there is no store at :attr:`root` (for NotAStoreError)."""
+        if not self.root.exists():
+            return "does not exist"
+        catalog = self.root / CATALOG
+        if catalog.exists():
+            return f"is not a ckptstore store yet ({CATALOG} was never initialised: its creation was interrupted)"
+        return f"is not a ckptstore store (no {CATALOG})"
 
     def _open(self, create: bool) -> Catalog | None:
         """Open the catalog, then load the stored settings; ``None`` if there is no
