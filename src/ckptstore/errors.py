@@ -132,3 +132,23 @@ class BlobCorruptError(IntegrityError):
 
 class ContainerError(CkptStoreError):
     """An export archive or folder is malformed, unsafe, or of an unknown format."""
+
+
+# --- object storage and other backends (ckptstore.backends) -----------------------
+
+
+class BackendError(CkptStoreError):
+    """The storage backend failed a request after its retries (network, HTTP 5xx,
+    timeouts, permissions), or its client library is not installed."""
+
+
+class ObjectNotFoundError(BlobMissingError):
+    """An object (a pack, an index, a record) is absent from the backend."""
+
+
+class RefConflictError(RefError):
+    """A compare-and-swap of a ref lost: the ref moved (or was created) since it was read."""
+
+
+class RefBusyError(RefError):
+    """A ref kept moving under a read-modify-write loop for all its attempts."""

@@ -1,0 +1,334 @@
+"""One conformance suite for the storage backends: a local folder and S3 (moto's real
+server on loopback, tests/s3server.py). Races run in real processes (spawn)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from ckptstore.backends import LocalBackend, ObjectInfo, S3Backend, open_backend, update_ref
+from ckptstore.backends.base import ref_segment
+from ckptstore.errors import (
+    BackendError,
+    BlobCorruptError,
+    BlobMissingError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidNameError,
+    NotAStoreError,
+    ObjectNotFoundError,
+    RefBusyError,
+    RefConflictError,
+)
+
+from . import backend_workers
+
+
+@pytest.fixture(params=["local", "s3"])
+def location(request, tmp_path) -> str:
+    """Where a fresh, empty store lives: a folder, or a new prefix in the moto bucket."""
+    if request.param == "local":
+        return str(tmp_path / "store")
+    request.getfixturevalue("s3_server")
+    return f"s3://ckpt/t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def backend(location):
+    b = open_backend(location, create=True)
+    yield b
+    b.close()
+
+
+def raw_put_ref(backend, segment: str, raw: bytes) -> None:
+    """Plant a ref object's bytes behind the backend's back (a hostile or damaged ref)."""
+    if isinstance(backend, LocalBackend):
+        folder = backend.root / "refs" / segment
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{1:020d}").write_bytes(raw)
+    else:
+        import obstore
+        from obstore.store import S3Store
+
+        obstore.put(S3Store(backend.bucket, prefix=backend.prefix), f"refs/{segment}", raw)
+
+
+# --- objects ------------------------------------------------------------------------------
+
+
+def test_put_new_is_create_only(backend):
+    assert backend.put_new("blobs/ab/p1.pack", b"first") is True
+    assert backend.put_new("blobs/ab/p1.pack", b"second, longer") is False
+    assert backend.get("blobs/ab/p1.pack") == b"first"
+    assert backend.head("blobs/ab/p1.pack").size == 5
+    assert backend.put_new("commits/00/c", [b"ab", bytearray(b"cd"), memoryview(b"ef")]) is True
+    assert backend.get("commits/00/c") == b"abcdef"
+    assert backend.put_new("empty", b"") is True
+    assert backend.get("empty") == b""
+
+
+def test_concurrent_duplicate_puts_are_harmless(backend):
+    data = random.Random(1).randbytes(300_000)
+    with ThreadPoolExecutor(8) as pool:
+        created = list(pool.map(lambda _: backend.put_new("blobs/cd/dup.pack", data), range(8)))
+    assert created.count(True) == 1 and created.count(False) == 7
+    assert backend.get("blobs/cd/dup.pack") == data
+    assert [(o.key, o.size) for o in backend.list()] == [("blobs/cd/dup.pack", 300_000)]
+    if isinstance(backend, LocalBackend):
+        assert list((backend.root / "tmp").iterdir()) == []  # every tmp file is gone
+
+
+def test_get_ranges_returns_exact_bytes(backend):
+    data = random.Random(2).randbytes(3 << 20)
+    assert backend.put_new("blobs/ef/big.pack", data)
+    rng = random.Random(3)
+    ranges = [(s, s + rng.randrange(0, 300_000)) for s in (rng.randrange(0, (3 << 20) - 300_000) for _ in range(60))]
+    ranges += [(0, 1), (5, 5), (len(data) - 7, len(data)), (100, 200_100), (100, 200_100)]  # edges, empty, duplicates
+    got = backend.get_ranges("blobs/ef/big.pack", ranges)
+    assert len(got) == len(ranges)
+    for (start, end), buf in zip(ranges, got):
+        assert bytes(buf) == data[start:end]
+    assert backend.get_ranges("blobs/ef/big.pack", []) == []
+
+
+def test_get_ranges_errors(backend):
+    backend.put_new("blobs/ef/small.pack", b"0123456789")
+    with pytest.raises(BlobCorruptError, match="past its end"):
+        backend.get_ranges("blobs/ef/small.pack", [(0, 2), (8, 11)])
+    with pytest.raises(BlobCorruptError, match="past its end"):
+        backend.get_ranges("blobs/ef/small.pack", [(12, 20)])
+    for bad in ([(3, 2)], [(-1, 2)], [(0.0, 2)], [(1, 2, 3)], 5):
+        with pytest.raises(InvalidArgumentError, match="range"):
+            backend.get_ranges("blobs/ef/small.pack", bad)
+    with pytest.raises(ObjectNotFoundError, match="missing"):
+        backend.get_ranges("blobs/ef/nothing.pack", [(0, 1)])
+    with pytest.raises(BlobMissingError):  # what pack readers already catch
+        backend.get("blobs/ef/nothing.pack")
+
+
+def test_list_head_delete(backend):
+    t0 = time.time()
+    sizes = {"blobs/aa/1.pack": 11, "blobs/aa/1.idx": 3, "blobs/ab/2.pack": 7, "commits/0a/abc": 5, "blobsx/x": 1, "gc/run.json": 2}
+    for key, n in sizes.items():
+        assert backend.put_new(key, b"x" * n)
+    backend.cas_ref("latest", b"c1", None)  # refs are never listed as objects
+    t1 = time.time()
+    listed = backend.list("blobs")
+    assert [(o.key, o.size) for o in listed] == [("blobs/aa/1.idx", 3), ("blobs/aa/1.pack", 11), ("blobs/ab/2.pack", 7)]
+    assert all(t0 - 2 <= o.mtime <= t1 + 2 for o in listed)  # moto keeps whole seconds
+    assert [o.key for o in backend.list("blobs/aa/")] == ["blobs/aa/1.idx", "blobs/aa/1.pack"]
+    assert backend.list("blob") == []  # prefixes are whole segments
+    assert [o.key for o in backend.list()] == sorted(sizes)
+    info = backend.head("commits/0a/abc")
+    assert isinstance(info, ObjectInfo) and (info.key, info.size) == ("commits/0a/abc", 5)
+    assert backend.head("commits/0a/none") is None
+    assert backend.head("commits/0a") is None  # a folder is not an object
+    backend.delete("blobs/aa/1.pack")
+    backend.delete("blobs/aa/1.pack")  # absent: not an error
+    assert backend.head("blobs/aa/1.pack") is None
+    assert [o.key for o in backend.list("blobs")] == ["blobs/aa/1.idx", "blobs/ab/2.pack"]
+    with pytest.raises(ObjectNotFoundError):
+        backend.get("blobs/aa/1.pack")
+
+
+@pytest.mark.parametrize("key", ["", "/x", "x/", "a//b", "../x", "a/../b", ".hidden", "a/.b", "refs/x", "tmp/x", "catalog.sqlite",
+                                 "catalog.sqlite-wal", "a b", "a\x00b", "é", 5, None, "x" * 901])
+def test_invalid_keys_are_refused(backend, key):
+    for call in (lambda: backend.put_new(key, b"x"), lambda: backend.get(key), lambda: backend.head(key), lambda: backend.delete(key)):
+        with pytest.raises(InvalidArgumentError, match="object key"):
+            call()
+
+
+def test_bad_data_is_refused(backend):
+    for data in (5, "text", [b"a", 5]):
+        with pytest.raises(InvalidArgumentError, match="bytes-like"):
+            backend.put_new("blobs/aa/x", data)
+    assert backend.head("blobs/aa/x") is None
+
+
+# --- refs --------------------------------------------------------------------------------------
+
+
+NAMES = ["latest", "run/7 step-1000", "émoji 🚀", "%41", "-x.y", "a" * 255, "é" * 100]
+
+
+def test_ref_cas_round_trip(backend):
+    assert backend.read_ref("latest") is None
+    v1 = backend.cas_ref("latest", b"commit-1", None)
+    ref = backend.read_ref("latest")
+    assert (ref.data, ref.version) == (b"commit-1", v1)
+    with pytest.raises(RefConflictError, match="already exists"):
+        backend.cas_ref("latest", b"other", None)
+    v2 = backend.cas_ref("latest", b"commit-2\n{}", v1)
+    assert v2 != v1
+    with pytest.raises(RefConflictError, match="moved since"):
+        backend.cas_ref("latest", b"stale", v1)
+    assert backend.read_ref("latest").data == b"commit-2\n{}"
+    v3 = backend.cas_ref("latest", b"", v2)
+    assert backend.read_ref("latest") == type(ref)(b"", v3)
+
+
+def test_versions_never_repeat(backend):
+    """Writing the same payload again gives a new version: an old version never matches (no ABA)."""
+    v1 = backend.cas_ref("t", b"A", None)
+    v2 = backend.cas_ref("t", b"B", v1)
+    v3 = backend.cas_ref("t", b"A", v2)
+    assert len({v1, v2, v3}) == 3
+    for stale in (v1, v2):
+        with pytest.raises(RefConflictError):
+            backend.cas_ref("t", b"C", stale)
+    assert backend.read_ref("t").data == b"A"
+
+
+def test_ref_names_round_trip(backend):
+    for i, name in enumerate(NAMES):
+        backend.cas_ref(name, f"payload {i}".encode(), None)
+    assert backend.list_refs() == sorted(NAMES)
+    for i, name in enumerate(NAMES):
+        assert backend.read_ref(name).data == f"payload {i}".encode()
+    assert ref_segment("a" * 255).startswith("~")  # over 200 escaped bytes: hashed, name kept in the object
+    assert ref_segment("run/7 step-1000") == "run%2F7%20step-1000"
+
+
+@pytest.mark.parametrize("name", ["", "a\x00b", "a" * 256, "\ud800", 5, None])
+def test_invalid_ref_names(backend, name):
+    with pytest.raises(InvalidNameError, match="ref name"):
+        backend.cas_ref(name, b"x", None)
+    with pytest.raises(InvalidNameError, match="ref name"):
+        backend.read_ref(name)
+
+
+def test_invalid_versions(backend):
+    v = backend.cas_ref("t", b"x", None)
+    for bad in ("", 5, "garbage" if isinstance(backend, LocalBackend) else ""):
+        with pytest.raises(InvalidArgumentError, match="version"):
+            backend.cas_ref("t", b"y", bad)
+    if isinstance(backend, S3Backend):
+        with pytest.raises(RefConflictError):  # an ETag the server never gave
+            backend.cas_ref("t", b"y", '"0123456789abcdef0123456789abcdef"')
+    else:
+        with pytest.raises(RefConflictError):  # a version number that was never written
+            backend.cas_ref("t", b"y", f"{7:020d}-{'0' * 32}")
+    assert backend.read_ref("t") == type(backend.read_ref("t"))(b"x", v)
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"no header line", "no header line"),
+        (b"[1, 2]\nx", "header fields"),
+        (b'{"name":"t","prev":null,"v":2,"write":"' + b"0" * 32 + b'"}\nx', "format version 2"),
+        (b'{"name":"t","prev":null,"v":1,"write":"xyz"}\nx', "write ids"),
+        (b'{"name":"u","prev":null,"v":1,"write":"' + b"0" * 32 + b'"}\nx', "for ref 'u', not 't'"),
+        (b"\xff\xfe\n", "not JSON"),
+    ],
+)
+def test_hostile_ref_objects_raise(backend, raw, match):
+    raw_put_ref(backend, "t", raw)
+    with pytest.raises(IntegrityError, match=match):
+        backend.read_ref("t")
+
+
+def test_update_ref_gives_up_with_busy_error(backend):
+    backend.cas_ref("t", b"0", None)
+
+    def meddle(old: bytes | None) -> bytes:  # another writer moves the ref between our read and our CAS, every time
+        current = backend.read_ref("t")
+        backend.cas_ref("t", str(int(current.data) + 1).encode(), current.version)
+        return b"mine"
+
+    with pytest.raises(RefBusyError, match="3 attempts"):
+        update_ref(backend, "t", meddle, attempts=3, backoff=0)
+    assert backend.read_ref("t").data == b"3"
+    data, version = update_ref(backend, "t", lambda old: old + b"+1")
+    assert backend.read_ref("t") == type(backend.read_ref("t"))(b"3+1", version) and data == b"3+1"
+
+
+# --- races between real processes ----------------------------------------------------------------
+
+
+def _run(target, location: str, jobs: list[tuple]) -> list:
+    ctx = multiprocessing.get_context("spawn")
+    start, out = ctx.Barrier(len(jobs)), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(location, *job, start, out)) for job in jobs]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    return results
+
+
+def test_four_processes_race_on_one_ref_and_no_update_is_lost(location):
+    """4 processes × 20 read-modify-CAS moves of one ref: every move lands exactly once."""
+    open_backend(location, create=True).close()
+    results = _run(backend_workers.append_ids, location, [("race", w, 20) for w in range(4)])
+    final = json.loads(open_backend(location).read_ref("race").data)
+    assert len(final) == 80 and sorted(final) == sorted(f"{w}-{i}" for w in range(4) for i in range(20))
+    for w in range(4):  # each writer's moves land in its own order
+        assert [x for x in final if x.startswith(f"{w}-")] == [f"{w}-{i}" for i in range(20)]
+    assert sum(attempts for _, attempts in results) >= 80
+
+
+def test_stale_cas_loses_when_four_processes_cas_one_version(location):
+    """4 processes CAS from the same version at once: exactly one wins, three get RefConflictError."""
+    b = open_backend(location, create=True)
+    version = b.cas_ref("one", b"start", None)
+    results = dict(_run(backend_workers.cas_once, location, [("one", w, version) for w in range(4)]))
+    winners = [w for w, r in results.items() if r == "won"]
+    assert len(winners) == 1 and sorted(results.values()) == ["lost", "lost", "lost", "won"]
+    assert b.read_ref("one").data == f"worker {winners[0]}".encode()
+
+
+# --- opening ----------------------------------------------------------------------------------------
+
+
+def test_missing_bucket_is_not_a_store(s3_server):
+    with pytest.raises(NotAStoreError, match="bucket 'no-such-bucket' does not exist"):
+        S3Backend("s3://no-such-bucket/prefix")
+    with pytest.raises(NotAStoreError, match="does not exist"):
+        open_backend("s3://no-such-bucket")
+
+
+def test_missing_folder_is_not_a_store(tmp_path):
+    with pytest.raises(NotAStoreError, match="no such folder"):
+        LocalBackend(tmp_path / "nothing")
+    assert LocalBackend(tmp_path / "made" / "here", create=True).list() == []
+
+
+@pytest.mark.parametrize("url", ["s3://", "s3://B/x", "s3://ab", "s3://bucket/a//b", "s3://bucket/../x", "http://bucket/x"])
+def test_bad_urls(url):
+    with pytest.raises(InvalidArgumentError, match="URL"):
+        S3Backend(url)
+
+
+def test_unreachable_endpoint_is_a_backend_error(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    with pytest.raises(BackendError, match="opening the store failed"):
+        S3Backend("s3://bucket/x", retry_config={"max_retries": 0})
+
+
+def test_moto_honours_conditional_puts(s3_server):
+    """The server itself (not our client) refuses If-None-Match: * on an existing key and a stale If-Match."""
+    import obstore
+    from obstore.exceptions import AlreadyExistsError, PreconditionError
+    from obstore.store import S3Store
+
+    s = S3Store("ckpt", prefix=f"raw-{uuid.uuid4().hex[:8]}")
+    first = obstore.put(s, "k", b"1", mode="create")
+    with pytest.raises(AlreadyExistsError):
+        obstore.put(s, "k", b"2", mode="create")
+    second = obstore.put(s, "k", b"2", mode={"e_tag": first["e_tag"]})
+    with pytest.raises(PreconditionError):
+        obstore.put(s, "k", b"3", mode={"e_tag": first["e_tag"]})
+    assert bytes(obstore.get(s, "k").bytes()) == b"2" and second["e_tag"] != first["e_tag"]
