@@ -22,17 +22,30 @@ the check, which real S3 never allows. ``serialize=True`` therefore runs every r
 under one lock around the WSGI app (the response body is produced inside the lock), so
 each conditional write is atomic, as on S3; the race tests rely on it.
 ``serialize=False`` (``--threaded``) is moto's plain threaded server, for benchmarks.
+
+**Faults.** ``MotoServer.set_faults(rules)`` makes the server fail chosen requests, to
+test that clients retry and settle lost responses (it POSTs the rules to the control
+path ``/__faults__``, which the server answers itself; ``faults()`` GETs what is left). A rule is a dict:
+``{"method": "PUT", "key": "refs/", "action": ..., "count": n}`` (``key``: a substring
+of the request path; the first ``count`` matching requests are hit), with ``action``
+
+- ``"500-before"``: answer HTTP 500 without doing the request;
+- ``"500-after"``: do it (the write lands), then answer HTTP 500;
+- ``"drop-after"``: do it, then close the connection without an answer (a lost response).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -60,6 +73,60 @@ class _Serialized:
                     close()
 
 
+FAULTS_PATH = "/__faults__"
+_ACTIONS = ("500-before", "500-after", "drop-after")
+_ERROR_500 = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+              b"<Message>We encountered an internal error. Please try again.</Message></Error>")
+
+
+class _Faults:
+    """WSGI middleware: fail the requests the current rules match (see the module docstring)."""
+
+    def __init__(self, app):
+        self.app = app
+        self.lock = threading.Lock()
+        self.rules: list[dict] = []
+
+    def _match(self, environ) -> str | None:
+        with self.lock:
+            for rule in self.rules:
+                if rule["method"] == environ["REQUEST_METHOD"] and rule["key"] in environ.get("PATH_INFO", ""):
+                    rule["count"] -= 1
+                    if rule["count"] <= 0:
+                        self.rules.remove(rule)
+                    return rule["action"]
+        return None
+
+    def __call__(self, environ, start_response) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == FAULTS_PATH and environ["REQUEST_METHOD"] == "GET":
+            with self.lock:
+                body = json.dumps(self.rules).encode()
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [body]
+        if environ.get("PATH_INFO") == FAULTS_PATH:
+            rules = json.loads(environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0)) or b"[]")
+            for rule in rules:
+                if set(rule) != {"method", "key", "action", "count"} or rule["action"] not in _ACTIONS:
+                    start_response("400 Bad Request", [("Content-Type", "text/plain")])
+                    return [f"bad fault rule {rule!r}".encode()]
+            with self.lock:
+                self.rules = rules
+            start_response("200 OK", [("Content-Type", "text/plain")])
+            return [b"ok"]
+        action = self._match(environ)
+        if action is None:
+            return self.app(environ, start_response)
+        if action != "500-before":
+            result = self.app(environ, lambda *a, **k: None)  # the request is done; its answer is thrown away
+            b"".join(result)
+            if action == "drop-after":
+                sock = environ["werkzeug.socket"]
+                sock.shutdown(socket.SHUT_RDWR)
+                raise ConnectionAbortedError("fault injected: response dropped")
+        start_response("500 Internal Server Error", [("Content-Type", "application/xml"), ("Content-Length", str(len(_ERROR_500)))])
+        return [_ERROR_500]
+
+
 def _serve(host: str, port: int, buckets: list[str], serialize: bool) -> None:
     """Run in the server process: create ``buckets``, then serve forever."""
     from moto.core import DEFAULT_ACCOUNT_ID
@@ -69,7 +136,8 @@ def _serve(host: str, port: int, buckets: list[str], serialize: bool) -> None:
     from werkzeug.serving import make_server
 
     app = DomainDispatcherApplication(create_backend_app)
-    server = make_server(host, port, _Serialized(app) if serialize else app, threaded=True, request_handler=MotoRequestHandler)
+    app = _Faults(_Serialized(app) if serialize else app)
+    server = make_server(host, port, app, threaded=True, request_handler=MotoRequestHandler)
     os.environ["MOTO_PORT"] = str(server.server_port)
     for bucket in buckets:
         s3_backends[DEFAULT_ACCOUNT_ID]["aws"].create_bucket(bucket, REGION)
@@ -137,6 +205,18 @@ class MotoServer:
             "AWS_ACCESS_KEY_ID": ACCESS_KEY,
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
         }
+
+    def set_faults(self, rules: list[dict]) -> None:
+        """Replace the server's fault rules (``[]``: none); see the module docstring."""
+        req = urllib.request.Request(self.endpoint + FAULTS_PATH, data=json.dumps(rules).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"fault rules refused: {resp.read()!r}")
+
+    def faults(self) -> list[dict]:
+        """The fault rules not yet used up (a rule's ``count`` is what is left of it)."""
+        with urllib.request.urlopen(self.endpoint + FAULTS_PATH, timeout=10) as resp:
+            return json.loads(resp.read())
 
     def __enter__(self) -> MotoServer:
         return self.start()

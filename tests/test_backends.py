@@ -9,6 +9,7 @@ import random
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 
@@ -332,3 +333,68 @@ def test_moto_honours_conditional_puts(s3_server):
     with pytest.raises(PreconditionError):
         obstore.put(s, "k", b"3", mode={"e_tag": first["e_tag"]})
     assert bytes(obstore.get(s, "k").bytes()) == b"2" and second["e_tag"] != first["e_tag"]
+
+
+# --- a server that fails requests (S3 only) ------------------------------------------------------
+
+
+FAST_RETRIES = {"max_retries": 3, "backoff": {"init_backoff": timedelta(milliseconds=10), "max_backoff": timedelta(milliseconds=50), "base": 2}}
+
+
+@pytest.fixture
+def faulty(s3_server):
+    """A fresh prefix on the moto server, a backend with quick retries, and the server's fault switch."""
+    url = f"s3://ckpt/f-{uuid.uuid4().hex[:12]}"
+    backend = S3Backend(url, retry_config=FAST_RETRIES)
+    yield backend, s3_server.set_faults, s3_server.faults
+    s3_server.set_faults([])
+    backend.close()
+
+
+@pytest.mark.parametrize("action", ["500-after", "drop-after"])
+def test_lost_cas_response_is_settled_by_reading_back(faulty, action):
+    """The PUT lands but its answer is lost: the client's retry then meets 412, and the
+    backend finds its own write id in the ref, so the CAS succeeded."""
+    backend, set_faults, faults = faulty
+    set_faults([{"method": "PUT", "key": "/refs/t", "action": action, "count": 1}])
+    v1 = backend.cas_ref("t", b"one", None)
+    assert faults() == []  # the fault fired
+    assert backend.read_ref("t") == type(backend.read_ref("t"))(b"one", v1)
+    set_faults([{"method": "PUT", "key": "/refs/t", "action": action, "count": 1}])
+    v2 = backend.cas_ref("t", b"two", v1)
+    assert faults() == []
+    assert v2 != v1 and backend.read_ref("t").data == b"two" and backend.read_ref("t").version == v2
+    with pytest.raises(RefConflictError):
+        backend.cas_ref("t", b"stale", v1)
+
+
+def test_cas_that_never_lands_is_a_backend_error_and_moves_nothing(faulty):
+    backend, set_faults, _ = faulty
+    v1 = backend.cas_ref("t", b"one", None)
+    set_faults([{"method": "PUT", "key": "/refs/t", "action": "500-before", "count": 100}])
+    with pytest.raises(BackendError, match="did not move"):
+        backend.cas_ref("t", b"two", v1)
+    set_faults([])
+    assert backend.read_ref("t") == type(backend.read_ref("t"))(b"one", v1)
+    assert backend.read_ref("t").data == b"one" and backend.cas_ref("t", b"two", v1) != v1
+
+
+@pytest.mark.parametrize("action", ["500-after", "drop-after"])
+def test_lost_put_response_leaves_the_whole_object(faulty, action):
+    backend, set_faults, _ = faulty
+    data = random.Random(4).randbytes(100_000)
+    set_faults([{"method": "PUT", "key": "/blobs/aa/p.pack", "action": action, "count": 1}])
+    assert backend.put_new("blobs/aa/p.pack", data) is False  # the retry found its own first attempt there
+    assert backend.get("blobs/aa/p.pack") == data
+
+
+def test_failed_reads_are_retried(faulty):
+    backend, set_faults, faults = faulty
+    data = random.Random(5).randbytes(200_000)
+    backend.put_new("blobs/aa/r.pack", data)
+    set_faults([{"method": "GET", "key": "/blobs/aa/r.pack", "action": "500-before", "count": 3}])
+    assert [bytes(b) for b in backend.get_ranges("blobs/aa/r.pack", [(0, 10), (150_000, 200_000)])] == [data[:10], data[150_000:]]
+    assert faults() == []  # three 500s, then the retries got through
+    set_faults([{"method": "GET", "key": "/blobs/aa/r.pack", "action": "500-before", "count": 100}])
+    with pytest.raises(BackendError, match="reading object blobs/aa/r.pack failed"):
+        backend.get("blobs/aa/r.pack")
