@@ -19,8 +19,11 @@ version's string is ``<number>-<write id>``. A CAS from version *n* (0: create)
    ours (file *n+1*'s successor names our write id as ``prev``: success), or *n* was
    stale and pruned before our link: our file is unlinked — readers take the highest
    number, so none saw it — and ``RefConflictError`` is raised;
-4. prunes versions below *n* older than ``PRUNE_AGE`` seconds. Pruning only that old
-   keeps the successor of a just-linked version in place for step 3 of its writer.
+4. prunes versions below *n* older than ``prune_age`` seconds (default 10 minutes).
+   Pruning only that old keeps the successor of a just-linked version in place for
+   step 3 of its writer; a writer stalled between its link and step 3 for longer may
+   report a conflict for a write that landed (its retry then moves the ref again: a
+   repeated move, never a lost or torn one).
 
 A SIGKILL at any point leaves at most a tmp file (GC removes it) or a version below
 the highest (pruned later); readers never see a partial or retracted version.
@@ -63,7 +66,7 @@ from .base import (
     ref_segment,
 )
 
-PRUNE_AGE = 60.0  # seconds a superseded ref version is kept
+PRUNE_AGE = 600.0  # seconds a superseded ref version is kept
 _VERSION_DIGITS = 20
 _READ_ATTEMPTS = 100
 
@@ -93,13 +96,15 @@ class LocalBackend(Backend):
     Args:
         root: the folder.
         create: make ``root`` (and its parents) if missing.
+        prune_age: seconds a superseded ref version is kept (see the module docstring).
 
     Raises:
         NotAStoreError: ``root`` is missing (without ``create``) or not a folder.
     """
 
-    def __init__(self, root: str | os.PathLike, create: bool = False):
+    def __init__(self, root: str | os.PathLike, create: bool = False, prune_age: float = PRUNE_AGE):
         self.root = Path(root)
+        self.prune_age = prune_age
         self.url = str(self.root)
         if create:
             try:
@@ -307,7 +312,10 @@ class LocalBackend(Backend):
             if versions and versions[-1] > new:
                 successor = self._read_version(folder, new + 1, name)
                 if successor is None or successor.prev != write:  # we were stale: retract our invisible version
-                    os.unlink(target)
+                    try:
+                        os.unlink(target)
+                    except FileNotFoundError:  # pruned already
+                        pass
                     raise RefConflictError(conflict)
             self._prune(folder, versions, number)
         except OSError as exc:
@@ -321,7 +329,7 @@ class LocalBackend(Backend):
                 break
             path = folder / f"{v:0{_VERSION_DIGITS}d}"
             try:
-                if now - path.stat().st_mtime > PRUNE_AGE:
+                if now - path.stat().st_mtime >= self.prune_age:
                     path.unlink()
             except FileNotFoundError:
                 pass
