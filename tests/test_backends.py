@@ -401,6 +401,14 @@ def test_unreachable_endpoint_is_a_backend_error(monkeypatch):
         S3Backend("s3://bucket/x", retry_config={"max_retries": 0})
 
 
+def test_missing_obstore_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "obstore", None)  # makes `import obstore` raise ImportError
+    with pytest.raises(BackendError, match="needs the obstore package.*pip install obstore"):
+        open_backend("s3://bucket/prefix")
+
+
 def test_moto_honours_conditional_puts(s3_server):
     """The server itself (not our client) refuses If-None-Match: * on an existing key and a stale If-Match."""
     import obstore
