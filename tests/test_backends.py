@@ -341,6 +341,39 @@ def test_local_race_with_eager_pruning_loses_no_update(tmp_path):
     assert len(list((tmp_path / "refs" / "race").iterdir())) <= 6  # pruned as it went
 
 
+def test_local_backend_reads_the_packs_of_a_store_built_today(tmp_path):
+    """The key layout is the local store's own: on a folder made by ``Store`` the backend
+    lists exactly its packs (never the catalog, tmp/ or gc.lock), and a ranged read of a
+    blob at its catalog location gives the entry the pack format describes."""
+    import torch
+
+    import ckptstore
+    from ckptstore.layout import digest
+    from ckptstore.packs import BLOB_HEADER
+
+    store = ckptstore.Store(tmp_path / "s", create=True)
+    t = torch.randint(-(2**31), 2**31 - 1, (50, 1000), dtype=torch.int32, generator=torch.Generator().manual_seed(0))  # 200 000 bytes, 50 rows: one shard
+    store.commit({"t": t}, tag="latest")
+    (tmp_path / "s" / "gc.lock").touch()
+    rows = store.catalog.rows("SELECT pack, offset, stored_len, raw_len, codec, hash FROM blobs")
+    packs = sorted({r["pack"] for r in store.catalog.rows("SELECT id AS pack FROM packs")})
+    store.close()
+    b = LocalBackend(tmp_path / "s")
+    listed = b.list()
+    assert [o.key for o in listed] == sorted(f"blobs/{p[:2]}/{p}.pack" for p in packs)
+    assert all(o.size == (tmp_path / "s" / o.key).stat().st_size for o in listed)
+    raw = t.numpy().tobytes()
+    row = next(r for r in rows if r["raw_len"] == len(raw))
+    assert row["codec"] == 0  # random bits do not compress: stored raw
+    header, payload = b.get_ranges(f"blobs/{row['pack'][:2]}/{row['pack']}.pack",
+                                   [(row["offset"], row["offset"] + BLOB_HEADER.size), (row["offset"] + BLOB_HEADER.size, row["offset"] + BLOB_HEADER.size + row["stored_len"])])
+    assert BLOB_HEADER.unpack(header)[0] == b"CKBL" and BLOB_HEADER.unpack(header)[4:] == (len(raw), len(raw), row["hash"])
+    assert payload == raw and digest(payload) == row["hash"]
+    for key in ("catalog.sqlite", "gc.lock", "tmp/x"):
+        with pytest.raises(InvalidArgumentError, match="reserved"):
+            b.get(key)
+
+
 def test_local_ref_versions_are_pruned(tmp_path):
     b = LocalBackend(tmp_path, prune_age=0)
     versions = [b.cas_ref("t", b"0", None)]

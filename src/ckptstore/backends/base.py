@@ -9,8 +9,8 @@ A backend stores two things and knows nothing else of ckptstore:
   (:meth:`Backend.cas_ref`) against the version :meth:`Backend.read_ref` returned.
 
 Keys are ``/``-separated segments of ``[A-Za-z0-9._%~-]``, none empty or starting
-with ``.``; first segments ``tmp``, ``refs`` and ``catalog*`` are reserved (a local
-store keeps its tmp files, refs and SQLite catalog there). Ref names are any text of
+with ``.``; first segments ``tmp``, ``refs``, ``gc.lock`` and ``catalog*`` are reserved (a
+local store keeps its tmp files, refs, GC lock and SQLite catalog there). Ref names are any text of
 1 to 255 characters without NUL; the backend escapes them into keys.
 
 A ref object is one line of JSON (name, format version, a random write id, the
@@ -45,7 +45,7 @@ MAX_KEY_BYTES = 900
 MAX_REF_NAME = 255
 MAX_ESCAPED_REF = 200
 MAX_REF_HEADER = 4096
-RESERVED = ("tmp", "refs")
+RESERVED = ("tmp", "refs", "gc.lock")  # and every first segment starting with "catalog"
 _SEGMENT = r"[A-Za-z0-9_%~-][A-Za-z0-9._%~-]*"
 _KEY = re.compile(rf"{_SEGMENT}(?:/{_SEGMENT})*")
 _WRITE_ID = re.compile(r"[0-9a-f]{32}")
