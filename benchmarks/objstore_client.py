@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.s3server when run from anywhere
 
 from ckptstore.backends.s3 import DEFAULT_COALESCE
-from tests.s3server import REGION, MotoServer
+from tests.s3server import ACCESS_KEY, REGION, SECRET_KEY, MotoServer
 
 
 def coalesced(ranges: list[tuple[int, int]], gap: int) -> tuple[int, int]:
@@ -86,10 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
     results: dict[str, list[float]] = {}
 
     with MotoServer(buckets=["bench"], serialize=False) as server:
-        os.environ.update(server.env)
-        store = S3Store("bench", prefix="obstore")
+        store = S3Store("bench", prefix="obstore", config={"endpoint": server.endpoint, "region": REGION, "access_key_id": ACCESS_KEY,
+                                                          "secret_access_key": SECRET_KEY}, client_options={"allow_http": True})
         client = boto3.client("s3", endpoint_url=server.endpoint, region_name=REGION,
-                              aws_access_key_id="testing", aws_secret_access_key="testing")
+                              aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY)
 
         def obstore_create():
             obstore.delete(store, "single")

@@ -521,3 +521,14 @@ def test_failed_reads_are_retried(faulty):
     set_faults([{"method": "GET", "key": "/blobs/aa/r.pack", "action": "500-before", "count": 100}])
     with pytest.raises(BackendError, match="reading object blobs/aa/r.pack failed"):
         backend.get("blobs/aa/r.pack")
+
+
+def test_client_benchmark_smoke(tmp_path):
+    """benchmarks/objstore_client.py runs end to end at tiny sizes (a functional check, no timing asserted)."""
+    pytest.importorskip("boto3", reason="the client benchmark compares against boto3 (the bench extra)")
+    pytest.importorskip("moto", reason="needs moto[server]")
+    from benchmarks import objstore_client
+
+    out = objstore_client.main(["--mib", "2", "--pack-mib", "1", "--ranges", "8", "--range-kib", "16", "-r", "1", "--json", str(tmp_path / "r.json")])
+    assert len(out["medians"]) == 9 and all(v > 0 for v in out["ratios"].values())
+    assert json.loads((tmp_path / "r.json").read_text())["ratios"] == out["ratios"]
