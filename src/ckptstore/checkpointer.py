@@ -80,6 +80,13 @@ class Checkpointer:
             machines send before they stop a job) after which the next
             :meth:`step` commits and exits the process with status 0; ``()``
             installs no handler. Handlers are installed only in the main thread.
+        dcp: multi-rank mode (docs/distributed.md): every rank builds the same
+            Checkpointer and calls :meth:`step`; commits go through
+            ``torch.distributed.checkpoint`` (``dcp.save`` with a
+            :class:`ckptstore.dcp.StoreWriter`: one commit per save, made by rank 0)
+            and :meth:`resume` through ``dcp.load``. ``objects`` are then what DCP
+            takes (tensors, JSON values, objects with ``state_dict``/``load_state_dict``);
+            :meth:`commit` returns the CommitInfo on the coordinator, ``None`` elsewhere.
 
     The step count itself is committed as component ``checkpointer``.
 
@@ -101,10 +108,14 @@ class Checkpointer:
         components: Iterable[str] | None = None,
         keep_last: int | None = 3,
         on_signal: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1),
+        dcp: bool = False,
     ):
-        if isinstance(store, (str, os.PathLike)):
+        self.dcp = dcp
+        if dcp and isinstance(store, (str, os.PathLike)):
+            store = _DCPStore(store)  # every rank: no catalog is opened until a read needs it
+        elif isinstance(store, (str, os.PathLike)):
             store = Store(store, create=True)
-        if not isinstance(store, Store):
+        if not isinstance(store, (Store, _DCPStore)):
             raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
         if type(objects) is not dict or not objects or not all(type(k) is str for k in objects):
             raise InvalidArgumentError(f"objects must be a non-empty dict of name -> object, got {type(objects).__name__}")
@@ -125,7 +136,8 @@ class Checkpointer:
         self.keep_last = keep_last
         self.steps = 0
         self.stop_requested: int | None = None  # the signal received, until the next step commits
-        capture(self._state(), store.registry)  # every object must be committable now, not after 1000 steps
+        if not dcp:
+            capture(self._state(), store.registry)  # every object must be committable now, not after 1000 steps
         self._tag_re = None if tag_format is None else re.compile(
             "^" + re.escape(tag_format).replace(re.escape("{step}"), r"(\d+)") + "$"
         )
@@ -161,15 +173,49 @@ class Checkpointer:
         """Commit now: the selected objects and the step count; moves the tags,
         then deletes this checkpointer's step tags past ``keep_last``."""
         tags = ([self.tag_format.format(step=self.steps)] if self.tag_format else []) + [self.latest_tag]
+        if self.dcp:
+            return self._commit_dcp(tags, metadata)
         info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata={"step": self.steps, **(metadata or {})})
+        self._prune(self.store)
+        return info
+
+    def _commit_dcp(self, tags: list[str], metadata: dict | None) -> CommitInfo | None:
+        import torch.distributed.checkpoint as dcp
+
+        from .dcp import StoreWriter
+
+        writer = StoreWriter(self.store.path, tags[0], tags=tags[1:], message=f"step {self.steps}",
+                             metadata={"step": self.steps, **(metadata or {})})
+        dcp.save(self._state(), storage_writer=writer)
+        info = writer.commit_info
+        if info is not None:  # the coordinator prunes
+            self._prune(self.store.opened())
+        return info
+
+    def _prune(self, store: Store) -> None:
         if self.keep_last is not None and self._tag_re is not None:
-            mine = sorted((int(m.group(1)), t) for t in self.store.tags() if (m := self._tag_re.match(t)))
+            mine = sorted((int(m.group(1)), t) for t in store.tags() if (m := self._tag_re.match(t)))
             for _, tag in mine[: max(0, len(mine) - self.keep_last)]:
                 try:
-                    self.store.delete_tag(tag)
+                    store.delete_tag(tag)
                 except RefNotFoundError:
                     pass  # another process pruned it first
-        return info
+
+    def _resume_dcp(self, ref: str | None) -> int | None:
+        import torch.distributed.checkpoint as dcp
+
+        from .dcp import StoreReader
+
+        store = self.store.opened(must_exist=ref is not None)
+        if store is None or (ref is None and self.latest_tag not in store.tags()):
+            return None
+        state = self._state()
+        state["checkpointer"] = {"step": -1}
+        dcp.load(state, storage_reader=StoreReader(store, ref or self.latest_tag))
+        for name in self.components:
+            self.objects[name] = state[name]
+        self.steps = state["checkpointer"]["step"]
+        return self.steps
 
     def resume(self, ref: str | None = None) -> int | None:
         """Restore every selected object in place from ``ref`` (default: the latest tag).
@@ -182,6 +228,8 @@ class Checkpointer:
             RefNotFoundError: an explicit ``ref`` that does not exist.
             TargetMismatchError, IntegrityError, ...: as :meth:`Store.checkout`.
         """
+        if self.dcp:
+            return self._resume_dcp(ref)
         try:
             tags = self.store.tags()
         except NotAStoreError as exc:
@@ -206,6 +254,25 @@ class Checkpointer:
             self.objects[name] = target[name]
         self.steps = target["checkpointer"]["step"]
         return self.steps
+
+
+class _DCPStore:
+    """The store of a Checkpointer in DCP mode: a path, opened (for reads, and for pruning
+    on the coordinator) only when needed, so ranks that only save never open the catalog."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+        self._store: Store | None = None
+
+    def opened(self, must_exist: bool = True) -> Store | None:
+        if self._store is None:
+            try:
+                self._store = Store(self.path, create=False)
+            except NotAStoreError:
+                if must_exist:
+                    raise
+                return None
+        return self._store
 
 
 def _in_main_thread() -> bool:

@@ -203,6 +203,49 @@ def tag_cmd(
     emit_json({"tag": name, "commit": cid}) if as_json else console.print(f"{name} -> {cid}")
 
 
+Force = Annotated[bool, typer.Option("--force", help="Move the tag even when its commit is not an ancestor of REF's.")]
+
+
+def _transfer_done(report, as_json: bool, direction: str) -> None:
+    if as_json:
+        emit_json(report)
+        return
+    moved = f"; {report.tag} -> {report.commit}" if report.tag else ""
+    console.print(
+        f"{direction} {report.commit[:12]}: {len(report.commits_copied)} commit(s), {report.blobs_copied} blob(s), "
+        f"{fmt_bytes(report.bytes_copied)} copied{moved}"
+    )
+
+
+@app.command()
+def push(
+    remote: Annotated[Path, typer.Argument(help="The other store (created if missing).")],
+    ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix to copy; a tag also moves there.")],
+    store: StorePath = None,
+    force: Force = False,
+    as_json: AsJson = False,
+) -> None:
+    """Copy REF and the ancestors REMOTE lacks into REMOTE (commit ids kept, only missing blobs
+    copied), then move REMOTE's tag if that is a fast-forward."""
+    with open_store(store) as s:
+        report = s.push(remote, ref, force=force)
+    _transfer_done(report, as_json, "pushed")
+
+
+@app.command()
+def pull(
+    remote: Annotated[Path, typer.Argument(help="The other store.")],
+    ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix of REMOTE to copy; a tag also moves there.")],
+    store: StorePath = None,
+    force: Force = False,
+    as_json: AsJson = False,
+) -> None:
+    """Copy REF of REMOTE and the ancestors this store lacks into this store (created if missing)."""
+    with Store(store_path(store), create=True) as s:
+        report = s.pull(remote, ref, force=force)
+    _transfer_done(report, as_json, "pulled")
+
+
 @app.command("delete-tag")
 def delete_tag_cmd(name: Annotated[str, typer.Argument(help="Tag to delete.")], store: StorePath = None, as_json: AsJson = False) -> None:
     """Delete tag NAME; its commits stay until a GC no longer keeps them."""
@@ -253,6 +296,27 @@ def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefi
         }
         leaves.add_row(*(row[c] for c in cols))
     console.print(leaves)
+    for c in detail["components"].values():
+        if c["adapter"] == "dcp" and isinstance(c["meta"].get("items"), dict):
+            console.print(_dcp_ranks(c["meta"]["items"], detail["leaves"]))
+
+
+def _dcp_ranks(items: dict, leaves: list[dict]):
+    """Per rank, what a torch.distributed.checkpoint commit holds: items, logical and stored bytes."""
+    by_path = {leaf["path"]: leaf for leaf in leaves}
+    ranks: dict = {}
+    for entry in items.values():
+        if not isinstance(entry, dict):
+            continue
+        chunks = [(entry.get("bytes"), entry.get("rank"))] if "bytes" in entry else [(c[2], c[3]) for c in entry.get("chunks", []) if isinstance(c, list) and len(c) == 4]
+        for path, rank in chunks:
+            leaf = by_path.get(path, {})
+            n, logical, stored = ranks.get(rank, (0, 0, 0))
+            ranks[rank] = (n + 1, logical + leaf.get("logical_bytes", 0), stored + leaf.get("stored_bytes", 0))
+    out = table("rank", "items", "logical", "stored", title="written by rank (torch.distributed.checkpoint)", numeric=("items", "logical", "stored"))
+    for rank, (n, logical, stored) in sorted(ranks.items(), key=lambda kv: (kv[0] is None, kv[0] if isinstance(kv[0], int) else 0)):
+        out.add_row(str(rank), str(n), fmt_bytes(logical), fmt_bytes(stored))
+    return out
 
 
 @app.command()

@@ -43,7 +43,7 @@ from . import jsonvalue, progress
 from .errors import CkptStoreError, ContainerError, IntegrityError
 from .layout import check_path
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
-from .records import check_paths
+from .records import Component, check_paths
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
 
 FORMAT = "ckptstore-export"
@@ -568,7 +568,7 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
     source = _Source(src)
     try:
         commit, comps, leaves, fetch = _verified(source, src, store.registry)
-        components = [_Comp(c["path"], c["adapter"], c["version"], c["meta"]) for c in comps]
+        components = [Component(c["path"], c["adapter"], c["version"], c["meta"]) for c in comps]
         records = [LeafRecord(r.path, r.component, r.kind, r.dtype, r.shape, r.nbytes, r.shard_bytes, r.value, r.stride) for r in leaves]
         keys = [(bytes.fromhex(a[:32]), int(a[33:])) for r in leaves for a in r.shards]
 
@@ -605,10 +605,3 @@ def refuse_store_files(src: Path, root: Path) -> None:
     if inside == top or top in inside.parents:
         raise ContainerError(f"{src} is the store {root} or inside it; import from an export outside the store")
 
-
-@dataclass(frozen=True)
-class _Comp:
-    path: str
-    adapter: str
-    version: int
-    meta: dict

@@ -63,6 +63,11 @@ class AmbiguousRefError(RefError):
     """A commit id prefix matches more than one commit."""
 
 
+class RefConflictError(RefError):
+    """A tag did not name the commit a compare-and-swap expected (another writer moved
+    it), or a push/pull would move it to a commit that does not descend from it."""
+
+
 class InvalidNameError(RefError):
     """A tag name or a state-tree key is not allowed (empty, contains '/', ...)."""
 
@@ -146,9 +151,14 @@ class ObjectNotFoundError(BlobMissingError):
     """An object (a pack, an index, a record) is absent from the backend."""
 
 
-class RefConflictError(RefError):
-    """A compare-and-swap of a ref lost: the ref moved (or was created) since it was read."""
-
-
 class RefBusyError(RefError):
     """A ref kept moving under a read-modify-write loop for all its attempts."""
+
+
+# --- warnings -------------------------------------------------------------------------
+
+
+class StaleFingerprintWarning(UserWarning):
+    """A tensor's bytes changed although its fingerprint (version counter, address)
+    did not: a write torch does not count (``.data``, a numpy view, another process).
+    The commit rehashed it in full, so the checkpoint is right; see ``reuse_hashes``."""

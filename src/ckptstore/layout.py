@@ -8,11 +8,15 @@ plus its length in bytes. :mod:`ckptstore.shards` cuts tensors with these.
 
 from __future__ import annotations
 
+import random
 import re
 import sys
+import warnings
 from dataclasses import dataclass
 
 import xxhash
+
+from .errors import StaleFingerprintWarning
 
 DEFAULT_SHARD_BYTES = 256 << 10  # 256 KiB; docs/performance.md has the measurement behind it
 MAX_DIMS = 64  # the most dimensions ckptstore stores or imports (a bound on manifests; torch allows more)
@@ -115,6 +119,27 @@ class ShardPlan:
         """Byte range ``[start, stop)`` of shard ``i``."""
         start = i * self.shard_bytes
         return start, min(self.nbytes, start + self.shard_bytes)
+
+
+def sample_unchanged(known: list[bytes], mv: memoryview, plan: ShardPlan, path: str) -> bool:
+    """Rehash a random sample of the shards of ``mv`` (cut by ``plan``) whose hashes a
+    fingerprint says are still ``known``: one shard, and 1 % of them for large tensors.
+
+    A write torch did not count (through ``.data``, a numpy view, another process)
+    that touches a sampled shard, as any write to every element does, is caught:
+    returns ``False`` and warns :class:`~ckptstore.errors.StaleFingerprintWarning`
+    naming ``path``; the caller then hashes it all.
+    """
+    sample = random.sample(range(plan.count), max(1, plan.count // 100))
+    if all(digest(mv[slice(*plan.bounds(i))]) == known[i] for i in sample):
+        return True
+    warnings.warn(
+        f"{path}: its bytes changed without torch counting a write (through .data, a numpy view or another "
+        "process); it was rehashed in full. Pass reuse_hashes=False to the Store to always hash.",
+        StaleFingerprintWarning,
+        stacklevel=3,
+    )
+    return False
 
 
 # --- paths: keys escaped into segments joined by "/" ----------------------------------------

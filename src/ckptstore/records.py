@@ -83,6 +83,29 @@ class CommitRecord:
     text: str
 
 
+@dataclass(frozen=True)
+class Component:
+    """A component as :meth:`ckptstore.Store.commit_manifest` takes it."""
+
+    path: str
+    adapter: str
+    version: int
+    meta: dict
+
+
+def recreate(rec: CommitRecord) -> tuple[list[Component], list[LeafRecord]]:
+    """The components and leaf records (JSON values as their stored text) that
+    recreate commit ``rec`` through ``Store.commit_manifest(origin=...)`` in another
+    store: the rebuilt record is the same text, so it hashes to the same id."""
+    entries = json.loads(rec.text)[5]
+    comps = [Component(p, c["adapter"], c["version"], c["meta"]) for p, c in rec.components.items()]
+    leaves = [
+        LeafRecord(r.path, r.component, r.kind, r.dtype, r.shape, r.nbytes, r.shard_bytes, e[6] if r.kind == "json" else None, r.stride, keys=r.keys)
+        for r, e in zip(rec.leaves, entries)
+    ]
+    return comps, leaves
+
+
 def commit_text(parents, created_at: float, message: str, meta_json: str, components: list, manifest: list) -> str:
     """The canonical record text (see the module docstring); its hash is the commit id."""
     return json.dumps([list(parents), created_at, message, meta_json, components, manifest], separators=(",", ":"))

@@ -49,13 +49,26 @@ from .errors import (
     InvalidNameError,
     NotAStoreError,
     PartialPathError,
+    RefConflictError,
     RefNotFoundError,
     StoreWriteError,
     UnsupportedTypeError,
 )
 from .fsck import FsckReport, check
 from .gc import DEFAULT_GRACE, GCReport, collect
-from .layout import DEFAULT_SHARD_BYTES, ShardPlan, address, check_path, check_shape, digest, itemsize, keypath, split, under
+from .layout import (
+    DEFAULT_SHARD_BYTES,
+    ShardPlan,
+    address,
+    check_path,
+    check_shape,
+    digest,
+    itemsize,
+    keypath,
+    sample_unchanged,
+    split,
+    under,
+)
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
 from .records import LeafRecord
 from .recover import RecoverReport, recover
@@ -66,6 +79,7 @@ if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or 
     from .adapters import ComponentState, Registry
     from .adapters.base import Captured
     from .checkout import BlobReader
+    from .transfer import TransferReport
 
 CATALOG = "catalog.sqlite"
 _STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|\.v\d+\.bak)?|blobs|tmp|gc\.lock)$")
@@ -124,6 +138,12 @@ class IOStats:
 class _ReusedBlobsGone(Exception):
     def __init__(self, keys: list[tuple[bytes, int]]):
         self.keys = keys
+
+
+def _given_stored(written: dict[tuple[bytes, int], BlobLoc], given_packs) -> int:
+    """Bytes (headers included) of the blobs in ``written`` that other processes wrote to ``given_packs``."""
+    ids = {pid for pid, _ in given_packs}
+    return sum(loc.stored_len + BLOB_HEADER.size for loc in written.values() if loc.pack in ids) if ids else 0
 
 
 @contextmanager
@@ -185,11 +205,19 @@ class Store:
         pack_bytes: pack files roll over past this size in bytes.
         workers: threads for hashing, compression and I/O (default: CPU count).
         registry: the adapter registry (default: the global one, ``ckptstore.adapters.REGISTRY``).
-        reuse_hashes: skip rehashing a TorchRL storage's tensors when neither its
-            mutation revision nor the tensors' version counters changed since
-            this store last committed it (see ``Adapter.fingerprints``). Turn it
-            off if you write into storage tensors behind TorchRL's and torch's
-            back (through ``.data``, numpy views or another process's raw memory).
+        reuse_hashes: skip rehashing a tensor that this store committed before
+            when its fingerprint says it did not change: for plain tensors (module
+            parameters and buffers, optimizer moments, TensorDict and dict leaves)
+            the storage, address, layout and torch's version counter
+            (:func:`ckptstore.adapters.base.plain_token`); for a TorchRL storage its
+            mutation revision too (``Adapter.fingerprints``). Writes torch does not
+            count (through ``.data``, numpy views, another process's memory) keep the
+            fingerprint, so every commit also rehashes a random sample of each such
+            tensor's shards (1 %, at least one): a write to every element, like
+            TorchRL's target-network updates through ``.data``, is always caught, a
+            sparse one with the sample's odds; a catch rehashes the tensor in full and
+            warns (``StaleFingerprintWarning``). Shared and file-backed memory and CUDA
+            tensors are always hashed. ``False`` always hashes everything.
 
     Raises:
         NotAStoreError: the folder holds other files and no catalog.
@@ -442,7 +470,7 @@ class Store:
         components = self._snapshot(self._capture(obj))
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-commit")
-        future = self._committer.submit(self.commit_components, components, tag, message, metadata, parents, t0=t0)
+        future = self._committer.submit(self.commit_components, components, tag, message, metadata, parents, t0=t0, reuse_checked=True)
         self._pending = future
         return future
 
@@ -451,11 +479,12 @@ class Store:
         import torch
 
         from .adapters.base import Captured
-        from .shards import check_tensor, dense_order, plan
+        from .shards import check_tensor, dense_order, physical, plan, tensor_bytes
 
         free = self._pending is None or self._pending.done()  # the last snapshot's buffers are reusable
         buffers = self._snapshots if free else {}
         out = []
+        stale: set[str] = set()
         for comp in components:
             leaves = {}
             for path, value in comp.leaves.items():
@@ -463,10 +492,16 @@ class Store:
                     leaves[path] = jsonvalue.loads(jsonvalue.dumps(value, path))
                     continue
                 token = comp.fingerprints.get(path)
-                entry = self._cached(comp.owner, path, token, plan(tuple(value.shape), value.dtype, self.shard_bytes).count)
-                if entry is not None and entry[0] == token:
-                    leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
-                    continue
+                if token is not None:
+                    phys, _ = physical(value, path)
+                    p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+                    entry = self._cached(comp.owner, path, token, p.count)
+                    if entry is not None and entry[0] == token:
+                        if sample_unchanged([d for d, _ in entry[1]], tensor_bytes(phys, path), p, path):
+                            leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
+                            continue
+                        stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
+                        self._digest_cache[id(self._keeper(comp.owner, token))][1].pop((path, self.shard_bytes), None)
                 check_tensor(value, path)
                 buf = buffers.get(path)
                 if buf is None or buf.dtype != value.dtype or buf.shape != value.shape or buf.stride() != value.stride():
@@ -475,7 +510,8 @@ class Store:
                 buf.copy_(value.detach())
                 leaves[path] = buf
                 buffers[path] = buf
-            out.append(Captured(comp.path, comp.adapter, comp.version, comp.meta, leaves, comp.fingerprints, comp.owner))
+            tokens = {k: v for k, v in comp.fingerprints.items() if k not in stale}
+            out.append(Captured(comp.path, comp.adapter, comp.version, comp.meta, leaves, tokens, comp.owner))
         self._snapshots = buffers
         return out
 
@@ -488,9 +524,12 @@ class Store:
         parents: Sequence[str] | None = None,
         *,
         t0: float | None = None,
+        reuse_checked: bool = False,
     ) -> CommitInfo:
         """Commit components already captured (by :func:`ckptstore.adapters.capture`
-        or built by an importer); same arguments, result and errors as :meth:`commit`."""
+        or built by an importer); same arguments, result and errors as :meth:`commit`.
+        ``reuse_checked``: the shard hashes reused by fingerprint were sample-checked
+        already (:meth:`commit_async` checks them when it snapshots the state)."""
         t0 = time.perf_counter() if t0 is None else t0
         tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
         tags = list(dict.fromkeys(_check_tag(t) for t in tags))
@@ -502,7 +541,7 @@ class Store:
         jsonvalue.encode(metadata, "metadata")
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
-        leaves, views, tokens, prior, from_cache = self._leaves(components)
+        leaves, views, tokens, prior, from_cache = self._leaves(components, reuse_checked)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
         for shard_views in views:
@@ -518,7 +557,9 @@ class Store:
         self._remember_digests(views, tokens, ids)
         return info
 
-    def commit_manifest(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None):
+    def commit_manifest(
+        self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None
+    ):
         """Steps 3 and 4 of the commit protocol for a manifest already built (commits and
         importers): ``leaves`` are :class:`LeafRecord` s, ``keys`` every tensor shard's
         address in order, and ``write(writer, key)`` writes one new blob to a PackWriter.
@@ -528,6 +569,11 @@ class Store:
         commit made elsewhere (an import) with its own id, parents and time: the
         rebuilt record must hash to that id (IntegrityError otherwise), and a
         commit the store already has is not written again (only the tags move).
+        ``written`` = ``(locations, packs)``: blobs other processes already made
+        durable in their own packs (the ranks of a ``torch.distributed.checkpoint``
+        save, :mod:`ckptstore.dcp`), ``{address: BlobLoc}`` and ``[(pack id, size)]``;
+        they are indexed in this commit's transaction and not written again (an
+        address the catalog already holds keeps its row; that copy is left for GC).
         Returns the CommitInfo and every address's blob id.
         """
         if not self._open(create=True).writable:
@@ -547,9 +593,10 @@ class Store:
                 raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
         known = dict(prior or {})
         known.update(self._lookup([k for k in dict.fromkeys(keys) if k not in known]))
+        given, given_packs = written or ({}, [])
         with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
-            written: dict[tuple[bytes, int], BlobLoc] = {}
-            todo = [k for k in dict.fromkeys(keys) if k not in known]
+            written = {k: loc for k, loc in given.items() if k not in known}
+            todo = [k for k in dict.fromkeys(keys) if k not in known and k not in written]
             while True:
                 with progress.task("commit: write new shards", sum(n for _, n in todo)) as advance:
                     def write_one(key: tuple[bytes, int]) -> BlobLoc:
@@ -565,6 +612,7 @@ class Store:
                     cid, parent_ids, seconds, ids = self._commit_txn(
                         components, leaves, keys, known, written, writer, tags, message, meta_json,
                         explicit_parents if origin is None else list(origin[1]), created_at, t0, None if origin is None else origin[0],
+                        given_packs,
                     )
                     break
                 except _ReusedBlobsGone as gone:  # a GC removed them meanwhile: write them again
@@ -580,20 +628,21 @@ class Store:
             metadata=metadata,
             logical_bytes=sum(r.nbytes for r in leaves if r.kind == "tensor"),
             new_bytes=sum(n for _, n in written),
-            stored_bytes=writer.stored_bytes,
+            stored_bytes=writer.stored_bytes + _given_stored(written, given_packs),
             shards_total=len(keys),
             shards_new=len(written),
             seconds=seconds,
         )
         return info, ids
 
-    def _leaves(self, components: list[Captured]):
+    def _leaves(self, components: list[Captured], checked: bool = False):
         """Manifest records; for each tensor leaf its shards' (digest, bytes);
         ``(owner, path, token)`` per leaf whose hashes the digest cache can keep;
         the blob ids the digest cache suggests for addresses (``prior``); and the
         addresses whose hashes came from that cache, unverified (``from_cache``).
 
-        A leaf whose fingerprint is unchanged takes its hashes from the cache. A
+        A leaf whose fingerprint is unchanged takes its hashes from the cache once
+        a random sample of its shards rehashes to them (unless ``checked``). A
         changed one is hashed, and each shard whose hash equals the one at the same
         position last time takes that blob id: no catalog lookup (the commit's
         transaction checks every such id still holds that address).
@@ -621,6 +670,8 @@ class Store:
                     mv = tensor_bytes(phys, path)
                     entry = self._cached(comp.owner, path, token, p.count)
                     known = entry[1] if entry is not None and entry[0] == token else None
+                    if known and not checked and not sample_unchanged([d for d, _ in known], mv, p, path):
+                        known = None
                     if entry is not None and known is None:
                         previous[len(recs)] = entry[1]
                     for s in range(p.count):
@@ -647,11 +698,23 @@ class Store:
                     prior[(d, len(mv))] = blob
         return recs, views, tokens, prior, from_cache
 
+    @staticmethod
+    def _keeper(owner: Any, token: Any) -> Any:
+        """What a digest-cache entry lives as long as: the tensor's storage for a plain
+        token (a dict owner cannot be weakly referenced, and a new dict each commit
+        must still find the hashes), else the object the adapter fingerprinted."""
+        from .adapters.base import StorageIdentity
+
+        if type(token) is tuple and token and isinstance(token[0], StorageIdentity):
+            return token[0].ref()
+        return owner
+
     def _cached(self, owner: Any, path: str, token: Any, count: int) -> tuple[Any, list[tuple[bytes, int]]] | None:
         """``(fingerprint, [(shard hash, blob id)])`` of leaf ``path`` of ``owner`` as this
         store last committed it, if it had ``count`` shards at the current shard size."""
         if token is None or not self.reuse_hashes:
             return None
+        owner = self._keeper(owner, token)
         cached = self._digest_cache.get(id(owner))
         if cached is None or cached[0]() is not owner:
             return None
@@ -663,9 +726,14 @@ class Store:
         for shards, entry in zip(views, tokens):
             if entry is not None:
                 owner, path, token = entry
+                owner = self._keeper(owner, token)
+                if owner is None:  # its storage is gone already
+                    continue
                 hashes = [(d, ids[(d, len(mv))]) for d, mv in shards]
                 fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][(path, self.shard_bytes)] = (token, hashes)
-        self._digest_cache.update(fresh)
+        live = {k: v for k, v in self._digest_cache.items() if v[0]() is not None}  # entries of freed objects go
+        live.update(fresh)
+        self._digest_cache = live
 
     def _map(self, fn, items: list) -> list:
         """``[fn(x) for x in items]`` across the thread pool, a few chunks per thread
@@ -726,7 +794,9 @@ class Store:
                 writer.discard()
                 raise
 
-    def _commit_txn(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0, expect=None):
+    def _commit_txn(
+        self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0, expect=None, given_packs=(),
+    ):
         with self._write() as batch:
             db = self.catalog.db
             if known:
@@ -736,7 +806,9 @@ class Store:
                 gone = [k for k, i in known.items() if held.get(i) != k]
                 if gone:
                     raise _ReusedBlobsGone(gone)
-            db["packs"].insert_all(({"id": pid, "size": size, "created_at": created_at} for pid, size in writer.pack_ids), ignore=True)
+            db["packs"].insert_all(
+                ({"id": pid, "size": size, "created_at": created_at} for pid, size in [*writer.pack_ids, *given_packs]), ignore=True
+            )
             run_many = self.catalog.conn.executemany  # the bulk rows: sqlite-utils' per-row checks cost more than the inserts
             run_many(
                 "INSERT OR IGNORE INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -765,7 +837,8 @@ class Store:
             db["commits"].insert({
                 "id": cid, "created_at": created_at, "message": message, "metadata": meta_json,
                 "logical_bytes": sum(r.nbytes for r in leaves if r.kind == "tensor"), "new_bytes": new_bytes,
-                "stored_bytes": writer.stored_bytes, "shards_total": len(keys), "shards_new": len(written), "seconds": seconds,
+                "stored_bytes": writer.stored_bytes + _given_stored(written, given_packs),
+                "shards_total": len(keys), "shards_new": len(written), "seconds": seconds,
                 "record": record,
             })
             batch.append((records.KIND_COMMIT, cid, None, record))
@@ -849,16 +922,51 @@ class Store:
         """``{tag name: commit id}``, sorted by name."""
         return {r["name"]: r["commit_id"] for r in self.catalog.rows("SELECT name, commit_id FROM tags ORDER BY name")}
 
-    def tag(self, name: str, ref: str) -> str:
+    def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
         """Create or move tag ``name`` to the commit ``ref`` names; returns its id.
 
-        Atomic: one transaction moves the tag and appends a reflog row.
+        Atomic: one transaction moves the tag and appends a reflog row. With
+        ``expect`` (a commit id, or ``None`` for "no such tag yet") it is a
+        compare-and-swap: RefConflictError, and nothing changes, when the tag
+        names something else at that moment.
         """
         _check_tag(name)
         with self._write() as batch:
             cid = self.resolve(ref)
+            if expect is not ...:
+                current = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
+                current = current[0]["commit_id"] if current else None
+                if current != expect:
+                    raise RefConflictError(f"tag {name!r} names {current or 'nothing'}, not {expect or 'nothing'}: another writer moved it")
             self._move_tag(batch, name, cid, "tag", time.time())
         return cid
+
+    def has_commit(self, cid: str) -> bool:
+        """Does the store hold commit ``cid`` (a full id)? ``False`` for a store not created yet."""
+        return self._open(create=False) is not None and bool(self.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)))
+
+    def push(self, remote: Store | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
+        """Copy ``ref`` and the ancestors ``remote`` lacks into ``remote`` (created if
+        missing), keeping commit ids; then move the remote tag (when ``ref`` is a tag)
+        if it is a fast-forward. See :mod:`ckptstore.transfer`.
+
+        Raises:
+            RefConflictError: the remote tag names a commit that is not an ancestor of
+                ``ref``'s (naming both; ``force=True`` overrides) or moved meanwhile.
+            RefNotFoundError / AmbiguousRefError / IntegrityError / StoreWriteError.
+        """
+        from .transfer import transfer
+
+        other = remote if isinstance(remote, Store) else Store(remote, create=True)
+        return transfer(self, other, ref, force)
+
+    def pull(self, remote: Store | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
+        """The reverse of :meth:`push`: copy ``ref`` of ``remote`` into this store (created if missing)."""
+        from .transfer import transfer
+
+        other = remote if isinstance(remote, Store) else Store(remote, create=False)
+        self._open(create=True)
+        return transfer(other, self, ref, force)
 
     def delete_tag(self, name: str) -> str:
         """Delete tag ``name`` (its commits stay until GC); returns the commit it named.
@@ -993,6 +1101,34 @@ class Store:
             "dedup_ratio": c["logical"] / b["raw"] if b["raw"] else None,
             "compression_ratio": b["raw"] / b["stored"] if b["stored"] else None,
         }
+
+    # --- for integrations that write blobs in other processes (ckptstore.dcp) ----------------
+
+    def locate(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], BlobLoc]:
+        """Where the catalog says each blob (``(XXH3-128 digest, length)`` address) is; absent ones are left out."""
+        return self._locate(keys)
+
+    def newest_commit(self, adapter: str) -> str | None:
+        """Id of the newest commit holding a component stored by ``adapter``, or ``None``."""
+        rows = self.catalog.rows(
+            "SELECT c.id FROM commits c JOIN components k ON k.commit_id = c.id WHERE k.adapter = ? ORDER BY c.created_at DESC, c.id LIMIT 1",
+            (adapter,),
+        )
+        return rows[0]["id"] if rows else None
+
+    def leaf_blobs(self, commits: Sequence[str], paths: Sequence[str]) -> dict[str, dict[tuple[bytes, int], int]]:
+        """``{leaf path: {address: blob id}}`` of the shards that leaves ``paths`` of ``commits``
+        (commit ids) reference, from the catalog's index. Hints only: a commit that reuses
+        these ids passes them as ``prior``, and its transaction rechecks each one."""
+        out: dict[str, dict[tuple[bytes, int], int]] = {}
+        for cid in dict.fromkeys(commits):
+            rows = self.catalog.chunked(
+                "SELECT l.path, b.hash, b.raw_len, b.id FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
+                "WHERE l.commit_id = ? AND l.path IN ({})", list(dict.fromkeys(paths)), (cid,), raw=True,
+            )
+            for path, h, n, i in rows:
+                out.setdefault(path, {})[(h, n)] = i
+        return out
 
     # --- maintenance ---------------------------------------------------------------------
 
@@ -1294,4 +1430,8 @@ class Store:
         return out
 
 
-__all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store"]
+#: Validate a tag name (returns it); raises InvalidNameError. Public for integrations that
+#: take tags before they commit (``ckptstore.dcp.StoreWriter``).
+check_tag = _check_tag
+
+__all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store", "check_tag"]

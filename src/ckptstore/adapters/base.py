@@ -32,6 +32,7 @@ State from a newer version raises :class:`~ckptstore.errors.AdapterVersionError`
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -374,7 +375,7 @@ class Adapter:
 
 
 #: Adapter modules imported on first need, by the top-level package they serve.
-LAZY_MODULES = {"torchrl": "ckptstore.adapters.torchrl"}
+LAZY_MODULES = {"torchrl": "ckptstore.adapters.torchrl", "dcp": "ckptstore.dcp"}
 
 
 def plain(value: Any) -> Any:
@@ -522,6 +523,43 @@ class Scope:
         return self._params.get(name)
 
 
+class StorageIdentity:
+    """Equal to another only while both refer to one live tensor storage: a token
+    part that no new storage allocated at a freed one's address can match."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, storage: Any):
+        self.ref = weakref.ref(storage)
+
+    def __eq__(self, other: object) -> bool:
+        mine = self.ref()
+        return mine is not None and isinstance(other, StorageIdentity) and mine is other.ref()
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def plain_token(t: torch.Tensor) -> tuple | None:
+    """A change token for a tensor whose writes torch tracks, or ``None``.
+
+    Torch bumps a tensor's version counter on every in-place op on it or its
+    views (optimizer steps, ``copy_``, ``index_put_``); with the storage's identity,
+    the address, layout and dtype, an equal token means the bytes did not change
+    *through torch*. Writes torch does not see are not in it: through ``.data``
+    (TorchRL's target-network updates), ``.numpy()`` views, or raw memory. So
+    tensors another process may write (shared or file-backed memory) and CUDA and
+    inference tensors get no token, and a store checks a sample of every reused
+    tensor's shards at each commit (see ``Store``, ``reuse_hashes``).
+    """
+    if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or t.is_inference() or t.is_shared():
+        return None
+    storage = t.untyped_storage()
+    if getattr(storage, "filename", None) is not None:
+        return None
+    return (StorageIdentity(storage), t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+
+
 def _find(obj: Any, registry: Registry, path: str, out: list[tuple[str, Adapter, Any]]) -> None:
     adapter = registry.for_object(obj, path)
     kids = adapter.children(obj)
@@ -548,6 +586,11 @@ def capture(obj: Any, registry: Registry = REGISTRY, path: str = "") -> list[Cap
         state = adapter.to_state(o, scope=scope) if adapter.uses_scope else adapter.to_state(o)
         leaves = flatten(state, p)
         tokens = {join(p, rel): token for rel, token in adapter.fingerprints(o).items()}
+        for leaf, value in leaves.items():
+            if leaf not in tokens and isinstance(value, torch.Tensor):
+                token = plain_token(value)
+                if token is not None:
+                    tokens[leaf] = token
         out.append(Captured(p, adapter.name, adapter.version, adapter.meta(o), leaves, tokens, o if tokens else None))
     return out
 

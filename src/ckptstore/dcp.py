@@ -1,0 +1,764 @@
+"""ckptstore as the storage layer of ``torch.distributed.checkpoint`` (DCP).
+
+>>> import torch.distributed.checkpoint as dcp
+>>> from ckptstore.dcp import StoreWriter, StoreReader
+>>> dcp.save(state_dict, storage_writer=StoreWriter("runs/store", tag="step-100"))      # every rank
+>>> dcp.async_save(state_dict, storage_writer=StoreWriter("runs/store", tag="step-200"))  # a future
+>>> dcp.load(state_dict, storage_reader=StoreReader("runs/store", "step-100"))          # every rank
+
+DCP plans which rank writes which bytes; ckptstore stores them. One ``dcp.save`` is
+one ordinary commit (docs/distributed.md has the whole story):
+
+1. **Plan** (coordinator, ``prepare_global_plan``): opens the store (creating it), and
+   sends each rank, inside DCP's own plan, the store's shard settings and the
+   addresses the store already holds for that rank's items: the shards of the same
+   leaves in the commits the tags point to and in the newest DCP commit.
+2. **Write** (every rank, ``write_data``): cuts each write item into the store's
+   row-aligned shards, hashes them (XXH3-128), and appends only the shards that are
+   neither known nor already written by this rank to packs of its own, made durable
+   (fsync, rename, fsync) before the rank reports back. Non-tensor values are encoded
+   as the store's type-preserving JSON (refused, naming the key, otherwise). The
+   rank holds its packs' locks until its writer is released (after ``dcp.save``
+   returns), so GC never takes them for orphans meanwhile. No catalog access.
+3. **Commit** (coordinator, ``finish``): one catalog transaction indexes every rank's
+   new blobs, rechecks the reused ones, writes the commit (one component ``""``
+   stored by adapter ``dcp`` whose meta is the DCP metadata as JSON, one leaf per
+   item) and moves the tags.
+
+A rank or coordinator killed before step 3 leaves no commit and no tag move, only
+orphan packs that GC removes after its grace period.
+
+Layout of a DCP commit: every item of the (flattened) state dict is a leaf at
+``layout.escape(fqn)`` (one path segment, so ``Store.checkout(ref)`` returns a
+TensorDict keyed by the fqns as given); a chunk of a sharded tensor (``DTensor``,
+``ShardedTensor``) that does not cover the whole tensor is a leaf at
+``escape(fqn)/<offsets joined by ",">``. Reading never unpickles: the metadata is
+rebuilt from the verified commit record, and the only bytes handed to DCP's planner
+(``load_bytes``) are ``torch.save`` d by this module from values decoded from JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from . import jsonvalue
+from .adapters.base import REGISTRY, Adapter, Captured, ComponentState, Registry, capture, plain_token, register_adapter
+from .errors import (
+    IntegrityError,
+    InvalidArgumentError,
+    StoreWriteError,
+    TargetMismatchError,
+    UnsupportedTypeError,
+)
+from .layout import ShardPlan, address, digest, escape, sample_unchanged
+from .packs import BlobLoc, PackReader, PackWriter, pack_path
+from .records import LeafRecord
+from .shards import DTYPES, byte_view, dense_order, dtype_name, physical, tensor_bytes
+from .shards import plan as shard_plan
+from .store import CommitInfo, Store, check_tag
+
+__all__ = ["ADAPTER", "AdapterState", "DCPAdapter", "StoreReader", "StoreWriter", "item_path"]
+
+#: The adapter name stamped on the one component of a DCP commit.
+ADAPTER = "dcp"
+#: Version of the JSON form of DCP metadata this module writes (component meta ``"dcp"``).
+FORMAT_VERSION = 1
+_MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
+                   "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
+_INLINE_HASH_BYTES = 4 << 20
+#: (store root, leaf path) -> (plain token, shard hashes) of the tensors this process saved
+_REUSED: dict[tuple[str, str], tuple[tuple, list[bytes]]] = {}
+
+
+@register_adapter
+class DCPAdapter(Adapter):
+    """The component of a commit made by :class:`StoreWriter`: its leaves are the
+    state dict's items, its meta the DCP metadata. Read it with :class:`StoreReader`
+    (``dcp.load``) or as a TensorDict (``Store.checkout(ref)``); ``checkout(into=...)``
+    is refused (DCP's planner, not an adapter, knows where each chunk goes)."""
+
+    name = ADAPTER
+    version = 1
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        raise TargetMismatchError(
+            f"{state.where('')}: a torch.distributed.checkpoint commit; load it with "
+            "dcp.load(state_dict, storage_reader=ckptstore.dcp.StoreReader(store, ref)) or read it with store.checkout(ref)"
+        )
+
+
+def item_path(fqn: str, offsets: Sequence[int] | None = None, whole: bool = True) -> str:
+    """The leaf path of one DCP item: ``escape(fqn)`` for a value or a whole tensor,
+    ``escape(fqn)/<offsets>`` (``"0,128"``) for a chunk of a sharded tensor."""
+    if whole or offsets is None:
+        return escape(fqn)
+    return f"{escape(fqn)}/{','.join(str(int(o)) for o in offsets) or '%'}"
+
+
+def _whole(item: WriteItem) -> bool:
+    td = item.tensor_data
+    if item.type == WriteItemType.TENSOR or td is None:
+        return True
+    return all(o == 0 for o in td.chunk.offsets) and tuple(td.chunk.sizes) == tuple(td.size)
+
+
+def _open(store: Store | str | os.PathLike, create: bool) -> Store:
+    if isinstance(store, Store):
+        return store
+    if isinstance(store, (str, os.PathLike)):
+        return Store(store, create=create)
+    raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
+
+
+def _root(store: Store | str | os.PathLike) -> Path:
+    return store.root if isinstance(store, Store) else Path(store)
+
+
+# --- writing ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """What the coordinator tells each rank in ``SavePlan.storage_data``."""
+
+    rank: int
+    paths: dict  # {MetadataIndex: leaf path} of this rank's items
+    known: frozenset  # {(digest, length)} the store holds for this rank's items
+    shard_bytes: int
+    compression_level: int
+    pack_bytes: int
+
+
+class StoreWriter(StorageWriter):
+    """DCP ``StorageWriter`` that commits one ``dcp.save`` as one ckptstore commit.
+
+    Args:
+        store: the store, or its path (every rank opens the path; the coordinator
+            creates the store if missing). It must be a folder every rank sees.
+        tag: the tag the commit moves (its current commit becomes the parent);
+            ``dcp.save(checkpoint_id=...)`` overrides it.
+        message: the commit message.
+        metadata: the commit's metadata (a dict of JSON values).
+        tags: more tags to move to the same commit.
+        workers: threads per rank for hashing, compression and writes (default: the CPUs
+            divided among the ranks on this machine, ``LOCAL_WORLD_SIZE`` or the world size).
+        reuse_hashes: a rank skips rehashing a tensor it saved to this store before in
+            this process when its fingerprint (storage, address, layout, version
+            counter) is unchanged, checking a random sample of its shards as
+            ``Store(reuse_hashes=)`` does (docs/performance.md); ``False`` hashes every byte.
+
+    After ``dcp.save`` returns, the coordinator's writer holds the
+    :class:`~ckptstore.CommitInfo` in :attr:`commit_info` (``None`` on other ranks).
+
+    Raises (at construction): InvalidNameError for a bad tag; InvalidArgumentError for
+    a bad message or metadata; UnsupportedTypeError for metadata that is not JSON.
+    During ``dcp.save`` (wrapped by DCP in a ``CheckpointException`` naming the rank):
+    UnsupportedTypeError for a non-tensor value that is not JSON (naming its fqn);
+    StoreWriteError for a store that cannot be written; InvalidArgumentError for
+    DCP's ``enable_plan_caching`` (unsupported).
+    """
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike,
+        tag: str | None = None,
+        *,
+        message: str = "",
+        metadata: dict | None = None,
+        tags: Sequence[str] = (),
+        workers: int | None = None,
+        reuse_hashes: bool = True,
+    ):
+        if not isinstance(store, (Store, str, os.PathLike)):
+            raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
+        if isinstance(tags, str):
+            tags = [tags]
+        self.tags = list(dict.fromkeys(check_tag(t) for t in ([tag] if tag is not None else []) + list(tags)))
+        if type(message) is not str or not jsonvalue.is_text(message):
+            raise InvalidArgumentError(f"message must be a UTF-8 str, got {message!r}")
+        metadata = {} if metadata is None else metadata
+        if type(metadata) is not dict:
+            raise InvalidArgumentError(f"metadata must be a dict, got {type(metadata).__name__}")
+        jsonvalue.encode(metadata, "metadata")
+        self.store = store
+        self.message = message
+        self.metadata = metadata
+        self.workers = workers
+        self.reuse_hashes = reuse_hashes
+        self.commit_info: CommitInfo | None = None
+        self._clear()
+
+    def _clear(self) -> None:
+        self._coordinator = False
+        self._rank: int | None = None
+        self._opened: Store | None = None
+        self._prior: dict[tuple[bytes, int], int] = {}
+        self._writer: PackWriter | None = None
+        self._release = None
+
+    def __getstate__(self) -> dict:  # DCP's process-based async_save sends the writer to another process
+        state = dict(self.__dict__)
+        state.update(store=str(_root(self.store)), _opened=None, _writer=None, _release=None)
+        return state
+
+    # StorageWriter interface
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        self.release()
+        if checkpoint_id is not None:
+            self.tags = [check_tag(str(checkpoint_id))]
+        self.commit_info = None
+        self._clear()
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False  # never picked automatically: a store is named by constructing a StoreWriter
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.tags[0] if self.tags else None)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+        self._rank = kwargs.get("rank")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: open the store and tell each rank the settings and the addresses it holds."""
+        if any(not p.usable for p in plans):
+            raise InvalidArgumentError("StoreWriter does not support DCP's enable_plan_caching: every save must send its plan")
+        store = self._opened = _open(self.store, create=True)
+        if not store.catalog.writable:
+            raise StoreWriteError(f"{store.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+        chunks = Counter(i.index.fqn for p in plans for i in p.items if i.type != WriteItemType.BYTE_IO)
+        paths = [{i.index: item_path(i.index.fqn, i.index.offset, chunks[i.index.fqn] <= 1 and _whole(i)) for i in p.items} for p in plans]
+        current = store.tags()
+        refs = [current[t] for t in self.tags if t in current]
+        newest = store.newest_commit(ADAPTER)
+        if newest is not None:
+            refs.append(newest)
+        hints = store.leaf_blobs(refs, [q for ps in paths for q in ps.values()]) if refs else {}
+        out = []
+        for rank, (p, ps) in enumerate(zip(plans, paths)):
+            known: dict[tuple[bytes, int], int] = {}
+            for q in ps.values():
+                known.update(hints.get(q, {}))
+            self._prior.update(known)
+            info = _RankPlan(rank, ps, frozenset(known), store.shard_bytes, store.compression_level, store.pack_bytes)
+            out.append(replace(p, storage_data=info))
+        return out
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Every rank: hash the items, write the shards the store lacks to this rank's packs
+        (durable before returning); no catalog access."""
+        info = plan.storage_data
+        if not isinstance(info, _RankPlan):
+            raise InvalidArgumentError("the save plan was not prepared by StoreWriter.prepare_global_plan (was another storage writer's plan used?)")
+        results: list[WriteResult] = []
+        values = {}
+        for item in plan.items:  # every non-tensor value is checked before any blob is written
+            if item.type == WriteItemType.BYTE_IO:
+                values[item.index] = jsonvalue.dumps(_lookup_object(planner, item), item.index.fqn)
+        root = str(_root(self.store))
+        for k in [k for k, (token, _) in _REUSED.items() if token[0].ref() is None]:
+            del _REUSED[k]  # tensors freed since
+        writer = self._writer = PackWriter(_root(self.store), info.compression_level, info.pack_bytes)
+        self._release = weakref.finalize(self, writer.close)
+        seen: dict[tuple[bytes, int], BlobLoc | None] = dict.fromkeys(info.known)
+        tensors = []
+        for item in plan.items:
+            path = info.paths[item.index]
+            if item.type == WriteItemType.BYTE_IO:
+                text = values[item.index]
+                data = {"path": path, "kind": "json", "value": text}
+                results.append(WriteResult(index=item.index, size_in_bytes=len(text.encode()), storage_data=data))
+                continue
+            t = planner.resolve_data(item)
+            if not isinstance(t, torch.Tensor):
+                raise UnsupportedTypeError(f"{item.index.fqn}: the planner resolved a tensor item to a {type(t).__name__}")
+            t = t.detach()
+            phys, stride = physical(t, item.index.fqn)
+            p = shard_plan(tuple(phys.shape), t.dtype, info.shard_bytes)
+            mv = tensor_bytes(phys, item.index.fqn)
+            data = {
+                "path": path, "kind": "tensor", "dtype": dtype_name(t.dtype, item.index.fqn), "shape": list(t.shape),
+                "stride": stride, "nbytes": p.nbytes, "shard_bytes": p.shard_bytes, "keys": [], "locs": {}, "packs": {},
+            }
+            views = [mv[slice(*p.bounds(s))] for s in range(p.count)]
+            token = plain_token(t) if self.reuse_hashes else None
+            cached = _REUSED.get((root, path)) if token is not None else None
+            known = None
+            if cached is not None and cached[0] == token and len(cached[1]) == p.count and sample_unchanged(cached[1], mv, p, path):
+                known = cached[1]
+            tensors.append((data, views, known, token))
+            results.append(WriteResult(index=item.index, size_in_bytes=p.nbytes, storage_data=data))
+        flat = [v for _, views, known, _ in tensors if known is None for v in views]
+        workers = self.workers or _rank_workers()
+        big = sum(len(v) for v in flat) > _INLINE_HASH_BYTES and workers > 1
+        with ThreadPoolExecutor(workers) if big else _Inline() as pool:
+            fresh = iter(_chunked(pool, digest, flat, workers) if big else [digest(v) for v in flat])
+            todo = []
+            for data, views, known, token in tensors:
+                digests = known or [next(fresh) for _ in views]
+                if known is not None and any((d, len(v)) not in seen and digest(v) != d for d, v in zip(known, views)):
+                    digests = [digest(v) for v in views]  # a shard to write that the sample did not check changed
+                for d, v in zip(digests, views):
+                    key = (d, len(v))
+                    data["keys"].append(key)
+                    if key not in seen:
+                        seen[key] = None
+                        todo.append((data, key, v))
+                if token is not None:
+                    _REUSED[(root, data["path"])] = (token, digests)
+            locs = list(pool.map(lambda job: writer.append(job[2], job[1][0]), todo))
+        writer.finish()  # durable under its final names before this rank reports back
+        sizes = dict(writer.pack_ids)
+        for (data, key, _), loc in zip(todo, locs):
+            data["locs"][key] = (loc.pack, loc.offset, loc.stored_len, loc.codec)
+            data["packs"][loc.pack] = sizes[loc.pack]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator: commit every rank's items in one catalog transaction and move the tags."""
+        import time
+
+        t0 = time.perf_counter()
+        store = self._opened if self._opened is not None else _open(self.store, create=True)
+        order = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}
+        ranks: dict[str, int] = {}
+        items = []
+        for rank, rank_results in enumerate(results):
+            for r in rank_results:
+                data = r.storage_data
+                if not isinstance(data, dict) or data.get("kind") not in ("tensor", "json"):
+                    raise InvalidArgumentError(f"rank {rank}: write result {r.index.fqn} was not made by StoreWriter.write_data")
+                items.append((order.get(r.index.fqn, len(order)), tuple(r.index.offset or ()), r.index.fqn, data))
+                ranks[data["path"]] = rank
+        items.sort(key=lambda x: x[:3])
+        leaves: list[LeafRecord] = []
+        keys: list[tuple[bytes, int]] = []
+        given: dict[tuple[bytes, int], BlobLoc] = {}
+        packs: dict[str, int] = {}
+        for _, _, _, data in items:
+            if data["kind"] == "json":
+                leaves.append(LeafRecord(data["path"], "", "json", None, None, 0, None, data["value"]))
+                continue
+            stride = None if data["stride"] is None else tuple(data["stride"])
+            leaves.append(LeafRecord(data["path"], "", "tensor", data["dtype"], tuple(data["shape"]), data["nbytes"], data["shard_bytes"], None, stride))
+            keys += data["keys"]
+            for key, (pack, offset, stored_len, codec) in data["locs"].items():
+                given.setdefault(key, BlobLoc(key[0], key[1], pack, offset, stored_len, codec))
+            packs.update(data["packs"])
+        for pack, size in packs.items():  # written by ranks that reported back: durable, and still locked by them
+            try:
+                on_disk = pack_path(store.root, pack).stat().st_size
+            except OSError as exc:
+                raise StoreWriteError(f"pack {pack}.pack written by a rank of this save is not in {store.root / 'blobs'}: {exc}") from None
+            if on_disk != size:
+                raise StoreWriteError(f"pack {pack}.pack written by a rank of this save holds {on_disk} bytes, the rank wrote {size}")
+        meta = {"dcp": FORMAT_VERSION, **_metadata_json(metadata, ranks)}
+        component = Captured("", ADAPTER, DCPAdapter.version, meta, {})
+
+        def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
+            raise StoreWriteError(
+                f"blob {address(*key)} of this DCP save was neither written by a rank nor found in {store.root}: a GC removed it "
+                "during the save (a grace period shorter than the save?); save again"
+            )
+
+        message = self.message or f"dcp.save from {len(results)} rank(s)"
+        self.commit_info, _ = store.commit_manifest(
+            [component], leaves, keys, write, self.tags, message, self.metadata, None, t0, prior=self._prior,
+            written=(given, list(packs.items())),
+        )
+        self.release()
+
+    def release(self) -> None:
+        """Unlock this rank's packs (called by ``reset``, after ``finish``, and when the
+        writer is garbage collected); until then GC does not take them for orphans."""
+        if self._release is not None:
+            self._release()
+        self._writer = self._release = None
+
+
+def _rank_workers() -> int:
+    """Threads per rank by default: this machine's CPUs shared by the ranks on it
+    (``LOCAL_WORLD_SIZE`` from torchrun, else every rank of the group)."""
+    ranks = os.environ.get("LOCAL_WORLD_SIZE")
+    if ranks is None:
+        import torch.distributed as dist
+
+        ranks = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    return max(1, (os.cpu_count() or 1) // max(1, int(ranks)))
+
+
+def _chunked(pool: ThreadPoolExecutor, fn, items: list, workers: int) -> list:
+    """``[fn(x) for x in items]`` in a few tasks per thread (a task per shard costs more in locking than hashing it)."""
+    size = -(-len(items) // (4 * workers))
+    parts = pool.map(lambda i: [fn(x) for x in items[i : i + size]], range(0, len(items), size))
+    return [y for part in parts for y in part]
+
+
+class _Inline:
+    """A stand-in for a thread pool that runs everything in the calling thread."""
+
+    def __enter__(self) -> _Inline:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    @staticmethod
+    def map(fn, items):
+        return [fn(x) for x in items]
+
+
+def _lookup_object(planner: SavePlanner, item: WriteItem) -> Any:
+    """The Python value of a non-tensor item, without ``resolve_data`` (which ``torch.save`` s it)."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is not None:
+        return lookup(item.index)
+    state = getattr(planner, "state_dict", None)
+    if isinstance(state, dict) and item.index.fqn in state:
+        return state[item.index.fqn]
+    raise UnsupportedTypeError(
+        f"{item.index.fqn}: the save planner {type(planner).__name__} gives no access to non-tensor values "
+        "(lookup_object or state_dict); StoreWriter stores them as JSON, never pickled"
+    )
+
+
+def _metadata_json(metadata: Metadata, ranks: dict[str, int]) -> dict:
+    """DCP metadata as JSON values (see docs/distributed.md, "What is stored")."""
+    items = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, BytesStorageMetadata):
+            path = item_path(fqn)
+            items[fqn] = {"bytes": path, "rank": ranks.get(path)}
+            continue
+        if not isinstance(md, TensorStorageMetadata):
+            raise UnsupportedTypeError(f"{fqn}: unknown DCP storage metadata {type(md).__name__}")
+        p = md.properties
+        whole = len(md.chunks) == 1 and all(o == 0 for o in md.chunks[0].offsets) and tuple(md.chunks[0].sizes) == tuple(md.size)
+        chunks = []
+        for c in md.chunks:
+            path = item_path(fqn, c.offsets, whole)
+            chunks.append([list(c.offsets), list(c.sizes), path, ranks.get(path)])
+        mem = next((k for k, v in _MEMORY_FORMATS.items() if v == p.memory_format), "contiguous_format")
+        items[fqn] = {
+            "dtype": dtype_name(p.dtype, fqn), "size": list(md.size), "requires_grad": bool(p.requires_grad),
+            "memory_format": mem, "pin_memory": bool(p.pin_memory), "chunks": chunks,
+        }
+    try:
+        jsonvalue.encode(metadata.planner_data, "planner_data")
+    except UnsupportedTypeError as exc:
+        raise UnsupportedTypeError(f"the save planner's planner_data is not JSON and would need pickle: {exc}") from None
+    return {"items": items, "planner_data": metadata.planner_data, "version": metadata.version}
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+
+def _need(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise IntegrityError(f"{where}: malformed DCP metadata ({what})")
+
+
+def _ints(v: Any) -> bool:
+    return type(v) is list and all(type(x) is int and x >= 0 for x in v)
+
+
+def metadata_from_json(meta: dict, leaves: dict[str, LeafRecord], where: str) -> tuple[Metadata, dict[MetadataIndex, str]]:
+    """Rebuild DCP ``Metadata`` from a DCP commit's component meta, checking it against the
+    commit's leaves; returns it and ``{MetadataIndex: leaf path}``.
+
+    Raises:
+        IntegrityError: malformed metadata, or a chunk whose leaf is missing or differs.
+    """
+    _need(type(meta) is dict and meta.get("dcp") == FORMAT_VERSION, where, f"unknown format {meta.get('dcp') if type(meta) is dict else meta!r}")
+    items = meta.get("items")
+    _need(type(items) is dict, where, "no items")
+    sd_md: dict[str, Any] = {}
+    paths: dict[MetadataIndex, str] = {}
+    for fqn, e in items.items():
+        _need(type(fqn) is str and type(e) is dict, where, "bad item")
+        if "bytes" in e:
+            leaf = leaves.get(e["bytes"])
+            _need(leaf is not None and leaf.kind == "json" and e["bytes"] == item_path(fqn), where, f"{fqn}: no JSON leaf")
+            sd_md[fqn] = BytesStorageMetadata()
+            paths[MetadataIndex(fqn)] = e["bytes"]
+            continue
+        _need(set(e) == {"dtype", "size", "requires_grad", "memory_format", "pin_memory", "chunks"}, where, f"{fqn}: fields")
+        dtype = DTYPES.get(e["dtype"]) if type(e["dtype"]) is str else None
+        _need(dtype is not None, where, f"{fqn}: dtype {e['dtype']!r}")
+        _need(_ints(e["size"]) and type(e["chunks"]) is list and e["memory_format"] in _MEMORY_FORMATS, where, f"{fqn}: size or chunks")
+        _need(type(e["requires_grad"]) is bool and type(e["pin_memory"]) is bool, where, f"{fqn}: flags")
+        size = e["size"]
+        chunks = []
+        for c in e["chunks"]:
+            _need(type(c) is list and len(c) == 4 and _ints(c[0]) and _ints(c[1]) and type(c[2]) is str, where, f"{fqn}: chunk")
+            offsets, sizes, path = c[0], c[1], c[2]
+            _need(len(offsets) == len(sizes) == len(size) and all(o + s <= n for o, s, n in zip(offsets, sizes, size)), where, f"{fqn}: chunk bounds")
+            whole = offsets == [0] * len(size) and sizes == size and len(e["chunks"]) == 1
+            leaf = leaves.get(path)
+            _need(path == item_path(fqn, offsets, whole), where, f"{fqn}: chunk path {path!r}")
+            if leaf is None or leaf.kind != "tensor" or list(leaf.shape) != sizes or leaf.dtype != e["dtype"]:
+                raise IntegrityError(f"{where}: DCP item {fqn} chunk {offsets}: leaf {path!r} is missing or differs from the metadata")
+            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+            paths[MetadataIndex(fqn, offsets)] = path
+        props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=e["requires_grad"],
+                                 memory_format=_MEMORY_FORMATS[e["memory_format"]], pin_memory=e["pin_memory"])
+        sd_md[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+    version = meta.get("version")
+    _need(version is None or type(version) is str, where, "version")
+    md = Metadata(state_dict_metadata=sd_md, planner_data=meta.get("planner_data"), storage_data=dict(paths))
+    if version is not None:
+        md.version = version
+    return md, paths
+
+
+class StoreReader(StorageReader):
+    """DCP ``StorageReader`` that loads a DCP commit of a ckptstore store.
+
+    Args:
+        store: the store or its path (every rank opens it for reading).
+        ref: a tag, a commit id or a unique prefix; resolved once, here, so a tag
+            moved during the load does not change what is read.
+        verify: rehash every blob read (default on).
+
+    :attr:`blobs_read` and :attr:`bytes_read` count what this rank read from packs.
+
+    Raises (at construction): NotAStoreError, RefNotFoundError, AmbiguousRefError;
+    InvalidArgumentError when the commit was not made by :class:`StoreWriter`;
+    IntegrityError for a damaged record or metadata. During ``dcp.load``:
+    IntegrityError (BlobMissingError, BlobCorruptError) naming the leaf and blob.
+    """
+
+    def __init__(self, store: Store | str | os.PathLike, ref: str, *, verify: bool = True):
+        self.store = _open(store, create=False)
+        self.verify = verify
+        self.blobs_read = 0
+        self.bytes_read = 0
+        self._load(ref)
+
+    def _load(self, ref: str) -> None:
+        self.commit_id = cid = self.store.resolve(ref)
+        record = self.store.record(cid)
+        comp = record.components.get("")
+        if comp is None or comp["adapter"] != ADAPTER:
+            raise InvalidArgumentError(
+                f"commit {cid[:12]} ({ref!r}) was not made by torch.distributed.checkpoint through StoreWriter; read it with Store.checkout"
+            )
+        self._leaves = {r.path: r for r in record.leaves}
+        self._metadata, self._paths = metadata_from_json(comp["meta"], self._leaves, f"commit {cid}")
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self._load(str(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return False
+
+    def read_metadata(self) -> Metadata:
+        return self._metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return [replace(p, storage_data=self.commit_id) for p in plans]  # every rank must read the coordinator's commit
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read only the shards the items of this rank's plan overlap, verified."""
+        if plan.storage_data is not None and plan.storage_data != self.commit_id:
+            raise InvalidArgumentError(
+                f"this rank resolved its ref to commit {self.commit_id[:12]}, the coordinator to {str(plan.storage_data)[:12]} "
+                "(a tag moved between them): load by commit id"
+            )
+        where = f"commit {self.commit_id}"
+        by_path: dict[str, list] = {}
+        for item in plan.items:
+            path = self._paths.get(item.storage_index)
+            if path is None:
+                raise IntegrityError(f"{where}: DCP asked for {item.storage_index}, which the commit does not hold")
+            by_path.setdefault(path, []).append(item)
+        locs = self.store.locate([k for p in by_path for k in self._leaves[p].keys])
+        reader = PackReader(self.store.root, sparse=True, locate=self.store.relocate)
+        try:
+            for path, path_items in by_path.items():
+                leaf = self._leaves[path]
+                if leaf.kind == "json":
+                    for item in path_items:
+                        buf = io.BytesIO()
+                        torch.save(leaf.value, buf)  # bytes made here from the verified JSON value: the planner unpickles only these
+                        buf.seek(0)
+                        planner.load_bytes(item, buf)
+                    continue
+                self._read_tensor(reader, leaf, locs, path_items, planner, where)
+        finally:
+            self.blobs_read += reader.blobs_read
+            self.bytes_read += reader.bytes_read
+            self.store.io.blobs_read += reader.blobs_read
+            self.store.io.bytes_read += reader.bytes_read
+            reader.close()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_tensor(self, reader: PackReader, leaf: LeafRecord, locs: dict, items: list, planner: LoadPlanner, where: str) -> None:
+        dtype = DTYPES[leaf.dtype]
+        shape = tuple(leaf.shape)
+        splan = ShardPlan(leaf.nbytes, leaf.shard_bytes)
+
+        def read(first: int, last: int, view: memoryview, start: int) -> None:
+            tasks = []
+            for i in range(first, last + 1 if leaf.nbytes else first):
+                key = leaf.keys[i]
+                loc = locs.get(key)
+                if loc is None:
+                    raise IntegrityError(f"{where}, leaf {leaf.path}: shard {i} (blob {address(*key)}) is not in the catalog")
+                a, b = splan.bounds(i)
+                tasks.append((loc, view[a - start : b - start], f"{where}, leaf {leaf.path}, shard {i}"))
+            run = lambda task: reader.read_into(task[0], task[1], task[2], self.verify)
+            workers = min(4, os.cpu_count() or 1)
+            if leaf.nbytes > _INLINE_HASH_BYTES and workers > 1 and len(tasks) > 1:
+                with ThreadPoolExecutor(workers) as pool:
+                    list(pool.map(run, tasks))
+            else:
+                for task in tasks:
+                    run(task)
+
+        if leaf.stride is None and len(items) == 1 and all(o == 0 for o in items[0].storage_offsets) and tuple(items[0].lengths) == shape:
+            target = planner.resolve_tensor(items[0]).detach()
+            if target.device.type == "cpu" and target.dtype == dtype and tuple(target.shape) == shape and target.is_contiguous():
+                read(0, splan.count - 1, byte_view(target), 0)  # the whole chunk, straight into the destination
+                planner.commit_tensor(items[0], target)
+                return
+        row = leaf.nbytes // shape[0] if shape and shape[0] and leaf.stride is None else None
+        if row is None:  # 0-d, empty, or a permuted layout: read it whole
+            lo, hi = 0, leaf.nbytes
+        else:
+            lo = min(item.storage_offsets[0] for item in items) * row
+            hi = max(item.storage_offsets[0] + item.lengths[0] for item in items) * row
+        first, last = lo // splan.shard_bytes, max(lo, hi - 1) // splan.shard_bytes
+        start, stop = splan.bounds(first)[0], splan.bounds(last)[1] if leaf.nbytes else 0
+        buf = torch.empty(stop - start, dtype=torch.uint8)
+        read(first, last, byte_view(buf), start)
+        if row is None:
+            if leaf.nbytes == 0:
+                src = torch.empty(shape, dtype=dtype)
+            elif leaf.stride is None:
+                src = buf.view(dtype).reshape(shape)
+            else:
+                order = dense_order(shape, leaf.stride)
+                phys = buf.view(dtype).reshape([shape[d] for d in order])
+                src = phys.permute([order.index(d) for d in range(len(shape))])
+            base = 0
+        else:
+            first_row = lo // row
+            rows = (hi - lo) // row
+            src = buf[lo - start : hi - start].view(dtype).reshape((rows, *shape[1:]))
+            base = first_row
+        for item in items:
+            offsets, lengths = list(item.storage_offsets), list(item.lengths)
+            if len(offsets) != len(shape):
+                raise IntegrityError(f"{where}, leaf {leaf.path}: DCP read item of {len(offsets)} dims for a {len(shape)}-d chunk")
+            piece = src
+            for d, (o, n) in enumerate(zip(offsets, lengths)):
+                piece = piece.narrow(d, o - base if d == 0 else o, n)
+            target = planner.resolve_tensor(item).detach()
+            if tuple(target.shape) != tuple(piece.shape):
+                raise IntegrityError(f"{where}, leaf {leaf.path}: DCP expects {list(target.shape)}, the stored chunk gives {list(piece.shape)}")
+            target.copy_(piece)
+            planner.commit_tensor(item, target)
+
+
+# --- objects that ckptstore has adapters for, inside a DCP state dict -----------------------------
+
+
+class AdapterState:
+    """Wraps any object ckptstore has an adapter for (a TorchRL replay buffer with its
+    storage, writer and sampler, an :class:`~ckptstore.RNGState`, a collector...) as a
+    DCP ``Stateful``, so it can go into ``dcp.save`` / ``dcp.load`` state dicts::
+
+        dcp.save({f"rb{rank}": AdapterState(rb), "policy": policy}, storage_writer=StoreWriter(path, tag="t"))
+        dcp.load({f"rb{rank}": AdapterState(rb)}, storage_reader=StoreReader(path, "t"))
+
+    ``state_dict()`` is the adapters' state: ``"components"`` (JSON text: each
+    component's path, adapter, version and meta) and one item per leaf at its path,
+    tensors as they are, JSON values as JSON text (so DCP stores each as one value).
+    ``load_state_dict`` restores through the adapters, checking each component against
+    the object first (TargetMismatchError). DCP loads tensors in place, so the object
+    must already hold tensors of the stored shapes: a replay buffer of the same
+    capacity whose storage is allocated (extended once). Give each rank's own objects
+    their own key (``rb{rank}``): DCP saves one copy of a key that several ranks hold.
+    """
+
+    def __init__(self, obj: Any, registry: Registry | None = None):
+        self.obj = obj
+        self.registry = REGISTRY if registry is None else registry
+
+    def state_dict(self) -> dict[str, Any]:
+        with torch.no_grad():
+            comps = capture(self.obj, self.registry)
+        out: dict[str, Any] = {"components": jsonvalue.dumps([[c.path, c.adapter, c.version, c.meta] for c in comps], "components")}
+        for c in comps:
+            for path, value in c.leaves.items():
+                out[path or "%"] = value if isinstance(value, torch.Tensor) else jsonvalue.dumps(value, path)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        from .checkout import plan_restore, restore
+
+        text = state_dict.get("components")
+        if type(text) is not str:
+            raise IntegrityError("AdapterState: the loaded state has no 'components' (was it saved from an AdapterState?)")
+        comps = jsonvalue.loads(text)
+        states: dict[str, ComponentState] = {}
+        for path, adapter, version, meta in comps:
+            leaves = {}
+            for key, value in state_dict.items():
+                leaf = "" if key == "%" else key
+                if key == "components" or not (path == "" or leaf == path or leaf.startswith(path + "/")):
+                    continue
+                rel = leaf[len(path) + 1 :] if path and leaf != path else ("" if leaf == path else leaf)
+                leaves[rel] = value if isinstance(value, torch.Tensor) else jsonvalue.loads(value)
+            states[path] = ComponentState(path, adapter, version, meta, leaves)
+        info = {p: {"adapter": st.adapter, "version": st.version, "meta": st.meta} for p, st in states.items()}
+        steps = plan_restore(self.obj, info, None, self.registry, "dcp")
+        self.obj = restore(self.obj, steps, states, self.registry, _NoReads())
+
+
+class _NoReads:
+    """The blob reader of :func:`ckptstore.checkout.restore` when every tensor is already loaded."""
+
+    def read_many(self, pairs: list, states: list | None = None) -> None:
+        if pairs:
+            raise IntegrityError("AdapterState: a leaf was not loaded by DCP")

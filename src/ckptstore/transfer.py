@@ -1,0 +1,129 @@
+"""Push and pull: copying a commit and its lineage from one store to another.
+
+A transfer of ``ref`` copies the commit it names and every ancestor the destination
+lacks, oldest first, keeping their ids: each is recreated from its verified record
+through :meth:`Store.commit_manifest` (``origin=``), which checks that the rebuilt
+record hashes to the same id. Only blobs the destination lacks are copied, as they
+are stored (no re-encoding), each verified by hash when it is read. When ``ref`` is a
+tag of the source, the destination's tag then moves to the copied commit with a
+compare-and-swap: it must still name what it named when the transfer began, and
+that commit must be the copied one or one of its ancestors (a fast-forward), unless
+``force``. A transfer that dies half-way leaves complete commits (each is one
+transaction) without a tag, which the destination's GC drops after the grace
+period; running it again copies only what is still missing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from .errors import BlobMissingError, RefConflictError, RefNotFoundError
+from .layout import address
+from .packs import BLOB_HEADER, BlobLoc, PackReader, PackWriter
+from .records import recreate
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+@dataclass
+class TransferReport:
+    """What a push or pull did.
+
+    Attributes:
+        commit: the id of the commit ``ref`` named (in both stores afterwards).
+        tag: the tag moved in the destination, or ``None`` (``ref`` was a commit id).
+        previous: the commit the destination's tag named before, or ``None``.
+        commits_copied: ids of the commits the destination lacked, oldest first.
+        blobs_copied: blobs written to the destination.
+        bytes_copied: their stored (possibly compressed) bytes.
+        seconds: wall time of the transfer.
+    """
+
+    commit: str
+    tag: str | None
+    previous: str | None
+    commits_copied: list[str] = field(default_factory=list)
+    blobs_copied: int = 0
+    bytes_copied: int = 0
+    seconds: float = 0.0
+
+
+def _missing_lineage(src: Store, dst: Store, cid: str) -> list[str]:
+    """Commits of ``cid``'s lineage in ``src`` that ``dst`` lacks, parents before children."""
+    order: list[str] = []
+    state: dict[str, bool] = {}  # False: being visited, True: done
+    stack = [(cid, False)]
+    while stack:
+        c, expanded = stack.pop()
+        if expanded:
+            state[c] = True
+            order.append(c)
+            continue
+        if c in state or dst.has_commit(c):
+            continue
+        state[c] = False
+        stack.append((c, True))
+        stack.extend((p, False) for p in reversed(src.record(c).parents) if p not in state and src.has_commit(p))
+    return order
+
+
+def _ancestors(store: Store, cid: str) -> set[str]:
+    return {c.id for c in store.log(cid)}
+
+
+def transfer(src: Store, dst: Store, ref: str, force: bool = False) -> TransferReport:
+    """Copy ``ref`` (a tag, commit id or unique prefix of ``src``) into ``dst``; see the module docstring.
+
+    Raises:
+        RefNotFoundError / AmbiguousRefError: ``ref`` names nothing in ``src``.
+        RefConflictError: the destination's tag names a commit that is not an
+            ancestor of the copied one (both named; ``force=True`` moves it anyway),
+            or it moved while the transfer ran; nothing of the tag changes.
+        IntegrityError: a blob or record of ``src`` is missing or corrupt; what was
+            copied before stays as complete, untagged commits.
+        StoreWriteError: ``dst`` cannot be written.
+    """
+    t0 = time.perf_counter()
+    cid = src.resolve(ref)
+    tag = ref if ref in src.tags() else None
+    previous = dst.tags().get(tag) if tag is not None else None
+    if previous is not None and previous != cid and not force and previous not in _ancestors(src, cid):
+        raise RefConflictError(
+            f"{dst.root}: tag {tag!r} names commit {previous}, which is not an ancestor of {cid}: "
+            "the two lineages diverged (pass force=True / --force to move the tag anyway)"
+        )
+    report = TransferReport(cid, tag, previous)
+    reader = PackReader(src.root, sparse=True, locate=src.relocate)
+    try:
+        for c in _missing_lineage(src, dst, cid):
+            rec = src.record(c)
+            components, leaves = recreate(rec)
+            keys = [k for leaf in leaves for k in leaf.keys]
+            located = src.locate(list(dict.fromkeys(keys)))
+
+            def write(writer: PackWriter, key: tuple[bytes, int], located: dict = located, c: str = c) -> BlobLoc:
+                loc = located.get(key)
+                if loc is None:
+                    raise BlobMissingError(f"{src.root}: commit {c}, blob {address(*key)} is not in the catalog")
+                entry = reader.stored(loc, f"commit {c}, blob {loc.address}")
+                report.blobs_copied += 1
+                report.bytes_copied += loc.stored_len
+                return writer.append_encoded(loc.digest, loc.raw_len, loc.codec, entry[BLOB_HEADER.size :])
+
+            dst.commit_manifest(
+                components, leaves, keys, write, [], rec.message, rec.metadata, None, time.perf_counter(),
+                origin=(c, rec.parents, rec.created_at),
+            )
+            report.commits_copied.append(c)
+    finally:
+        reader.close()
+    if tag is not None and previous != cid:  # nothing missing and the tag in place: nothing at all is written
+        dst.tag(tag, cid, expect=previous)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+__all__ = ["RefNotFoundError", "TransferReport", "transfer"]

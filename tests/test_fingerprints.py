@@ -1,0 +1,138 @@
+"""Plain tensors (parameters, moments, TensorDict and dict leaves) reuse their shard
+hashes when torch's version counter says they did not change; writes torch does not
+count are caught by the per-commit sample, never committed stale."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import ckptstore
+from ckptstore.errors import StaleFingerprintWarning
+
+from .conftest import assert_bit_equal
+
+
+def commit_seeing_reuse(store: ckptstore.Store, obj, tag: str) -> tuple[ckptstore.CommitInfo, set[str]]:
+    """Commit; also return the leaves whose hashes a fingerprint vouched for (sample-checked)."""
+    import ckptstore.store as store_module
+
+    seen = []
+    original = store_module.sample_unchanged
+
+    def spy(known, mv, p, path):
+        seen.append(path)
+        return original(known, mv, p, path)
+
+    store_module.sample_unchanged = spy
+    try:
+        info = store.commit(obj, tag=tag)
+    finally:
+        store_module.sample_unchanged = original
+    return info, set(seen)
+
+
+def net_and_opt():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 8))
+    return net, torch.optim.Adam(net.parameters(), lr=1e-3)
+
+
+def step(net, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    opt.zero_grad()
+    net(torch.randn(16, 64, generator=g)).square().mean().backward()
+    opt.step()
+
+
+def assert_checkout_equals(store, tag, state: dict):
+    back = store.checkout(tag)
+    for key, value in state.items():
+        assert_bit_equal(back.get(tuple(key.split("/"))), value)
+
+
+def test_unchanged_plain_state_reuses_every_hash_and_changed_state_is_committed(store):
+    net, opt = net_and_opt()
+    step(net, opt, 0)
+    state = {"model": net, "optim": opt}
+    _, reused = commit_seeing_reuse(store, state, "a")
+    assert reused == set()  # first commit: nothing known yet
+    info, reused = commit_seeing_reuse(store, state, "b")
+    tensors = {f"model/{k}" for k in net.state_dict()} | {
+        f"optim/state/model%2F{n}/{m}" for n, _ in net.named_parameters() for m in ("exp_avg", "exp_avg_sq", "step")
+    }
+    assert reused == tensors
+    assert (info.shards_new, info.new_bytes) == (0, 0)
+    step(net, opt, 1)  # in-place updates bump every version counter: nothing is reused
+    _, reused = commit_seeing_reuse(store, state, "c")
+    assert reused == set()
+    assert_checkout_equals(store, "c", {f"model/{k}": v for k, v in net.state_dict().items()})
+
+
+@pytest.mark.parametrize("how", ["data", "numpy"])
+def test_writes_torch_does_not_count_are_caught_and_committed(store, how):
+    net, _ = net_and_opt()
+    store.commit({"model": net}, tag="a")
+    weight = net[0].weight
+    version = weight._version
+    if how == "data":  # what TorchRL's SoftUpdate does to target parameters
+        weight.data.lerp_(torch.ones_like(weight), 0.5)
+    else:
+        weight.detach().numpy()[3, 5] = 42.0  # one element of a one-shard tensor
+    assert weight._version == version  # torch did not count it
+    with pytest.warns(StaleFingerprintWarning, match="model/0.weight: its bytes changed without torch counting a write"):
+        store.commit({"model": net}, tag="b")
+    assert_checkout_equals(store, "b", {"model/0.weight": weight.detach()})
+
+
+def test_async_commit_checks_the_sample_when_it_snapshots(store):
+    net, _ = net_and_opt()
+    store.commit_async({"model": net}, tag="a").result()
+    net[2].weight.data.mul_(2)
+    with pytest.warns(StaleFingerprintWarning, match="model/2.weight"):
+        future = store.commit_async({"model": net}, tag="b")
+    expected = net[2].weight.detach().clone()
+    with torch.no_grad():
+        net[2].weight.add_(1)  # training goes on: the snapshot already holds the right bytes
+    future.result()
+    assert_checkout_equals(store, "b", {"model/2.weight": expected})
+
+
+def test_a_replaced_tensor_is_rehashed_even_at_the_same_address(store):
+    td = TensorDict({"x": torch.zeros(1 << 18)}, [])
+    store.commit(td, tag="a")
+    for i in range(1, 4):
+        del td["x"]
+        td["x"] = torch.full((1 << 18,), float(i))  # a new tensor, version 0, often at the freed address
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a new storage is not reused, so nothing is stale
+            store.commit(td, tag=f"v{i}")
+        assert_checkout_equals(store, f"v{i}", {"x": torch.full((1 << 18,), float(i))})
+
+
+def test_reuse_hashes_false_always_hashes(tmp_path):
+    store = ckptstore.Store(tmp_path / "s", create=True, reuse_hashes=False)
+    net, _ = net_and_opt()
+    store.commit({"model": net}, tag="a")
+    net[0].weight.data.fill_(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, reused = commit_seeing_reuse(store, {"model": net}, "b")
+    assert reused == set()
+    assert_checkout_equals(store, "b", {"model/0.weight": torch.full((512, 64), 3.0)})
+
+
+def test_shared_and_file_backed_tensors_get_no_fingerprint(tmp_path):
+    from ckptstore.adapters.base import plain_token
+
+    shared = torch.zeros(4).share_memory_()
+    path = tmp_path / "m.bin"
+    path.write_bytes(bytes(16))
+    mapped = torch.from_file(str(path), shared=True, size=4, dtype=torch.float32)
+    with torch.inference_mode():
+        inference = torch.zeros(4)
+    assert [plain_token(t) for t in (shared, mapped, inference)] == [None, None, None]
+    assert plain_token(torch.zeros(4)) is not None
