@@ -70,3 +70,24 @@ def row_count(s: ckptstore.Store) -> dict[str, int]:
     """Rows per catalog table: proves a failed call changed nothing."""
     tables = ("commits", "parents", "components", "leaves", "shards", "blobs", "packs", "tags", "reflog")
     return {t: s.catalog.rows(f"SELECT COUNT(*) AS n FROM {t}")[0]["n"] for t in tables}
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on loopback (tests/s3server.py), requests serialized so that
+    conditional PUTs are atomic as on S3; the standard AWS_* environment points at it
+    for the session (spawned processes inherit it). Bucket ``ckpt`` exists."""
+    pytest.importorskip("moto", reason="the object-storage tests need moto[server] (the test extra)")
+    from .s3server import MotoServer
+
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ALLOW_HTTP", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    with MotoServer(buckets=["ckpt"], serialize=True) as server:
+        os.environ.update(server.env)
+        try:
+            yield server
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

@@ -139,6 +139,22 @@ class ContainerError(CkptStoreError):
     """An export archive or folder is malformed, unsafe, or of an unknown format."""
 
 
+# --- object storage and other backends (ckptstore.backends) -----------------------
+
+
+class BackendError(CkptStoreError):
+    """The storage backend failed a request after its retries (network, HTTP 5xx,
+    timeouts, permissions), or its client library is not installed."""
+
+
+class ObjectNotFoundError(BlobMissingError):
+    """An object (a pack, an index, a record) is absent from the backend."""
+
+
+class RefBusyError(RefError):
+    """A ref kept moving under a read-modify-write loop for all its attempts."""
+
+
 # --- warnings -------------------------------------------------------------------------
 
 
