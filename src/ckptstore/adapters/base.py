@@ -126,11 +126,7 @@ def _holds_tensor(node: Any) -> bool:
 
 
 def unflatten(flat: Mapping[str, Any]) -> Any:
-    """Inverse of :func:`flatten` (relative escaped paths; ``""`` is the root leaf).
-
-    Raises:
-        ValueError: a path segment that is not an escaped key.
-    """
+    """Inverse of :func:`flatten` (relative escaped paths; ``""`` is the root leaf)."""
     if "" in flat:
         return flat[""]
     root: dict[str, Any] = {}
