@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -400,3 +401,33 @@ def test_push_and_pull_on_a_local_backend(tmp_path):
         other = ckptstore.Store(tmp_path / "other")
         assert other.pull(b, "latest").commits_copied == [info.id]
     assert_bit_equal(other.checkout("latest")["w"], sd["w"])
+
+
+def test_checkpointer_pushes_in_the_background(tmp_path, url):
+    sd = state()
+    ckpt = ckptstore.Checkpointer(tmp_path / "local", {"sd": sd}, every_n_steps=1, on_signal=(), push_to=url)
+    ckpt.step()
+    sd["w"][:40] += 1
+    second = ckpt.step()
+    report = ckpt.wait_pushed(timeout=60)
+    assert report.commit == second.id and ckpt.push_error is None
+    other = ckptstore.Store(tmp_path / "other")
+    other.pull(url, "latest")
+    assert other.tags() == {"latest": second.id}
+    assert_bit_equal(other.checkout("latest")["sd", "w"], sd["w"])
+
+
+def test_checkpointer_reports_a_failed_push_and_keeps_the_local_commit(tmp_path, s3_server):
+    from ckptstore.errors import PushFailedWarning
+
+    ckpt = ckptstore.Checkpointer(tmp_path / "local", {"sd": state()}, every_n_steps=1, on_signal=(),
+                                  push_to="s3://nope/x", push_attempts=2, push_backoff=0.01)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        info = ckpt.step()  # the commit returns at once; the push fails in the background
+        with pytest.raises(NotAStoreError, match="bucket 'nope' does not exist"):
+            ckpt.wait_pushed(timeout=60)
+    assert [w.category for w in caught] == [PushFailedWarning]
+    assert str(caught[0].message).startswith("pushing 'latest' to s3://nope/x failed after 2 attempt(s): s3://nope/x: bucket 'nope' does not exist")
+    assert isinstance(ckpt.push_error, NotAStoreError)
+    assert ckptstore.Store(tmp_path / "local").tags()["latest"] == info.id

@@ -43,8 +43,8 @@ from .backends.base import ref_segment
 from .errors import (
     AmbiguousRefError,
     BlobMissingError,
-    CkptStoreError,
     IntegrityError,
+    InvalidNameError,
     NotAStoreError,
     ObjectNotFoundError,
     RefBusyError,
@@ -439,11 +439,8 @@ def resolve(backend: Backend, ref: str) -> tuple[str, str | None]:
         raise RefNotFoundError(f"invalid ref {ref!r}")
     try:
         cid, _ = read_tag(backend, ref)
-    except CkptStoreError as exc:
-        if not isinstance(exc, IntegrityError):
-            cid = None  # not a valid ref name: perhaps a commit id
-        else:
-            raise
+    except InvalidNameError:
+        cid = None  # not a valid ref name: perhaps a commit id
     else:
         if cid is not None:
             return cid, ref
