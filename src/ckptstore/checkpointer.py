@@ -20,12 +20,14 @@ import re
 import signal
 import sys
 import threading
+import time
+import warnings
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from .adapters.base import Adapter, ComponentState, capture, register_adapter
-from .errors import InvalidArgumentError, NotAStoreError, RefNotFoundError, TargetMismatchError
+from .errors import CkptStoreError, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, TargetMismatchError
 from .store import CommitInfo, Store
 
 
@@ -87,6 +89,16 @@ class Checkpointer:
             and :meth:`resume` through ``dcp.load``. ``objects`` are then what DCP
             takes (tensors, JSON values, objects with ``state_dict``/``load_state_dict``);
             :meth:`commit` returns the CommitInfo on the coordinator, ``None`` elsewhere.
+        push_to: a remote (``"s3://bucket/prefix"``, or another store's folder) to which
+            every commit's ``latest_tag`` is pushed in a background thread
+            (:meth:`Store.push`); the step does not wait. Pushes run one at a time and
+            the newest request wins (a push started after several commits pushes the
+            newest). A failed push is retried ``push_attempts`` times (waits of
+            ``push_backoff`` seconds, doubling), then reported with a
+            :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_error`;
+            the local commit is never affected, and the next commit pushes again.
+            :meth:`wait_pushed` blocks until the pushes requested so far are done.
+            Not with ``dcp``.
 
     The step count itself is committed as component ``checkpointer``.
 
@@ -109,8 +121,13 @@ class Checkpointer:
         keep_last: int | None = 3,
         on_signal: Iterable[int] = (signal.SIGTERM, signal.SIGUSR1),
         dcp: bool = False,
+        push_to: str | os.PathLike | None = None,
+        push_attempts: int = 3,
+        push_backoff: float = 1.0,
     ):
         self.dcp = dcp
+        if push_to is not None and dcp:
+            raise InvalidArgumentError("push_to is not supported with dcp=True yet: push from the coordinator with Store.push")
         if dcp and isinstance(store, (str, os.PathLike)):
             store = _DCPStore(store)  # every rank: no catalog is opened until a read needs it
         elif isinstance(store, (str, os.PathLike)):
@@ -136,6 +153,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.steps = 0
         self.stop_requested: int | None = None  # the signal received, until the next step commits
+        self._pusher = None if push_to is None else _Pusher(store.root, push_to, latest_tag, push_attempts, push_backoff)
         if not dcp:
             capture(self._state(), store.registry)  # every object must be committable now, not after 1000 steps
         self._tag_re = None if tag_format is None else re.compile(
@@ -164,6 +182,8 @@ class Checkpointer:
         if self.stop_requested is not None:
             signum, self.stop_requested = self.stop_requested, None
             self.commit({**(metadata or {}), "stopped_by": signal.Signals(signum).name})
+            if self._pusher is not None:
+                self._pusher.wait()  # the last commit reaches the remote before the job ends (failures are warned)
             sys.exit(0)
         if self.steps // self.every > before // self.every:
             return self.commit(metadata)
@@ -177,7 +197,32 @@ class Checkpointer:
             return self._commit_dcp(tags, metadata)
         info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata={"step": self.steps, **(metadata or {})})
         self._prune(self.store)
+        if self._pusher is not None:
+            self._pusher.request()
         return info
+
+    @property
+    def push_error(self) -> Exception | None:
+        """The error of the last background push if it failed after its retries, else ``None``."""
+        return None if self._pusher is None else self._pusher.error
+
+    def wait_pushed(self, timeout: float | None = None):
+        """Block until every push requested so far has finished (``timeout`` in seconds,
+        ``None``: no limit); returns the last push's TransferReport (``None`` if none ran).
+
+        Raises:
+            InvalidArgumentError: no ``push_to`` was given.
+            TimeoutError: pushes still running after ``timeout`` seconds.
+            CkptStoreError: the last push failed after its retries (its error; a
+                BackendError, NotAStoreError, RefConflictError...).
+        """
+        if self._pusher is None:
+            raise InvalidArgumentError("this Checkpointer has no push_to")
+        if not self._pusher.wait(timeout):
+            raise TimeoutError(f"pushes to {self._pusher.remote} still running after {timeout} s")
+        if self._pusher.error is not None:
+            raise self._pusher.error
+        return self._pusher.report
 
     def _commit_dcp(self, tags: list[str], metadata: dict | None) -> CommitInfo | None:
         import torch.distributed.checkpoint as dcp
@@ -273,6 +318,62 @@ class _DCPStore:
                     raise
                 return None
         return self._store
+
+
+class _Pusher:
+    """Pushes tag ``tag`` of the store at ``root`` to ``remote`` from a daemon thread,
+    with its own Store (the catalog connection is not shared across threads)."""
+
+    def __init__(self, root, remote, tag: str, attempts: int, backoff: float):
+        if type(attempts) is not int or attempts < 1 or not isinstance(backoff, (int, float)) or backoff < 0:
+            raise InvalidArgumentError(f"push_attempts must be an int >= 1 and push_backoff seconds >= 0, got {attempts!r}, {backoff!r}")
+        self.root, self.remote, self.tag = root, str(remote), tag
+        self.attempts, self.backoff = attempts, backoff
+        self.error: Exception | None = None
+        self.report = None
+        self._cond = threading.Condition()
+        self._requested = 0  # pushes asked for, and the count already served
+        self._served = 0
+        self._thread: threading.Thread | None = None
+
+    def request(self) -> None:
+        with self._cond:
+            self._requested += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ckptstore-push", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._served >= self._requested, timeout)
+
+    def _run(self) -> None:
+        store = None
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._served < self._requested)
+                target = self._requested
+            try:
+                store = store or Store(self.root)
+                for attempt in range(self.attempts):
+                    try:
+                        self.report, self.error = store.push(self.remote, self.tag), None
+                        break
+                    except CkptStoreError as exc:
+                        self.error = exc
+                        if attempt + 1 < self.attempts:
+                            time.sleep(self.backoff * 2**attempt)
+            except Exception as exc:  # noqa: BLE001 - reported below, the thread must keep serving
+                self.error = exc
+            if self.error is not None:
+                warnings.warn(
+                    f"pushing {self.tag!r} to {self.remote} failed after {self.attempts} attempt(s): {self.error} "
+                    "(the local commit is intact; the next commit pushes again)", PushFailedWarning, stacklevel=1,
+                )
+            with self._cond:
+                self._served = target
+                self._cond.notify_all()
 
 
 def _in_main_thread() -> bool:

@@ -219,7 +219,7 @@ def _transfer_done(report, as_json: bool, direction: str) -> None:
 
 @app.command()
 def push(
-    remote: Annotated[Path, typer.Argument(help="The other store (created if missing).")],
+    remote: Annotated[str, typer.Argument(help="The other store: a folder (created if missing) or s3://bucket/prefix (an empty prefix becomes a store).")],
     ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix to copy; a tag also moves there.")],
     store: StorePath = None,
     force: Force = False,
@@ -234,7 +234,7 @@ def push(
 
 @app.command()
 def pull(
-    remote: Annotated[Path, typer.Argument(help="The other store.")],
+    remote: Annotated[str, typer.Argument(help="The other store: a folder or s3://bucket/prefix.")],
     ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefix of REMOTE to copy; a tag also moves there.")],
     store: StorePath = None,
     force: Force = False,

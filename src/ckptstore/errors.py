@@ -162,3 +162,8 @@ class StaleFingerprintWarning(UserWarning):
     """A tensor's bytes changed although its fingerprint (version counter, address)
     did not: a write torch does not count (``.data``, a numpy view, another process).
     The commit rehashed it in full, so the checkpoint is right; see ``reuse_hashes``."""
+
+
+class PushFailedWarning(UserWarning):
+    """A background push (``Checkpointer(push_to=...)``) failed after its retries; the
+    local commit is intact and the next commit's push tries again."""

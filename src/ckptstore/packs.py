@@ -452,3 +452,41 @@ def scan(path: Path, pack_id: str) -> tuple[list[Entry], str | None]:
         return entries, None
     finally:
         os.close(fd)
+
+
+def check_entry(entry, loc: BlobLoc, where: str, want_magic: bytes = BLOB_MAGIC) -> memoryview:
+    """Check a whole entry held in memory (``entry``: its 40-byte header and payload, bytes-like)
+    against ``loc``: header fields, length, codec payload and the raw bytes' hash.
+    Returns the payload as stored (a view of ``entry``).
+
+    Raises:
+        BlobCorruptError: naming what is wrong (``where`` names the blob for the message).
+    """
+    view = memoryview(entry).cast("B")
+    where = f"{where}, blob {loc.address}"
+    if len(view) != BLOB_HEADER.size + loc.stored_len:
+        raise BlobCorruptError(f"{where}: {len(view)} bytes, the entry has {BLOB_HEADER.size + loc.stored_len}")
+    check_header(bytes(view[: BLOB_HEADER.size]), loc, where, want_magic)
+    payload = view[BLOB_HEADER.size :]
+    if loc.codec == CODEC_ZSTD:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=loc.raw_len)
+        except zstandard.ZstdError as exc:
+            raise BlobCorruptError(f"{where}: zstd payload does not decode: {exc}") from None
+    elif loc.codec == CODEC_RAW and loc.stored_len == loc.raw_len:
+        raw = payload
+    else:
+        raise BlobCorruptError(f"{where}: codec {loc.codec} with {loc.stored_len} of {loc.raw_len} bytes")
+    if len(raw) != loc.raw_len or xxh3(raw) != loc.digest:
+        raise BlobCorruptError(f"{where}: content hash mismatch: the bytes do not hash to the address")
+    return payload
+
+
+def pack_header() -> bytes:
+    """The 16-byte header every pack starts with."""
+    return PACK_HEADER.pack(PACK_MAGIC, FORMAT_VERSION, 0, 0)
+
+
+def entry_header(digest: bytes, raw_len: int, codec: int, stored_len: int, magic: bytes = BLOB_MAGIC, kind: int = 0) -> bytes:
+    """The 40-byte header of an entry (see the module docstring)."""
+    return BLOB_HEADER.pack(magic, FORMAT_VERSION, codec, kind, raw_len, stored_len, digest)

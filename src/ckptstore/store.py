@@ -78,6 +78,7 @@ if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or 
 
     from .adapters import ComponentState, Registry
     from .adapters.base import Captured
+    from .backends import Backend
     from .checkout import BlobReader
     from .transfer import TransferReport
 
@@ -186,6 +187,17 @@ def _check_tag(name: Any) -> str:
     if _LOOKS_LIKE_ID.match(name):
         raise InvalidNameError(f"invalid tag name {name!r}: 4 to 32 hex digits read as a commit id prefix; a tag would hide it")
     return name
+
+
+def _as_backend(remote: Any) -> Backend | None:
+    """``remote`` as a backend when it is object storage (an ``s3://`` URL or a Backend), else ``None``."""
+    from .backends import Backend, open_backend
+
+    if isinstance(remote, Backend):
+        return remote
+    if isinstance(remote, str) and remote.startswith("s3://"):
+        return open_backend(remote)
+    return None
 
 
 class Store:
@@ -954,23 +966,50 @@ class Store:
         """Does the store hold commit ``cid`` (a full id)? ``False`` for a store not created yet."""
         return self._open(create=False) is not None and bool(self.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)))
 
-    def push(self, remote: Store | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
-        """Copy ``ref`` and the ancestors ``remote`` lacks into ``remote`` (created if
-        missing), keeping commit ids; then move the remote tag (when ``ref`` is a tag)
-        if it is a fast-forward. See :mod:`ckptstore.transfer`.
+    def push(self, remote: Store | Backend | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
+        """Copy ``ref`` and the ancestors ``remote`` lacks into ``remote``, keeping commit
+        ids; then move the remote tag (when ``ref`` is a tag) if it is a fast-forward.
+
+        ``remote`` is another store (a :class:`Store` or a folder, created if missing:
+        :mod:`ckptstore.transfer`) or object storage (``"s3://bucket/prefix"`` or a
+        :class:`~ckptstore.backends.Backend`; an empty prefix becomes a store:
+        :mod:`ckptstore.remote`). Nothing is written when nothing is missing.
 
         Raises:
             RefConflictError: the remote tag names a commit that is not an ancestor of
                 ``ref``'s (naming both; ``force=True`` overrides) or moved meanwhile.
+            NotAStoreError: a missing bucket.
+            BackendError: object storage failed after retries (the remote tag did not move).
             RefNotFoundError / AmbiguousRefError / IntegrityError / StoreWriteError.
         """
+        backend = _as_backend(remote)
+        if backend is not None:
+            from .remote import push
+
+            try:
+                return push(self, backend, ref, force)
+            finally:
+                if backend is not remote:
+                    backend.close()
         from .transfer import transfer
 
         other = remote if isinstance(remote, Store) else Store(remote, create=True)
         return transfer(self, other, ref, force)
 
-    def pull(self, remote: Store | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
-        """The reverse of :meth:`push`: copy ``ref`` of ``remote`` into this store (created if missing)."""
+    def pull(self, remote: Store | Backend | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
+        """The reverse of :meth:`push`: copy ``ref`` of ``remote`` into this store (created if
+        missing). ``s3://`` remotes: NotAStoreError for a missing bucket or a prefix without
+        ``ckptstore.json``; IntegrityError naming any remote record, index or blob that does
+        not verify (the local tag then does not move)."""
+        backend = _as_backend(remote)
+        if backend is not None:
+            from .remote import pull
+
+            try:
+                return pull(self, backend, ref, force)
+            finally:
+                if backend is not remote:
+                    backend.close()
         from .transfer import transfer
 
         other = remote if isinstance(remote, Store) else Store(remote, create=False)

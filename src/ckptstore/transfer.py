@@ -40,6 +40,8 @@ class TransferReport:
         blobs_copied: blobs written to the destination.
         bytes_copied: their stored (possibly compressed) bytes.
         seconds: wall time of the transfer.
+        objects_written: objects uploaded to object storage, the ref included (0 between local stores).
+        bytes_written: their bytes, the ref's excluded (0 between local stores).
     """
 
     commit: str
@@ -49,6 +51,8 @@ class TransferReport:
     blobs_copied: int = 0
     bytes_copied: int = 0
     seconds: float = 0.0
+    objects_written: int = 0
+    bytes_written: int = 0
 
 
 def _missing_lineage(src: Store, dst: Store, cid: str) -> list[str]:

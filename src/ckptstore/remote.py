@@ -1,0 +1,534 @@
+"""The object-storage side of push and pull (docs/design.md, "Object storage").
+
+A remote store is a :class:`~ckptstore.backends.Backend` (``s3://bucket/prefix``, or a
+folder through :class:`~ckptstore.backends.LocalBackend`) holding the key layout of the
+design: ``ckptstore.json``, ``blobs/<xx>/<id>.pack`` + ``.idx``, ``commits/<xx>/<cid>``,
+``refs/<tag>``, ``reflog/<tag>/<at>-<write id>`` and ``gc/<run id>.json``. This module
+knows only that interface: no path, no S3 client.
+
+**Push** (:func:`push`) of ``ref`` of a local store: read the remote tag; refuse
+(``RefConflictError`` naming both commits) unless it names the pushed commit or one of
+its ancestors, or ``force``; find the commits of the lineage the remote lacks (``head``
+of their records, stopping at the first one present: records are written parents
+first); list the remote's ``.idx`` objects to learn which blobs it holds (blobs in packs
+named by a GC mark are not reused); write the missing blobs as stored (verified as they
+are read), followed by the commits' records, into new packs of at most 64 MiB, each
+``put_new`` whole and then its ``.idx``; then ``commits/<xx>/<cid>`` oldest first; then
+the tag's compare-and-swap (a lost race is re-read: still a fast-forward, it is retried;
+else ``RefConflictError``); then a reflog object. Nothing at all is written when the
+remote has the commit and its tag names it.
+
+**Pull** (:func:`pull`): the reverse. Commit records are fetched and checked against
+their ids (:func:`ckptstore.records.parse_commit`), every needed blob is located through
+the remote ``.idx`` objects (each checked by :func:`ckptstore.packindex.decode_index`),
+fetched with coalesced ranged GETs, checked against its entry header and rehashed, and
+the commits are recreated locally with their ids, oldest first; then the local tag moves
+by compare-and-swap, as between local stores (:mod:`ckptstore.transfer`).
+
+There is no local cache of remote indexes yet: each push or pull that copies something
+lists ``blobs/`` and reads every ``.idx`` (one GET each).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from .backends import Backend
+from .backends.base import ref_segment
+from .errors import (
+    AmbiguousRefError,
+    BlobMissingError,
+    IntegrityError,
+    InvalidNameError,
+    NotAStoreError,
+    ObjectNotFoundError,
+    RefBusyError,
+    RefConflictError,
+    RefNotFoundError,
+)
+from .layout import address, digest
+from .packindex import decode_index, encode_index, index_key, pack_key, scan_pack
+from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, check_entry, entry_header, pack_header
+from .records import KIND_COMMIT, CommitRecord, commit_id, parse_commit, recreate
+from .transfer import TransferReport
+
+if TYPE_CHECKING:
+    from .store import Store
+
+MARKER = "ckptstore.json"
+FORMAT_VERSION = 1
+#: Bytes: a pack pushed to object storage rolls over past this size (several upload in parallel on S3).
+PACK_BYTES = 64 << 20
+CAS_ATTEMPTS = 20
+_CID = re.compile(r"[0-9a-f]{32}")
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def commit_key(cid: str) -> str:
+    """The object key of commit ``cid``'s record."""
+    return f"commits/{cid[:2]}/{cid}"
+
+
+# --- the store marker and refs ------------------------------------------------------------
+
+
+def read_marker(backend: Backend) -> dict | None:
+    """The remote's ``ckptstore.json``, or ``None`` if it has none (an empty prefix).
+
+    Raises:
+        NotAStoreError: it is not a ckptstore marker of a format this library reads.
+    """
+    try:
+        raw = backend.get(MARKER)
+    except ObjectNotFoundError:
+        return None
+    try:
+        marker = json.loads(raw)
+        ok = type(marker) is dict and marker.get("format") == "ckptstore"
+    except ValueError:
+        ok = False
+    if not ok:
+        raise NotAStoreError(f"{backend.url}: {MARKER} is not a ckptstore store marker")
+    if marker.get("version") != FORMAT_VERSION:
+        raise NotAStoreError(f"{backend.url}: store format version {marker.get('version')!r}; this library reads {FORMAT_VERSION}")
+    return marker
+
+
+def ensure_marker(backend: Backend, local: Store) -> int:
+    """Write ``ckptstore.json`` (create-only) if the remote has none; returns the bytes written (0 if it had one)."""
+    data = json.dumps(
+        {"compression_level": local.compression_level, "format": "ckptstore", "shard_bytes": local.shard_bytes, "version": FORMAT_VERSION},
+        sort_keys=True,
+    ).encode()
+    if backend.put_new(MARKER, data):
+        return len(data)
+    read_marker(backend)  # another writer made it first: it must be ours
+    return 0
+
+
+def ref_payload(cid: str | None, previous: str | None, action: str, at: float) -> bytes:
+    """A remote tag's payload: ``{"action", "at", "commit", "previous"}`` as JSON (``commit`` null: deleted)."""
+    return json.dumps({"action": action, "at": at, "commit": cid, "previous": previous}, sort_keys=True).encode()
+
+
+def read_tag(backend: Backend, name: str) -> tuple[str | None, str | None]:
+    """``(commit id or None, version or None)`` of remote tag ``name`` (a deleted tag: no commit, its version).
+
+    Raises:
+        IntegrityError: the ref's payload is not a tag payload.
+    """
+    ref = backend.read_ref(name)
+    if ref is None:
+        return None, None
+    try:
+        payload = json.loads(ref.data)
+        cid = payload["commit"]
+        if not (cid is None or (type(cid) is str and _CID.fullmatch(cid))):
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        raise IntegrityError(f"{backend.url}: tag {name!r} holds a malformed payload") from None
+    return cid, ref.version
+
+
+def fetch_record(backend: Backend, cid: str, why: str = "") -> CommitRecord:
+    """Commit ``cid``'s record from the remote, checked against its id.
+
+    Raises:
+        IntegrityError: the record is missing, does not hash to ``cid``, or is malformed.
+    """
+    key = commit_key(cid)
+    try:
+        raw = backend.get(key)
+    except ObjectNotFoundError:
+        raise IntegrityError(f"{backend.url}: commit {cid}{why} is missing (no object {key})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise IntegrityError(f"{backend.url}: {key}: the record of commit {cid} is not UTF-8 text") from None
+    if commit_id(text) != cid:
+        raise IntegrityError(f"{backend.url}: {key}: the record does not hash to commit id {cid} (damaged or forged)")
+    try:
+        return parse_commit(text, cid)
+    except IntegrityError as exc:
+        raise IntegrityError(f"{backend.url}: {key}: {exc}") from None
+
+
+# --- the remote's pack indexes --------------------------------------------------------------
+
+
+class RemoteIndex:
+    """Which blobs the remote holds, and where: read from every ``blobs/<xx>/<id>.idx``.
+
+    A pack without its ``.idx`` (a push in flight, or killed) is not used. Blobs in packs
+    listed by a GC mark (``gc/<run id>.json``, ``{"packs": [pack ids], ...}``) are not
+    offered for reuse (:meth:`reusable`); an unreadable mark withholds every pack.
+    """
+
+    def __init__(self, backend: Backend, workers: int = 8):
+        self.backend = backend
+        self.workers = workers
+        self.blobs: dict[tuple[bytes, int], BlobLoc] = {}
+        self.marked: set[str] = set()
+        self.all_marked = False
+
+    def refresh(self) -> RemoteIndex:
+        """List ``blobs/`` and ``gc/`` and read every index (each checked before use).
+
+        Raises:
+            BlobCorruptError: an index fails its checks (names it).
+            BackendError: the storage failed.
+        """
+        objects = {o.key: o.size for o in self.backend.list("blobs")}
+        todo = []
+        for key in objects:
+            if key.endswith(".idx"):
+                pid = key.rsplit("/", 1)[1][:-4]
+                pack_size = objects.get(pack_key(pid))
+                if pack_size is not None:
+                    todo.append((pid, key, pack_size))
+
+        def load(job):
+            pid, key, pack_size = job
+            return decode_index(self.backend.get(key), pid, pack_size, f"{self.backend.url}: {key}")
+
+        with ThreadPoolExecutor(self.workers) as pool:
+            for entries in pool.map(load, todo):
+                for e in entries:
+                    if e.magic == BLOB_MAGIC:
+                        self.blobs.setdefault((e.loc.digest, e.loc.raw_len), e.loc)
+        self.read_marks()
+        return self
+
+    def read_marks(self) -> set[str]:
+        """Re-read the GC marks; returns the pack ids they name."""
+        marked: set[str] = set()
+        for o in self.backend.list("gc"):
+            try:
+                mark = json.loads(self.backend.get(o.key))
+                marked.update(p for p in mark["packs"] if type(p) is str)
+            except (ValueError, KeyError, TypeError, ObjectNotFoundError):
+                self.all_marked = True
+        self.marked = marked
+        return marked
+
+    def reusable(self, key: tuple[bytes, int]) -> BlobLoc | None:
+        """Where the remote holds blob ``key`` in a pack no GC mark names, or ``None``."""
+        loc = self.blobs.get(key)
+        if loc is None or self.all_marked or loc.pack in self.marked:
+            return None
+        return loc
+
+    def fetch(self, keys: list[tuple[bytes, int]], where: str) -> dict[tuple[bytes, int], tuple[BlobLoc, memoryview]]:
+        """Blobs ``keys`` as stored, ``{key: (remote location, payload)}``, each checked
+        against its entry header and rehashed; one coalesced ranged read per pack.
+
+        Raises:
+            BlobMissingError: a blob no index lists (names it and ``where``).
+            BlobCorruptError: a blob whose bytes or header do not match.
+        """
+        by_pack: dict[str, list[BlobLoc]] = {}
+        for key in keys:
+            loc = self.blobs.get(key)
+            if loc is None:
+                raise BlobMissingError(f"{self.backend.url}: {where}, blob {address(*key)} is in no pack index of the remote")
+            by_pack.setdefault(loc.pack, []).append(loc)
+        out = {}
+        for pid, locs in by_pack.items():
+            got = self.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in locs])
+            for loc, buf in zip(locs, got):
+                payload = check_entry(buf, loc, f"{self.backend.url}: {where}, pack {pid}")
+                out[(loc.digest, loc.raw_len)] = (loc, payload)
+        return out
+
+
+# --- writing packs --------------------------------------------------------------------------
+
+
+class _Packs:
+    """Assembles entries into packs in memory and uploads each whole, then its ``.idx``."""
+
+    def __init__(self, backend: Backend, report: TransferReport, pack_bytes: int):
+        self.backend, self.report, self.pack_bytes = backend, report, pack_bytes
+        self._new()
+
+    def _new(self) -> None:
+        self.id = uuid.uuid4().hex
+        self.parts: list = [pack_header()]
+        self.size = len(self.parts[0])
+
+    def add(self, entry) -> str:
+        """Append one whole entry (header and payload, bytes-like); returns its pack id."""
+        if len(self.parts) > 1 and self.size + len(entry) > self.pack_bytes:
+            self.flush()
+        self.parts.append(entry)
+        self.size += len(entry)
+        return self.id
+
+    def flush(self) -> None:
+        if len(self.parts) == 1:
+            return
+        data = b"".join(self.parts)
+        entries = scan_pack(data, self.id)
+        idx = encode_index(entries)
+        self.backend.put_new(pack_key(self.id), data)
+        self.backend.put_new(index_key(self.id), idx)
+        self.report.objects_written += 2
+        self.report.bytes_written += len(data) + len(idx)
+        self._new()
+
+
+def _missing_on_remote(local: Store, backend: Backend, cid: str) -> list[str]:
+    """Commits of ``cid``'s lineage the remote has no record of, parents before children."""
+    order: list[str] = []
+    state: dict[str, bool] = {}
+    stack = [(cid, False)]
+    while stack:
+        c, expanded = stack.pop()
+        if expanded:
+            order.append(c)
+            continue
+        if c in state or backend.head(commit_key(c)) is not None:
+            continue
+        state[c] = False
+        stack.append((c, True))
+        stack.extend((p, False) for p in reversed(local.record(c).parents) if p not in state and local.has_commit(p))
+    return order
+
+
+def _diverged(where: str, tag: str, theirs: str, ours: str) -> RefConflictError:
+    return RefConflictError(
+        f"{where}: tag {tag!r} names commit {theirs}, which is not an ancestor of {ours}: "
+        "the two lineages diverged (pass force=True / --force to move the tag anyway)"
+    )
+
+
+def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_bytes: int = PACK_BYTES) -> TransferReport:
+    """Copy ``ref`` of ``local`` (tag, commit id or unique prefix) and the ancestors the
+    remote lacks to ``backend``, then move the remote tag (see the module docstring).
+
+    Args:
+        pack_bytes: new packs roll over past this size in bytes.
+
+    Returns:
+        A :class:`~ckptstore.transfer.TransferReport`; ``objects_written`` and
+        ``bytes_written`` count every object uploaded (0 for a push with nothing missing).
+
+    Raises:
+        RefNotFoundError / AmbiguousRefError: ``ref`` names nothing locally.
+        RefConflictError: the remote tag names a commit that is not an ancestor of the
+            pushed one (both named; ``force=True`` moves it anyway); the tag is unchanged.
+        RefBusyError: the remote tag kept moving (fast-forwards by others) for every attempt.
+        NotAStoreError: a missing bucket, or a prefix holding another ``ckptstore.json``.
+        IntegrityError: a local blob or record is missing or corrupt, or a remote index is.
+        BackendError: the storage failed after retries; what was written stays as
+            unreferenced objects (GC removes them) and the tag is unchanged.
+    """
+    t0 = time.perf_counter()
+    cid = local.resolve(ref)
+    tag = ref if ref in local.tags() else None
+    marker = read_marker(backend)
+    previous, version = read_tag(backend, tag) if tag is not None else (None, None)
+    ancestors: set[str] | None = None
+
+    def is_ancestor(c: str) -> bool:
+        nonlocal ancestors
+        if ancestors is None:
+            ancestors = {i.id for i in local.log(cid)}
+        return c in ancestors
+
+    if previous is not None and previous != cid and not force and not is_ancestor(previous):
+        raise _diverged(backend.url, tag, previous, cid)
+    report = TransferReport(cid, tag, previous)
+    missing = _missing_on_remote(local, backend, cid)
+    if missing:
+        if marker is None:
+            n = ensure_marker(backend, local)
+            report.objects_written += bool(n)
+            report.bytes_written += n
+        index = RemoteIndex(backend).refresh()
+        packs = _Packs(backend, report, pack_bytes)
+        reader = PackReader(local.root, sparse=True, locate=local.relocate)
+        sent: set[tuple[bytes, int]] = set()
+        reused: dict[tuple[bytes, int], str] = {}
+        texts = []
+
+        def send(key: tuple[bytes, int], located: dict, c: str) -> None:
+            loc = located.get(key)
+            if loc is None:
+                raise BlobMissingError(f"{local.root}: commit {c}, blob {address(*key)} is not in the catalog")
+            packs.add(reader.stored(loc, f"{local.root}: commit {c}"))
+            sent.add(key)
+            reused.pop(key, None)
+            report.blobs_copied += 1
+            report.bytes_copied += loc.stored_len
+
+        try:
+            for c in missing:
+                rec = local.record(c)
+                keys = list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys))
+                located = local.locate(keys)
+                for key in keys:
+                    if key in sent or key in reused:
+                        continue
+                    there = index.reusable(key)
+                    if there is not None:
+                        reused[key] = there.pack
+                    else:
+                        send(key, located, c)
+                text = rec.text.encode()
+                packs.add(entry_header(digest(text), len(text), CODEC_RAW, len(text), RECORD_MAGIC, KIND_COMMIT) + text)
+                texts.append((c, text))
+            packs.flush()
+            # A GC may have marked a pack we reuse since we listed: write those blobs again (design: "Writers").
+            marked = index.read_marks()
+            again = [k for k, pid in reused.items() if index.all_marked or pid in marked]
+            if again:
+                located = local.locate(again)
+                for key in again:
+                    send(key, located, cid)
+                packs.flush()
+        finally:
+            reader.close()
+        for c, text in texts:
+            if backend.put_new(commit_key(c), text):
+                report.objects_written += 1
+                report.bytes_written += len(text)
+            report.commits_copied.append(c)
+    if tag is not None and previous != cid:
+        for _ in range(CAS_ATTEMPTS):
+            at = time.time()
+            try:
+                backend.cas_ref(tag, ref_payload(cid, previous, "push", at), version)
+                report.objects_written += 1
+                break
+            except RefConflictError:
+                now, version = read_tag(backend, tag)
+                if now == cid:  # another pusher moved it to the same commit
+                    report.previous = previous = now
+                    break
+                if now is not None and not force and not is_ancestor(now):
+                    raise _diverged(backend.url, tag, now, cid) from None
+                report.previous = previous = now
+        else:
+            raise RefBusyError(f"{backend.url}: tag {tag!r} kept moving: {CAS_ATTEMPTS} attempts to move it all lost a race")
+        if previous != cid:
+            move = json.dumps({"action": "push", "at": at, "new": cid, "old": previous, "tag": tag}, sort_keys=True).encode()
+            backend.put_new(f"reflog/{ref_segment(tag)}/{time.time_ns():020d}-{uuid.uuid4().hex}", move)
+            report.objects_written += 1
+            report.bytes_written += len(move)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+# --- pull -----------------------------------------------------------------------------------
+
+
+def resolve(backend: Backend, ref: str) -> tuple[str, str | None]:
+    """``(commit id, tag or None)`` that ``ref`` names on the remote: a tag, a full
+    commit id, or a unique id prefix (4 hex digits or more).
+
+    Raises:
+        RefNotFoundError / AmbiguousRefError: nothing, or several commits, match.
+    """
+    if type(ref) is not str or not ref:
+        raise RefNotFoundError(f"invalid ref {ref!r}")
+    try:
+        cid, _ = read_tag(backend, ref)
+    except InvalidNameError:
+        cid = None  # not a valid ref name: perhaps a commit id
+    else:
+        if cid is not None:
+            return cid, ref
+    low = ref.lower()
+    if _CID.fullmatch(low) and backend.head(commit_key(low)) is not None:
+        return low, None
+    if len(low) >= 4 and _HEX.fullmatch(low):
+        found = [o.key.rsplit("/", 1)[1] for o in backend.list(f"commits/{low[:2]}")]
+        found = [c for c in found if c.startswith(low)]
+        if len(found) == 1:
+            return found[0], None
+        if found:
+            raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix at {backend.url}: matches {', '.join(c[:12] for c in found[:10])}")
+    raise RefNotFoundError(f"no tag or commit named {ref!r} at {backend.url}")
+
+
+def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> TransferReport:
+    """Copy ``ref`` of the remote ``backend`` and the ancestors ``local`` lacks into
+    ``local`` (created if missing), then move the local tag (see the module docstring).
+
+    Raises:
+        NotAStoreError: a missing bucket, or no ``ckptstore.json`` under the prefix.
+        RefNotFoundError / AmbiguousRefError: ``ref`` names nothing on the remote.
+        RefConflictError: the local tag names a commit that is not an ancestor of the
+            pulled one (both named; ``force=True`` overrides); nothing is written.
+        IntegrityError: a remote record, index or blob is missing or does not verify
+            (named); nothing of that commit is written, the local tag does not move.
+        BackendError: the storage failed after retries.
+    """
+    t0 = time.perf_counter()
+    if read_marker(backend) is None:
+        raise NotAStoreError(f"{backend.url} is not a ckptstore store (no {MARKER}; a first push creates one)")
+    cid, tag = resolve(backend, ref)
+    try:
+        previous = local.tags().get(tag) if tag is not None else None
+    except NotAStoreError:
+        previous = None
+    records: dict[str, CommitRecord] = {}
+    order: list[str] = []
+    stack = [(cid, False)]
+    while stack:
+        c, expanded = stack.pop()
+        if expanded:
+            order.append(c)
+            continue
+        if c in records or local.has_commit(c):
+            continue
+        why = f" (named by tag {tag!r})" if c == cid and tag else f" (an ancestor of {cid})"
+        records[c] = rec = fetch_record(backend, c, why)
+        stack.append((c, True))
+        stack.extend((p, False) for p in reversed(rec.parents) if p not in records)
+    if previous is not None and previous != cid and not force:
+        ancestors = set(order)
+        for c in [cid, *(p for r in records.values() for p in r.parents)]:
+            if c not in records and local.has_commit(c):
+                ancestors.update(i.id for i in local.log(c))
+        if previous not in ancestors:
+            raise _diverged(str(local.root), tag, previous, cid)
+    report = TransferReport(cid, tag, previous)
+    if order:
+        index = RemoteIndex(backend).refresh()
+        for c in order:
+            rec = records[c]
+            components, leaves = recreate(rec)
+            keys = [k for leaf in leaves for k in leaf.keys]
+            unique = list(dict.fromkeys(keys))
+            try:
+                have = local.locate(unique)
+            except NotAStoreError:
+                have = {}
+            where = f"commit {c}"
+            fetched = index.fetch([k for k in unique if k not in have], where)
+
+            def write(writer, key, fetched=fetched, where=where):
+                got = fetched.get(key) or index.fetch([key], where)[key]
+                report.blobs_copied += 1
+                report.bytes_copied += got[0].stored_len
+                return writer.append_encoded(got[0].digest, got[0].raw_len, got[0].codec, got[1])
+
+            local.commit_manifest(
+                components, leaves, keys, write, [], rec.message, rec.metadata, None, time.perf_counter(),
+                origin=(c, rec.parents, rec.created_at),
+            )
+            report.commits_copied.append(c)
+    if tag is not None and previous != cid:
+        local.tag(tag, cid, expect=previous)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+__all__ = ["MARKER", "PACK_BYTES", "RemoteIndex", "commit_key", "fetch_record", "pull", "push", "read_marker", "read_tag", "resolve"]
