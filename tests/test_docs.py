@@ -23,7 +23,7 @@ import pytest
 
 from .conftest import ROOT
 
-PAGES = ["README.md", "docs/quickstart.md", "docs/training.md", "docs/operations.md", "docs/adapters.md", "docs/performance.md", "docs/distributed.md"]
+PAGES = ["README.md", "docs/quickstart.md", "docs/training.md", "docs/operations.md", "docs/adapters.md", "docs/performance.md", "docs/distributed.md", "docs/object-storage.md"]
 
 SETUP = """
 import torch
