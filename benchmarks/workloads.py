@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import sqlite_utils  # noqa: F401 - imported lazily by ckptstore's catalog (with click, dateutil, pluggy): up front here too
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
@@ -34,6 +35,8 @@ from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler
 
 import ckptstore
 import ckptstore.adapters.torchrl  # imported up front like every peer module (ckptstore imports it lazily)
+import ckptstore.checkout  # ckptstore imports its store modules on first use (PEP 562): up front here too
+import ckptstore.store
 
 from .measure import apparent_size, evict_tree, fsync_tree, measure, read_raw_into, resident_fraction, set_rss_baseline, touch, write_raw
 from .spec import FLOOR, MIB, WARM_OPS, Sizes
