@@ -33,12 +33,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .spec import DATA_OF, FLOOR, FLOOR_LABEL, PEERS, SYSTEMS, WORKLOADS, Sizes
+from .spec import DATA_OF, FLOOR, FLOOR_LABEL, PEERS, SYSTEMS, WARM_OPS, WORKLOADS, Sizes
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_OUTPUT = HERE / "results" / "latest.json"
-ORDER = ["w1", "async", "w2", "w3", "w4", "w5"]
+ORDER = ["w1", "async", "w2", "w3", "w4", "w5", "w6", "stall"]
 SCHEMA = 2  # 2: the "floor" pseudo-system, floor_ratios, peak_rss_over_state
 
 DURABILITY = (
@@ -248,6 +248,16 @@ def _notes(wl: str, op: str, system: str, e: dict) -> str:
     med = lambda k: _med(e, k)
     if med("resident_before") is not None and med("resident_before") > 0.05:
         notes.append(f"eviction incomplete: {med('resident_before'):.0%} cached")
+    if med("resident_warm") is not None:
+        notes.append(f"warm: {med('resident_warm'):.0%} cached")
+    if med("rehash_commit_s") is not None:
+        notes.append(f"reuse_hashes=False re-commit {fmt_s(med('rehash_commit_s'))} s")
+    if op == "train_steps":
+        notes.append(f"step mean {fmt_s(med('step_mean_s'))} s vs {fmt_s(med('base_step_mean_s'))} s without commits "
+                     f"(x{med('stall_ratio_mean'):.3f}), median {fmt_s(med('step_median_s'))} vs {fmt_s(med('base_step_median_s'))} s "
+                     f"(x{med('stall_ratio_median'):.3f}), max {fmt_s(med('step_max_s'))} s; {med('commits_started'):.0f} commits, "
+                     f"{med('commits_completed_in_window'):.0f} done within the window; commit_async call {fmt_s(med('call_mean_s'))} s, "
+                     f"resolves {fmt_s(med('resolve_mean_s'))} s; per commit the loop lost {fmt_s(med('stall_per_commit_s'))} s")
     if op == "load_sampler_only":
         notes.append(f"sampler stored {fmt_bytes(med('sampler_stored_bytes'))}")
     if med("store_io_bytes_read") is not None and op.startswith("load"):
@@ -443,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                 for system in order:
                     out = run_dir / f"{wl}-r{rep}-{_slug(system)}"
                     label = f"[{wl} {rep + 1}/{reps}] {system}"
-                    ok, res = runner.run({**task_base, "kind": "save", "system": system, "out": str(out)}, f"{label} saves")
+                    ok, res = runner.run({**task_base, "kind": "save", "system": system, "out": str(out), "rep": rep}, f"{label} saves")
                     if not ok:
                         for op in spec.ops:
                             for s in spec.loaders(system):
@@ -455,11 +465,14 @@ def main(argv: list[str] | None = None) -> int:
                             statuses[(wl, item["op"], system)] = {"status": "not available", "reason": item["reason"]}
                         else:
                             record((wl, item["op"], system), True, item["metrics"])
-                    for op in spec.load_ops:
+                    # warm loads first, right after the save (its files still in the page cache), then the cold ones
+                    for op in sorted(spec.load_ops, key=lambda o: o not in WARM_OPS):
                         for loader in spec.loaders(system):
                             if spec.reason(op, loader) is not None:
                                 continue
-                            ok, m = runner.run({**task_base, "kind": "load", "system": loader, "op": op, "out": str(out)}, f"{label} {op} ({loader})")
+                            op_cold = cold and op not in WARM_OPS
+                            ok, m = runner.run({**task_base, "cold": op_cold, "kind": "load", "system": loader, "op": op, "out": str(out)},
+                                               f"{label} {op} ({loader})")
                             record((wl, op, loader), ok, m)
                     shutil.rmtree(out, ignore_errors=True)
             for d, last in last_use.items():
@@ -481,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             "workloads": names,
             "sizes": sizes.as_dict(),
             "data": data_meta,
+            "warm_ops": "load_warm: the same load as 'load', right after the save child (before any cold load), nothing evicted: "
+                        "the page cache holds the files just written; bytes_read = rchar, resident_warm = fraction of the files cached",
             "reads": "cold: each output's files evicted from the page cache (posix_fadvise DONTNEED) before each load; "
                      "bytes_read = /proc/self/io read_bytes (block-layer reads, mmap faults included)" if cold else
                      "warm: outputs were just written and sit in the page cache; bytes_read = /proc/self/io rchar "

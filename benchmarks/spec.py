@@ -46,12 +46,19 @@ class Sizes:
     w4_commits: int = 50
     w4_change: float = 0.02
     w5_params: int = 25_000_000  # MLP parameters (Adam doubles that in state)
+    w6_mib: float = 512.0  # plain TensorDict bytes (float32 84x84 frames, actions, rewards, done flags, a float64 tree)
+    stall_mib: float = 256.0  # replay buffer bytes of the training-loop stall measurement
+    stall_obs_dim: int = 256  # float32 observation width of its rows (and the policy's input)
+    stall_steps: int = 1000  # training steps per measured block (two blocks per arm, ABBA order)
+    stall_every: int = 200  # commit_async every this many steps in the commit arm
+    stall_threads: int = 1  # torch.set_num_threads of the training loop, the same in both arms
 
     @classmethod
     def smoke(cls) -> Sizes:
         return cls(
             w1_mib=4, w1_obs_dim=64, w2_mib=4, w3_capacity=20_000, w3_extends=5, w3_rows=20,
-            w4_mib=2, w4_obs_dim=64, w4_commits=4, w5_params=100_000,
+            w4_mib=2, w4_obs_dim=64, w4_commits=4, w5_params=100_000, w6_mib=4,
+            stall_mib=4, stall_obs_dim=64, stall_steps=40, stall_every=10,
         )
 
     def as_dict(self) -> dict:
@@ -101,6 +108,10 @@ class Workload:
 
 _FLAT = "stores flat tensors only: restoring a replay buffer from them needs custom code"
 _MMAP_SAVE = "load-only variant (reads torch.save's file)"
+# Load operations measured with the page cache warm (right after the save, nothing evicted),
+# next to their cold counterpart ("load_warm" runs what "load" runs). They run first, right
+# after the save child, before any cold load.
+WARM_OPS = {"load_warm": "load"}
 _FLOOR_FULL = "floor measured for full saves only (see save: every peer rewrites everything here)"
 
 WORKLOADS: dict[str, Workload] = {
@@ -109,7 +120,7 @@ WORKLOADS: dict[str, Workload] = {
         title="W1: {w1_mib:g} MiB prioritized replay buffer (LazyTensorStorage, randn float32 obs x {w1_obs_dim}), {w1_change:.0%} rows changed",
         save_systems=["ckptstore", "torch.save", "safetensors", "tensordict.memmap", "rb.dumps", "torchrl.Checkpoint", "dcp", FLOOR],
         save_ops=["save", "save_after_change", "save_unchanged"],
-        load_ops=["load", "load_into_existing", "load_sampler_only"],
+        load_ops=["load", "load_warm", "load_into_existing", "load_sampler_only"],
         variants={"torch.save": ["torch.save", "torch.load(mmap)"]},
         na={
             ("load_into_existing", "safetensors"): _FLAT,
@@ -150,10 +161,33 @@ WORKLOADS: dict[str, Workload] = {
         title="W5: MLP policy ({w5_params:,} params) + Adam after one update",
         save_systems=["ckptstore", "torch.save", "safetensors", "dcp", "torchrl.Checkpoint", FLOOR],
         save_ops=["save"],
-        load_ops=["load"],
+        load_ops=["load", "load_warm"],
         variants={"torch.save": ["torch.save", "torch.load(mmap)"]},
         na={("save", "torch.load(mmap)"): _MMAP_SAVE},
         not_compared="not compared: no replay buffer in W5 (policy + optimizer: torch.save, safetensors, dcp, Checkpoint)",
+    ),
+    "w6": Workload(
+        name="w6",
+        title="W6: {w6_mib:g} MiB plain TensorDict (random float32 84x84 frames, actions, rewards, done flags, a float64 tree), no replay buffer",
+        save_systems=["ckptstore", "torch.save", "safetensors", "tensordict.memmap", FLOOR],
+        save_ops=["save", "save_unchanged"],
+        load_ops=["load", "load_warm"],
+        variants={"torch.save": ["torch.save", "torch.load(mmap)"]},
+        na={
+            ("save", "torch.load(mmap)"): _MMAP_SAVE,
+            ("save_unchanged", "torch.load(mmap)"): _MMAP_SAVE,
+            ("save_unchanged", FLOOR): _FLOOR_FULL,
+        },
+        not_compared="not compared: W6 is a plain TensorDict (torch.save, safetensors, tensordict memmap)",
+        shared_data=True,
+    ),
+    "stall": Workload(
+        name="stall",
+        title="Stall: CPU training loop (MLP on batches from a {stall_mib:g} MiB LazyTensorStorage buffer, {stall_threads} torch thread(s)), "
+              "commit_async every {stall_every} steps vs no commits",
+        save_systems=["ckptstore"],
+        save_ops=["train_steps"],
+        not_compared="ckptstore only (the baseline is the same loop without commits, in the same child)",
     ),
     "async": Workload(
         name="async",
@@ -165,12 +199,12 @@ WORKLOADS: dict[str, Workload] = {
     ),
 }
 
-# Data for "async" is W1's.
-DATA_OF = {"w1": "w1", "w2": "w2", "async": "w1"}
+# Data for "async" is W1's; W6 has its own.
+DATA_OF = {"w1": "w1", "w2": "w2", "async": "w1", "w6": "w6"}
 
 # Metric directions for compare.py: higher is better for these; lower for the rest;
 # INFO metrics are context, never compared.
 HIGHER_IS_BETTER = {"throughput_gbps"}
 INFO_METRICS = {"logical_bytes", "rss_before", "rss_baseline", "rss_file_growth_before", "sampler_stored_bytes", "resident_before",
                 "commits", "changed_rows", "prealloc_copy_s", "prealloc_copy_tensors_s", "call_over_row_copy", "call_over_tensor_copy",
-                "peak_rss_lifetime"}
+                "peak_rss_lifetime", "resident_warm", "steps", "commits_started", "commits_completed_in_window", "stall_threads"}

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import sqlite_utils  # noqa: F401 - imported lazily by ckptstore's catalog (with click, dateutil, pluggy): up front here too
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
@@ -34,9 +35,11 @@ from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler
 
 import ckptstore
 import ckptstore.adapters.torchrl  # imported up front like every peer module (ckptstore imports it lazily)
+import ckptstore.checkout  # ckptstore imports its store modules on first use (PEP 562): up front here too
+import ckptstore.store
 
 from .measure import apparent_size, evict_tree, fsync_tree, measure, read_raw_into, resident_fraction, set_rss_baseline, touch, write_raw
-from .spec import FLOOR, MIB, Sizes
+from .spec import FLOOR, MIB, WARM_OPS, Sizes
 
 # --- shared data (generated once per run, mapped by every child) ------------------------
 
@@ -144,10 +147,31 @@ def gen_w2(s: Sizes, root: Path) -> dict:
     return w.close(rows=n, noise=s.w2_noise)
 
 
+W6_KEYS = ("frames", "action", "reward", "done", "tree")
+
+
+def _w6_row_bytes() -> int:
+    return 4 * FRAME * FRAME + 8 + 4 + 1 + 2 * 8  # frames, action, reward, done, and two float64 tree leaves per row
+
+
+def gen_w6(s: Sizes, root: Path) -> dict:
+    """W6's plain state: random float32 frames [n, 84, 84], int64 actions, float32 rewards,
+    bool done flags and a float64 vector of 2n leaves (a sum tree's size), incompressible."""
+    n = max(16, int(s.w6_mib * MIB // _w6_row_bytes()))
+    g = torch.Generator().manual_seed(6)
+    w = _Writer(root)
+    w.write("frames", _chunked(n, 2048, lambda a, b: torch.rand(b - a, FRAME, FRAME, generator=g)), (n, FRAME, FRAME), torch.float32)
+    w.write("action", [torch.randint(0, 18, (n,), generator=g)], (n,), torch.int64)
+    w.write("reward", [torch.randn(n, generator=g)], (n,), torch.float32)
+    w.write("done", [torch.rand(n, generator=g) < 0.01], (n,), torch.bool)
+    w.write("tree", [torch.rand(2 * n, generator=g, dtype=torch.float64)], (2 * n,), torch.float64)
+    return w.close(rows=n)
+
+
 def task_gen(task: dict) -> dict:
     s = Sizes(**task["sizes"])
     root = Path(task["root"])
-    return {"w1": gen_w1, "w2": gen_w2}[task["data"]](s, root)
+    return {"w1": gen_w1, "w2": gen_w2, "w6": gen_w6}[task["data"]](s, root)
 
 
 # --- replay-buffer state helpers ---------------------------------------------------------
@@ -787,6 +811,201 @@ def w5_load(task: dict):
     return fn, info["logical"]
 
 
+# --- W6: a plain TensorDict -----------------------------------------------------------------------
+
+
+def w6_build(data: Data) -> TensorDict:
+    """The state in ordinary (anonymous) memory, as a training process holds it: copies of the data."""
+    return TensorDict({k: data.t(k).clone() for k in W6_KEYS}, batch_size=[])
+
+
+def w6_save_one(system: str, td: TensorDict, out: Path, name: str, store: ckptstore.Store | None) -> dict:
+    if system == "ckptstore":
+        info = store.commit(td, tag="latest")
+        return {"ckpt_new_bytes": info.new_bytes, "ckpt_stored_bytes": info.stored_bytes}
+    p = peer_path(system, out, name)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    if system == "torch.save":
+        torch.save(td.to_dict(), p)
+    elif system == "safetensors":
+        save_file(flatten(td.to_dict()), str(p))
+    elif system == "tensordict.memmap":
+        td.memmap(p)
+    else:
+        raise ValueError(f"unknown system {system!r}")
+    fsync_tree(p)
+    return {}
+
+
+def w6_save(task: dict) -> list[dict]:
+    """First save, then (same process, same object) the unchanged re-save. For ckptstore the
+    re-commit can reuse shard hashes by fingerprint; a further re-commit through a store opened
+    with ``reuse_hashes=False`` (the escape hatch: everything rehashed) is ``rehash_commit_s``."""
+    data, out, system = Data(task["data"]), Path(task["out"]), task["system"]
+    td = w6_build(data)
+    logical = tensor_bytes(td)
+    out.mkdir(parents=True, exist_ok=True)
+    if system == FLOOR:
+        named = [(k, td[k]) for k in W6_KEYS]
+        p = peer_path(FLOOR, out, "s1")
+        _, m = measure(lambda: floor_save(p, named), logical_bytes=logical, disk_path=disk_root(system, out))
+        (out / "info.json").write_text(json.dumps({"latest": "s1", "logical": logical, "layout": layout(named)}))
+        return [{"op": "save", "metrics": m}]
+    store = ckptstore.Store(out / "store") if system == "ckptstore" else None
+    results = []
+    for op, name in (("save", "s1"), ("save_unchanged", "s2")):
+        extra, m = measure(lambda name=name: w6_save_one(system, td, out, name, store), logical_bytes=logical,
+                           disk_path=disk_root(system, out), keep=True)
+        results.append({"op": op, "metrics": {**m, **extra}})
+    if store is not None:
+        store.close()
+        rehash = ckptstore.Store(out / "store", create=False, reuse_hashes=False)
+        t0 = time.perf_counter()
+        rehash.commit(td, tag="latest")
+        results[-1]["metrics"]["rehash_commit_s"] = time.perf_counter() - t0
+        rehash.close()
+    (out / "info.json").write_text(json.dumps({"latest": "s2", "logical": logical}))
+    return results
+
+
+def w6_load(task: dict):
+    out, system = Path(task["out"]), task["system"]
+    info = json.loads((out / "info.json").read_text())
+    p = peer_path(system, out, info["latest"])
+
+    def fn():
+        if system == FLOOR:  # into freshly allocated tensors
+            floor_load(p, from_layout(info["layout"], zeros=False))
+            return {}
+        if system == "ckptstore":
+            store = open_store(out)
+            td = store.checkout("latest")
+            touch(td)
+            read = store.io.bytes_read
+            store.close()
+            return {"store_io_bytes_read": read}
+        if system in ("torch.save", "torch.load(mmap)"):
+            touch(TensorDict(torch_load(p, system == "torch.load(mmap)", weights_only=True), batch_size=[]))
+        elif system == "safetensors":
+            touch(TensorDict(load_file(str(p)), batch_size=[]))
+        elif system == "tensordict.memmap":
+            touch(TensorDict.load_memmap(p))
+        return {}
+
+    return fn, info["logical"]
+
+
+# --- stall: a training loop with commit_async in the background ------------------------------------
+
+
+def stall_save(task: dict) -> list[dict]:
+    """A small CPU policy (MLP) trained on batches sampled from a TorchRL replay buffer, the
+    buffer extended by a small batch every step. Two arms in this one child, in blocks of
+    ``stall_steps`` steps, ABBA order (BAAB on odd repetitions): no commits, and
+    ``store.commit_async({"rb", "policy", "optim"})`` every ``stall_every`` steps. A step's
+    time includes the commit_async call made in it. After each commit block the outstanding
+    commits are awaited (``drain_s``, outside the steps), so no commit spills into a
+    no-commit block. Before the blocks: warm-up steps, a synchronous first commit and one
+    awaited commit_async (its snapshot buffers allocated), as in a run that has been saving."""
+    s, out = Sizes(**task["sizes"]), Path(task["out"])
+    torch.set_num_threads(max(1, s.stall_threads))
+    d = s.stall_obs_dim
+    row = 4 * d + 8 + 4 + 1 + 8  # obs, action, reward, done, TorchRL's index
+    n = max(64, int(s.stall_mib * MIB // row))
+    batch, extend_rows = 256, 64
+    g = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+
+    def chunk(k: int) -> TensorDict:
+        return TensorDict({"obs": torch.randn(k, d, generator=g), "action": torch.randint(0, 18, (k, 1), generator=g),
+                           "reward": torch.randn(k, 1, generator=g), "done": torch.rand(k, 1, generator=g) < 0.01}, [k])
+
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(n), sampler=RandomSampler(), batch_size=min(batch, n))
+    for a in range(0, n, 65536):
+        rb.extend(chunk(min(65536, n - a)))
+    pool = [chunk(extend_rows) for _ in range(16)]  # new transitions, generated up front like an environment's output
+    nn = torch.nn
+    policy = nn.Sequential(nn.Linear(d, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 18))
+    optim = torch.optim.Adam(policy.parameters(), lr=1e-4)
+    state = {"rb": rb, "policy": policy, "optim": optim}
+    logical = tensor_bytes(rows(rb)) + tensor_bytes(dict(policy.state_dict()))
+    out.mkdir(parents=True, exist_ok=True)
+    store = ckptstore.Store(out / "store")
+    i_step = 0
+
+    def step() -> None:
+        nonlocal i_step
+        b = rb.sample()
+        logits = policy(b["obs"])
+        loss = nn.functional.cross_entropy(logits, b["action"].squeeze(-1)) + b["reward"].mean() * 0
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.step()
+        rb.extend(pool[i_step % len(pool)])
+        i_step += 1
+
+    for _ in range(min(50, s.stall_steps)):
+        step()
+    store.commit(state, tag="latest")
+    step()
+    _resolve(store.commit_async(state, tag="latest"))
+
+    times = {"base": [], "commit": []}
+    calls, resolves, drains = [], [], []
+    started = completed = 0
+
+    def block(arm: str) -> None:
+        nonlocal started, completed
+        futs = []
+        for i in range(s.stall_steps):
+            t0 = time.perf_counter()
+            step()
+            if arm == "commit" and i % s.stall_every == s.stall_every - 1:
+                tc = time.perf_counter()
+                fut = store.commit_async(state, tag="latest")
+                calls.append(time.perf_counter() - tc)
+                fut.add_done_callback(lambda f, tc=tc: resolves.append(time.perf_counter() - tc))
+                futs.append(fut)
+            times[arm].append(time.perf_counter() - t0)
+        if futs:
+            started += len(futs)
+            completed += sum(f.done() for f in futs)
+            t0 = time.perf_counter()
+            for f in futs:
+                f.result()
+            drains.append(time.perf_counter() - t0)
+
+    order = ["base", "commit", "commit", "base"] if task.get("rep", 0) % 2 == 0 else ["commit", "base", "base", "commit"]
+    _, m = measure(lambda: [block(arm) for arm in order], logical_bytes=logical, disk_path=out / "store")
+    store.close()
+    window = sum(times["commit"])
+    c, b = times["commit"], times["base"]
+    m.update({
+        "wall_s": statistics.fmean(c),
+        "step_mean_s": statistics.fmean(c),
+        "step_median_s": statistics.median(c),
+        "step_max_s": max(c),
+        "base_step_mean_s": statistics.fmean(b),
+        "base_step_median_s": statistics.median(b),
+        "base_step_max_s": max(b),
+        "stall_ratio_mean": statistics.fmean(c) / statistics.fmean(b),
+        "stall_ratio_median": statistics.median(c) / statistics.median(b),
+        # the arms' difference per commit: what one commit costs the loop, whatever the cadence
+        # (at one commit every T seconds of training, the slowdown is about stall_per_commit_s / T)
+        "stall_per_commit_s": (sum(c) - sum(b)) / started if started else 0.0,
+        "call_mean_s": statistics.fmean(calls) if calls else 0.0,
+        "resolve_mean_s": statistics.fmean(resolves) if resolves else 0.0,
+        "drain_s": sum(drains),
+        "steps": len(c),
+        "commits_started": started,
+        "commits_completed_in_window": completed,
+        "stall_threads": s.stall_threads,
+        # state checkpointed per second of the commit arm's steps (an effective rate)
+        "throughput_gbps": logical * started / window / 1e9 if window > 0 else 0.0,
+    })
+    return [{"op": "train_steps", "metrics": m}]
+
+
 # --- async commit ---------------------------------------------------------------------------------
 
 
@@ -890,8 +1109,8 @@ def async_save(task: dict) -> list[dict]:
 
 # --- child entry points ------------------------------------------------------------------------------
 
-SAVES = {"w1": w1_save, "w2": w2_save, "w3": w3_save, "w4": w4_save, "w5": w5_save, "async": async_save}
-LOADS = {"w1": w1_load, "w3": w3_load, "w5": w5_load}
+SAVES = {"w1": w1_save, "w2": w2_save, "w3": w3_save, "w4": w4_save, "w5": w5_save, "w6": w6_save, "async": async_save, "stall": stall_save}
+LOADS = {"w1": w1_load, "w3": w3_load, "w5": w5_load, "w6": w6_load}
 
 
 def task_save(task: dict) -> list[dict]:
@@ -899,17 +1118,20 @@ def task_save(task: dict) -> list[dict]:
 
 
 def task_load(task: dict) -> dict:
+    warm_of = WARM_OPS.get(task.get("op"))
+    if warm_of is not None:  # load_warm performs the same load as its cold counterpart
+        task = {**task, "op": warm_of}
     fn, logical = LOADS[task["workload"]](task)
     out = Path(task["out"])
-    resident = None
-    if task.get("cold", True):
+    cold = task.get("cold", True)
+    if cold:
         evict_tree(out)
-        resident = resident_fraction(out)
+    resident = resident_fraction(out)
     extra, m = measure(fn, logical_bytes=logical, keep=True)
     m.update(extra or {})
-    m["bytes_read"] = m["io_read_bytes"] if task.get("cold", True) else m["rchar"]
+    m["bytes_read"] = m["io_read_bytes"] if cold else m["rchar"]
     if resident is not None:
-        m["resident_before"] = resident
+        m["resident_before" if cold else "resident_warm"] = resident
     return m
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import compare
 from benchmarks.measure import read_raw_into, write_raw
-from benchmarks.spec import FLOOR, PEERS, SYSTEMS, WORKLOADS
+from benchmarks.spec import FLOOR, PEERS, SYSTEMS, WARM_OPS, WORKLOADS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,9 @@ def test_smoke_results_cover_every_entry(smoke: Path):
                 assert m["rss_baseline"] < m["peak_rss"], where
                 if op.startswith("load"):
                     assert m["bytes_read"] >= 0, where
-                    if m.get("resident_before", 1.0) < 0.5:  # the eviction worked (not on tmpfs): cold reads are counted
+                    if op in WARM_OPS:  # right after the save, nothing evicted: the files are in the page cache
+                        assert "resident_before" not in m and m["resident_warm"] > 0.5, (where, m)
+                    elif m.get("resident_before", 1.0) < 0.5:  # the eviction worked (not on tmpfs): cold reads are counted
                         assert m["bytes_read"] > 0, (where, m)
                 else:
                     floor = 0 if (system, op) == ("ckptstore", "save_unchanged") else 1
@@ -76,7 +78,24 @@ def test_smoke_results_cover_every_entry(smoke: Path):
     # the physical floor: measured where defined, n/a with a reason elsewhere, not hidden behind errors
     assert FLOOR in PEERS and "floor" in doc["meta"]
     measured = {(wl, op) for wl, ops in r.items() for op, sy in ops.items() if sy[FLOOR]["status"] == "ok"}
-    assert measured == {("w1", "save"), ("w1", "load"), ("w1", "load_into_existing"), ("w2", "save"), ("w5", "save"), ("w5", "load")}
+    assert measured == {("w1", "save"), ("w1", "load"), ("w1", "load_warm"), ("w1", "load_into_existing"), ("w2", "save"), ("w5", "save"),
+                        ("w5", "load"), ("w5", "load_warm"), ("w6", "save"), ("w6", "load"), ("w6", "load_warm")}
+    # warm-read rows next to the cold ones (W1, W5, W6), for every system that loads
+    for wl in ("w1", "w5", "w6"):
+        for system, e in r[wl]["load"].items():
+            assert (e["status"] == "ok") == (r[wl]["load_warm"][system]["status"] == "ok"), (wl, system)
+    # W6: the unchanged re-commit in the save child, and the reuse_hashes=False escape hatch
+    w6 = r["w6"]["save_unchanged"]["ckptstore"]["metrics"]
+    assert w6["rehash_commit_s"]["median"] > 0 and w6["ckpt_new_bytes"]["median"] == 0
+    assert {s for s, e in r["w6"]["save_unchanged"].items() if e["status"] == "ok"} == {"ckptstore", "torch.save", "safetensors", "tensordict.memmap"}
+    # stall: both arms timed, commits started in the commit arm, the ratios of the arms' means and medians
+    st = {k: v["median"] for k, v in r["stall"]["train_steps"]["ckptstore"]["metrics"].items()}
+    sizes = doc["meta"]["sizes"]
+    assert st["steps"] == 2 * sizes["stall_steps"] and st["commits_started"] == 2 * (sizes["stall_steps"] // sizes["stall_every"])
+    assert 0 <= st["commits_completed_in_window"] <= st["commits_started"]
+    assert st["stall_ratio_mean"] == pytest.approx(st["step_mean_s"] / st["base_step_mean_s"])
+    assert st["stall_ratio_median"] == pytest.approx(st["step_median_s"] / st["base_step_median_s"])
+    assert st["wall_s"] == st["step_mean_s"] and st["call_mean_s"] > 0 and st["resolve_mean_s"] >= st["call_mean_s"]
     for wl, op in measured:
         fm = r[wl][op][FLOOR]["metrics"]
         if not op.startswith("load"):  # raw bytes, durable: it writes at least the logical bytes
@@ -129,6 +148,13 @@ def test_compare_passes_identical_and_flags_worse(smoke: Path, tmp_path: Path, c
     better["results"]["w1"]["save"]["ckptstore"]["metrics"]["wall_s"]["median"] *= 0.5
     path.write_text(json.dumps(better))
     assert compare.main([str(path), str(smoke)]) == 0
+    # the new rows are covered: a slower warm checkout, a slower W6 re-commit, more stall
+    for wl, op, metric in (("w6", "load_warm", "wall_s"), ("w6", "save_unchanged", "wall_s"), ("w1", "load_warm", "wall_s"),
+                           ("stall", "train_steps", "stall_ratio_mean")):
+        worse = copy.deepcopy(doc)
+        worse["results"][wl][op]["ckptstore"]["metrics"][metric]["median"] *= 1.10
+        rows = compare.compare(worse, doc, min_seconds=0)
+        assert {(r["workload"], r["op"], r["metric"]) for r in rows if r["verdict"] == "worse"} == {(wl, op, metric)}
     # an entry the baseline measured that is missing now is flagged
     del better["results"]["w5"]["load"]["dcp"]
     path.write_text(json.dumps(better))
