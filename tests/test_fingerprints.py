@@ -136,3 +136,28 @@ def test_shared_and_file_backed_tensors_get_no_fingerprint(tmp_path):
         inference = torch.zeros(4)
     assert [plain_token(t) for t in (shared, mapped, inference)] == [None, None, None]
     assert plain_token(torch.zeros(4)) is not None
+
+
+def test_async_commit_hashes_changed_columns_at_the_call_and_copies_only_changed_shards(tmp_path):
+    from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
+
+    import ckptstore.store as store_module
+
+    store = ckptstore.Store(tmp_path / "s", create=True, shard_bytes=4096)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(4096), batch_size=4)
+    rb.extend(TensorDict({"obs": torch.randn(4096, 16)}, [4096]))  # 64-byte rows: 64 shards of 64 rows
+    store.commit_async(rb, tag="a").result()
+    rb.extend(TensorDict({"obs": torch.full((10, 16), 7.0)}, [10]))  # the ring wraps: rows 0-9, one shard per column
+    expected = rb.storage._storage["obs"].clone()
+    copied = []
+    real = store_module._Prehashed
+    store_module._Prehashed = lambda record, shards, reused: copied.append(len(shards) - len(reused)) or real(record, shards, reused)
+    try:
+        future = store.commit_async(rb, tag="b")
+    finally:
+        store_module._Prehashed = real
+    rb.storage._storage["obs"][:] = -1  # training goes on: every row changes after the call returns
+    info = future.result()
+    assert copied == [1, 0]  # obs: its one changed shard was copied; the index column holds the same row numbers
+    assert info.shards_new == 1
+    assert_bit_equal(store.checkout("b")["storage", "data", "obs"], expected)
