@@ -325,7 +325,7 @@ def test_local_race_with_eager_pruning_loses_no_update(tmp_path):
     """The lock-free local refs with superseded versions pruned at once (prune_age=0), so
     stale writers meet pruned slots: still every update lands. (A writer whose successor
     is pruned before its own check may take a landed write for a lost race and repeat it:
-    docs/design.md; not seen in practice, so this asserts the exact list too.)"""
+    docs/design.md; seen here only on a loaded machine, so a repeat is allowed, a loss is not.)"""
     ctx = multiprocessing.get_context("spawn")
     start, out = ctx.Barrier(4), ctx.Queue()
     procs = [ctx.Process(target=backend_workers.append_ids, args=(str(tmp_path), "race", w, 20, start, out, 0.0)) for w in range(4)]
@@ -337,7 +337,9 @@ def test_local_race_with_eager_pruning_loses_no_update(tmp_path):
         p.join(30)
         assert p.exitcode == 0
     final = json.loads(LocalBackend(tmp_path).read_ref("race").data)
-    assert sorted(final) == sorted(f"{w}-{i}" for w in range(4) for i in range(20))
+    assert set(final) == {f"{w}-{i}" for w in range(4) for i in range(20)}  # no update lost
+    for w in range(4):  # each writer's moves in its order; a repeated move only re-appends one that landed
+        assert list(dict.fromkeys(x for x in final if x.startswith(f"{w}-"))) == [f"{w}-{i}" for i in range(20)]
     assert len(list((tmp_path / "refs" / "race").iterdir())) <= 6  # pruned as it went
 
 

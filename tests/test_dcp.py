@@ -46,6 +46,13 @@ ROWS = 4096  # 4096 x 64 float32 = 1 MiB: 4 shards of 1024 rows (256 KiB) each
 # --- a real process group: forked ranks, results as JSON ---------------------------------------
 
 
+def _write_result(out: Path, result: dict) -> None:
+    """Atomically: the harness SIGKILLs the other ranks when one fails, maybe mid-write."""
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out)
+
+
 def _entry(rank: int, world: int, fn, args: tuple, root: str) -> None:
     out = Path(root) / f"rank{rank}.json"
     try:
@@ -54,9 +61,9 @@ def _entry(rank: int, world: int, fn, args: tuple, root: str) -> None:
         result = fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
-        out.write_text(json.dumps({"ok": result}))
+        _write_result(out, {"ok": result})
     except BaseException:
-        out.write_text(json.dumps({"error": traceback.format_exc()}))
+        _write_result(out, {"error": traceback.format_exc()})
         os._exit(1)
     os._exit(0)
 
