@@ -28,6 +28,7 @@ from torchrl.data.replay_buffers import (
     TensorDictMaxValueWriter,
 )
 
+import ckptstore
 from ckptstore.adapters import capture
 from ckptstore.errors import PartialPathError, ShapeMismatchError, TargetMismatchError
 from ckptstore.layout import escape, keypath, split, unescape
@@ -292,7 +293,8 @@ def test_optimizer_restored_alone_finds_its_module_in_into(store):
     # without the module in into, parameters are matched by position, as load_state_dict does
     same_order = Net(sorted(SHAPES), seed=9)
     opt3 = torch.optim.Adam(same_order.parameters(), lr=0.01)
-    store.checkout("t", into={"optim": opt3}, partial=["optim"])
+    with pytest.warns(UserWarning, match="is matched by position: the modules that own these parameters are not in into="):
+        store.checkout("t", into={"optim": opt3}, partial=["optim"])
     assert_same_by_name(by_name(net, opt), by_name(same_order, opt3))
 
 
@@ -310,7 +312,7 @@ def test_optimizer_mismatches_name_the_parameter_and_change_nothing(store):
 
     cases = []
     wider = Wider()
-    cases.append(({"model": wider, "optim": torch.optim.Adam(split_groups(wider), lr=0.01)}, ShapeMismatchError, r"stored \[2, 4\], its parameter model/head.weight is \[3, 4\]"))
+    cases.append(({"model": wider, "optim": torch.optim.Adam(split_groups(wider), lr=0.01)}, ShapeMismatchError, r"stored \[2, 4\], the target parameter matched to model/head.weight is \[3, 4\]"))
     swapped = Net(sorted(SHAPES))
     groups = split_groups(swapped)
     groups[0]["params"].append(groups[1]["params"].pop(0))  # scale moved into the weights' group
@@ -447,8 +449,102 @@ def test_list_storage_partial_sampler_restore_checks_rows(store):
     committed = build(6)
     committed.sample()
     store.commit({"rb": committed}, tag="t")
-    with pytest.raises(TargetMismatchError, match="the 6 rows the commit's did; it holds 3"):
+    with pytest.raises(TargetMismatchError, match="the 6 rows the commit.s did, with its capacity 16; it holds 3 of 16"):
         store.checkout("t", into={"rb": build(3)}, partial=["rb/sampler"])
     target = build(6)
     store.checkout("t", into={"rb": target}, partial=["rb/sampler"])
     assert torch.equal(target._sampler._sample_list, committed._sampler._sample_list)
+
+
+# --- found by an adversarial trial -------------------------------------------------------------
+
+
+def test_writer_alone_into_a_buffer_of_another_capacity_is_refused(store):
+    def td(n, start):
+        return TensorDict({"obs": torch.arange(start, start + n, dtype=torch.float32)}, [n])
+
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(10), batch_size=4)
+    rb.extend(td(13, 0))  # full, cursor 3
+    store.commit({"rb": rb}, tag="t")
+    target = TensorDictReplayBuffer(storage=LazyTensorStorage(50), batch_size=4)
+    target.extend(td(10, 300))
+    with pytest.raises(TargetMismatchError, match="with its capacity 10; it holds 10 of 50"):
+        store.checkout("t", into={"rb": target}, partial=["rb/writer"])
+    assert target._writer._cursor == 10
+
+
+def test_two_committed_parameters_tied_in_the_target_are_refused(store):
+    class T(torch.nn.Module):
+        def __init__(self, tie):
+            super().__init__()
+            self.emb, self.out = torch.nn.Linear(4, 4, bias=False), torch.nn.Linear(4, 4, bias=False)
+            if tie:
+                self.out.weight = self.emb.weight
+
+    m = T(False)
+    o = torch.optim.Adam(m.parameters())
+    (m.emb.weight.sum() + 5 * m.out.weight.sum()).backward()
+    o.step()
+    store.commit({"model": m, "optim": o}, tag="t")
+    m2 = T(True)
+    o2 = torch.optim.Adam(m2.parameters())
+    with pytest.raises(TargetMismatchError, match="one parameter in the target with another of its parameters"):
+        store.checkout("t", into={"model": m2, "optim": o2}, partial=["optim"])
+    assert o2.state_dict()["state"] == {}
+
+
+def _manual_commit(store, component_meta: dict, paths: list[str], tag: str) -> str:
+    """A commit whose record holds exactly these JSON leaf paths under component "td"."""
+    from ckptstore import jsonvalue
+    from ckptstore.records import Component, LeafRecord
+
+    leaves = [LeafRecord(p, "td", "json", None, None, 0, None, jsonvalue.dumps(i)) for i, p in enumerate(paths)]
+    info, _ = store.commit_manifest([Component("td", "dict", 1, component_meta)], leaves, [], None, [tag], "", {}, None, 0.0)
+    return info.id
+
+
+def test_commits_from_before_keys_were_escaped_keep_their_keys(store):
+    # such a record has no "escaped" marker in its component meta, and its keys were stored raw
+    _manual_commit(store, {"class": "builtins.dict"}, ["td/50%", "td/%25", "td/%", "td/%2F"], "old")
+    back = store.checkout("old")
+    assert sorted(back["td"].keys()) == ["%", "%25", "%2F", "50%"]
+    assert [back["td", k] for k in ["50%", "%25", "%", "%2F"]] == [0, 1, 2, 3]
+    assert list(store.checkout("old", partial=[("td", "%25")])["td"].keys()) == ["%25"]
+    assert [leaf.path for leaf in store.manifest("old")] == ["td/50%25", "td/%2525", "td/%25", "td/%252F"]
+    target = {"td": {}}
+    store.checkout("old", into=target)
+    assert target == {"td": {"50%": 0, "%25": 1, "%": 2, "%2F": 3}}
+    other = ckptstore.Store(store.root.parent / "other", create=True)  # export and push keep the record, and its id
+    assert store.push(other, "old").commit == other.resolve("old")
+    imported = ckptstore.Store(store.root.parent / "imported", create=True)
+    assert imported.import_from(store.export("old", store.root.parent / "old.zip"), tag="old").id == store.resolve("old")
+    assert sorted(imported.checkout("old")["td"].keys()) == ["%", "%25", "%2F", "50%"]
+
+
+def test_a_path_segment_that_is_not_escaped_canonically_is_refused(store):
+    from ckptstore.errors import InvalidNameError
+
+    for bad in (["td/%zz", "td/%25zz"], ["td/%2f"], ["td/%ud800"]):
+        with pytest.raises(InvalidNameError, match="is not the escaped form of its key"):
+            _manual_commit(store, {"escaped": True}, bad, "new")
+    assert store.tags() == {}
+
+
+def test_a_dict_target_is_restored_in_place_and_checked(store):
+    store.commit({"cfg": {"w": torch.ones(2), "lr": 0.1}}, tag="t")
+    inner, w = {"w": torch.zeros(2), "lr": 0.0, "extra": 5}, None
+    w = inner["w"]
+    store.checkout("t", into={"cfg": inner})
+    assert inner == {"w": w, "lr": 0.1} and torch.equal(w, torch.ones(2))
+    with pytest.raises(ShapeMismatchError, match=r"cfg/w: stored torch.float32 \[2\], target torch.float64 \[2\]"):
+        store.checkout("t", into={"cfg": {"w": torch.zeros(2, dtype=torch.float64)}})
+
+
+def test_short_hex_refs_are_not_commit_prefixes(store):
+    from ckptstore.errors import RefNotFoundError
+
+    info = store.commit({"x": torch.ones(1)})
+    for short in (info.id[:1], info.id[:3]):
+        with pytest.raises(RefNotFoundError):
+            store.resolve(short)
+    assert store.resolve(info.id[:4]) == info.id

@@ -431,3 +431,15 @@ def test_checkpointer_reports_a_failed_push_and_keeps_the_local_commit(tmp_path,
     assert str(caught[0].message).startswith("pushing 'latest' to s3://nope/x failed after 2 attempt(s): s3://nope/x: bucket 'nope' does not exist")
     assert isinstance(ckpt.push_error, NotAStoreError)
     assert ckptstore.Store(tmp_path / "local").tags()["latest"] == info.id
+
+
+def test_pull_of_a_lineage_a_gc_shortened_before_the_push(tmp_path, url):
+    local = ckptstore.Store(tmp_path / "local", create=True)
+    for i in range(3):
+        last = local.commit({"w": torch.full((4,), float(i))}, tag="latest")
+    local.gc(keep_last=1, grace=0)  # drops the two older commits: the lineage ends at `last`
+    assert [c.id for c in local.log("latest")] == [last.id]
+    assert local.push(url, "latest").commits_copied == [last.id]
+    other = ckptstore.Store(tmp_path / "other", create=True)
+    assert other.pull(url, "latest").commits_copied == [last.id]
+    assert_bit_equal(other.checkout("latest")["w"], torch.full((4,), 2.0))

@@ -23,6 +23,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from . import progress
 from .errors import CkptStoreError, GCLockedError
@@ -129,12 +130,28 @@ def emit_json(data: Any) -> None:
 _NARROW = 120  # below this many columns, tables drop their least needed columns
 
 
+def visible(text: str) -> str:
+    """``text`` with characters a terminal would act on or cannot print (control
+    characters, escape sequences, lone surrogates) written as Python escapes, so keys
+    such as ``"x"`` and ``"x\\n"`` print differently and a stored key cannot drive the terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+class _Table(Table):
+    """Cells are plain text (no rich markup), made :func:`visible`."""
+
+    def add_row(self, *cells, **kwargs) -> None:
+        super().add_row(*(Text(visible(c)) if isinstance(c, str) else c for c in cells), **kwargs)
+
+
 def table(*columns: str, title: str | None = None, numeric: tuple[str, ...] = (), whole: tuple[str, ...] = (),
           min_width: dict[str, int] | None = None) -> Table:
     """A rich table whose ``whole`` columns (ids, times) never wrap or shrink, whose
     ``numeric`` columns are right-aligned, and whose other columns wrap at spaces
     (``min_width`` keeps a column at least that wide: one tag never breaks)."""
-    t = Table(title=title)
+    t = _Table(title=title)
     for col in columns:
         keep = col in whole or col in numeric
         t.add_column(col, justify="right" if col in numeric else "left", no_wrap=keep, overflow="fold", min_width=(min_width or {}).get(col))

@@ -43,7 +43,7 @@ from . import jsonvalue, progress
 from .errors import CkptStoreError, ContainerError, IntegrityError
 from .layout import check_path
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
-from .records import Component, check_paths
+from .records import Component, check_paths, recreate
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
 
 FORMAT = "ckptstore-export"
@@ -103,8 +103,8 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
     _check_destination(dest)
     cid = store.resolve(ref)
     info = store.info(cid)
-    comps = store.components(cid)
-    leaves = store.manifest(cid)
+    leaves = store.manifest(cid)  # the shards' locations
+    raw_comps, raw_leaves = recreate(store.record(cid))  # paths and values as stored: the import rebuilds the same record
     manifest = {
         "format": FORMAT,
         "version": VERSION,
@@ -112,17 +112,14 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
             "id": cid, "parents": list(info.parents), "created_at": info.created_at,
             "message": info.message, "metadata": jsonvalue.dumps(info.metadata),
         },
-        "components": [
-            {"path": p, "adapter": c["adapter"], "version": c["version"], "meta": jsonvalue.dumps(c["meta"])} for p, c in comps.items()
-        ],
+        "components": [{"path": c.path, "adapter": c.adapter, "version": c.version, "meta": jsonvalue.dumps(c.meta)} for c in raw_comps],
         "leaves": [
             {
-                "path": r.path, "component": r.component, "kind": r.kind, "dtype": r.dtype,
+                "path": raw.path, "component": raw.component, "kind": r.kind, "dtype": r.dtype,
                 "shape": None if r.shape is None else list(r.shape), "stride": None if r.stride is None else list(r.stride),
-                "nbytes": r.nbytes, "shard_bytes": r.shard_bytes,
-                "value": None if r.kind != "json" else jsonvalue.dumps(r.value), "shards": [loc.address for loc in r.shards],
+                "nbytes": r.nbytes, "shard_bytes": r.shard_bytes, "value": raw.value, "shards": [loc.address for loc in r.shards],
             }
-            for r in leaves
+            for r, raw in zip(leaves, raw_leaves)
         ],
     }
     blobs: dict[str, BlobLoc] = {loc.address: loc for r in leaves for loc in r.shards}

@@ -74,7 +74,7 @@ from .errors import (
 )
 from .layout import ShardPlan, address, digest, escape, sample_unchanged
 from .packs import BlobLoc, PackReader, PackWriter, pack_path
-from .records import LeafRecord
+from .records import ESCAPED, LeafRecord
 from .shards import DTYPES, byte_view, dense_order, dtype_name, physical, tensor_bytes
 from .shards import plan as shard_plan
 from .store import CommitInfo, Store, check_tag
@@ -382,7 +382,7 @@ class StoreWriter(StorageWriter):
             if on_disk != size:
                 raise StoreWriteError(f"pack {pack}.pack written by a rank of this save holds {on_disk} bytes, the rank wrote {size}")
         meta = {"dcp": FORMAT_VERSION, **_metadata_json(metadata, ranks)}
-        component = Captured("", ADAPTER, DCPAdapter.version, meta, {})
+        component = Captured("", ADAPTER, DCPAdapter.version, {**meta, ESCAPED: True}, {})
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
             raise StoreWriteError(

@@ -208,6 +208,18 @@ def split(path: str) -> tuple[str, ...]:
     return tuple(unescape(s) for s in path.split("/")) if path else ()
 
 
+def is_escaped(segment: str) -> bool:
+    """Is ``segment`` the one :func:`escape` writes for its key (no stray or lowercase escape)?"""
+    return escape(unescape(segment)) == segment
+
+
+def from_raw_keys(path: str) -> str:
+    """A path of a component stored before keys were escaped (its meta lacks
+    ``"escaped"``): then ``/`` could not be in a key and ``%`` stood for itself, so each
+    segment is its key; the same path in today's escaped form."""
+    return "/".join(escape(s) for s in path.split("/")) if path else path
+
+
 def check_path(path: str) -> None:
     """Raise ValueError unless ``path`` is ``""`` or non-empty segments joined by ``/``
     that UTF-8 can hold (lone surrogates escaped)."""

@@ -40,7 +40,7 @@ from typing import Any
 
 from . import jsonvalue
 from .errors import CkptStoreError, IntegrityError
-from .layout import ShardPlan, address, check_path, check_shape, dense_order, digest, itemsize
+from .layout import ShardPlan, address, check_path, check_shape, dense_order, digest, escape, from_raw_keys, is_escaped, itemsize, unescape
 from .packs import BlobLoc
 
 KIND_COMMIT = 1
@@ -94,13 +94,14 @@ class Component:
 
 
 def recreate(rec: CommitRecord) -> tuple[list[Component], list[LeafRecord]]:
-    """The components and leaf records (JSON values as their stored text) that
-    recreate commit ``rec`` through ``Store.commit_manifest(origin=...)`` in another
-    store: the rebuilt record is the same text, so it hashes to the same id."""
-    entries = json.loads(rec.text)[5]
-    comps = [Component(p, c["adapter"], c["version"], c["meta"]) for p, c in rec.components.items()]
+    """The components and leaf records (paths and JSON values as their stored text)
+    that recreate commit ``rec`` through ``Store.commit_manifest(origin=...)`` in
+    another store or an export: the rebuilt record is the same text, so it hashes to
+    the same id (a component from before keys were escaped keeps its raw paths)."""
+    _, _, _, _, components, entries = json.loads(rec.text)
+    comps = [Component(p, adapter, version, jsonvalue.loads(meta)) for p, adapter, version, meta in components]
     leaves = [
-        LeafRecord(r.path, r.component, r.kind, r.dtype, r.shape, r.nbytes, r.shard_bytes, e[6] if r.kind == "json" else None, r.stride, keys=r.keys)
+        LeafRecord(e[0], e[1], r.kind, r.dtype, r.shape, r.nbytes, r.shard_bytes, e[6] if r.kind == "json" else None, r.stride, keys=r.keys)
         for r, e in zip(rec.leaves, entries)
     ]
     return comps, leaves
@@ -217,10 +218,38 @@ def parse_commit(text: Any, cid: str) -> CommitRecord:
     if not ok:
         raise IntegrityError(f"{where}: malformed record")
     leaves = [_leaf(e, comps, where) for e in manifest]
+    bad = escaping_problem(comps, leaves)
+    if bad:
+        raise IntegrityError(f"{where}: {bad}")
+    legacy = {c for c, row in comps.items() if not row["meta"].get(ESCAPED)}
+    if legacy:  # read as today's escaped paths: see layout.from_raw_keys
+        for r in leaves:
+            if r.component in legacy:
+                r.path, r.component = from_raw_keys(r.path), from_raw_keys(r.component)
+        comps = {(from_raw_keys(c) if c in legacy else c): row for c, row in comps.items()}
+    for row in comps.values():  # the marker is the record's business, not the adapters'
+        row["meta"].pop(ESCAPED, None)
     bad = check_paths([r.path for r in leaves])
     if bad:
         raise IntegrityError(f"{where}: {bad}")
     return CommitRecord(cid, parents, float(created_at), message, metadata, comps, leaves, text)
+
+
+#: Component meta key of components whose paths are escaped (every component committed
+#: since keys are escaped has it; older ones are read through ``layout.from_raw_keys``).
+ESCAPED = "escaped"
+
+
+def escaping_problem(comps: dict[str, dict], leaves: list) -> str | None:
+    """Why a component marked ``escaped`` holds a path segment that is not the one
+    ``layout.escape`` writes for its key (two spellings of one key could then collide), or ``None``."""
+    for r in leaves:
+        row = comps.get(r.component)
+        if row is not None and row["meta"].get(ESCAPED):
+            for part in (r.path.split("/") if r.path else []):
+                if part and not is_escaped(part):
+                    return f"leaf {r.path!r}: segment {part!r} is not the escaped form of its key ({escape(unescape(part))!r})"
+    return None
 
 
 def ref_text(seq: int, tag: str, old: str | None, new: str | None, at: float, action: str) -> str:

@@ -488,6 +488,8 @@ def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> Trans
             continue
         if c in records or local.has_commit(c):
             continue
+        if c != cid and backend.head(commit_key(c)) is None:
+            continue  # a GC of the pushing store dropped it before the push: the lineage ends here, as locally
         why = f" (named by tag {tag!r})" if c == cid and tag else f" (an ancestor of {cid})"
         records[c] = rec = fetch_record(backend, c, why)
         stack.append((c, True))

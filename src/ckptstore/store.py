@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -599,6 +599,7 @@ class Store:
         jsonvalue.encode(metadata, "metadata")
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
+        components = [replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]  # paths in today's key encoding
         leaves, views, tokens, prior, from_cache = self._leaves(components, reuse_checked)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
@@ -637,7 +638,9 @@ class Store:
         if not self._open(create=True).writable:
             raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
         meta_json = jsonvalue.dumps(metadata, "metadata")
-        bad = records.check_paths([r.path for r in leaves])  # a store never accepts a commit it cannot check out
+        bad = records.escaping_problem({c.path: {"meta": c.meta} for c in components}, leaves) or records.check_paths(
+            [r.path for r in leaves]
+        )  # a store never accepts a commit it cannot check out
         if bad:
             raise InvalidNameError(f"cannot commit: {bad}")
         for r in leaves:
@@ -959,7 +962,8 @@ class Store:
     # --- refs ------------------------------------------------------------------------
 
     def resolve(self, ref: str) -> str:
-        """The commit id a ref names: a tag, a full commit id, or a unique id prefix.
+        """The commit id a ref names: a tag, a full commit id, or a unique id prefix of at
+        least 4 hex digits (as git: a shorter one is too easily a mistyped tag).
 
         Raises:
             RefNotFoundError: nothing matches.
@@ -973,7 +977,7 @@ class Store:
                 raise IntegrityError(f"tag {ref!r} points to commit {rows[0][0]}, which is not in the catalog (damaged catalog; see ckptstore fsck)")
             return rows[0][0]
         ref_l = ref.lower()
-        if all(c in "0123456789abcdef" for c in ref_l):
+        if len(ref_l) >= 4 and all(c in "0123456789abcdef" for c in ref_l):
             rows = self.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
             if len(rows) == 1:
                 return rows[0]["id"]
@@ -1385,8 +1389,6 @@ class Store:
                     raise PartialPathError(f"partial path {p!r}: {exc}") from None
             elif type(p) is not str or not jsonvalue.is_text(p):
                 raise PartialPathError(f"partial prefixes must be strings (escaped paths) or tuples of keys, got {p!r}")
-            else:
-                p = p.strip("/")
             if not p:
                 return None
             try:
@@ -1396,7 +1398,8 @@ class Store:
             hit = any(under(c, p) for c in comps) or any(under(r.path, p) for r in self.record(cid).leaves)
             if not hit:
                 names = ", ".join(c or "<root>" for c in comps) or "(none)"
-                raise PartialPathError(f"partial path {p!r} matches nothing in commit {cid[:12]}; components: {names}")
+                hint = " (a key holding '/' or '%' is written escaped, 'x%2Fy', '50%25', or given as a tuple of keys)" if "%" in p or "/" in p else ""
+                raise PartialPathError(f"partial path {p!r} matches nothing in commit {cid[:12]}; components: {names}{hint}")
             prefixes.append(p)
         return prefixes
 

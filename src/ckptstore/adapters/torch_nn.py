@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -76,7 +77,7 @@ def _check_optimizer(state: ComponentState, opt: torch.optim.Optimizer, stored_c
             if state.has(leaf) and state.is_tensor(leaf):
                 _, shape = state.spec(leaf)
                 if len(shape) == param.dim() and shape != tuple(param.shape):
-                    raise ShapeMismatchError(f"{state.where(leaf)}: stored {list(shape)}, its parameter {key} is {list(param.shape)}")
+                    raise ShapeMismatchError(f"{state.where(leaf)}: stored {list(shape)}, the target parameter matched to {key} is {list(param.shape)}")
 
 
 def _indexed(tree: Any, where: str) -> list:
@@ -156,6 +157,12 @@ class OptimizerAdapter(Adapter):
         keys = [k for g in groups for k in g["params"]]
         found = {k: scope.param(k) for k in keys if type(k) is str} if scope is not None else {}
         named = any(p is not None for p in found.values())
+        if found and not named:
+            warnings.warn(
+                f"{where}: state stored by parameter name ({keys[0]}...) is matched by position: the modules that own these "
+                "parameters are not in into= (put them there, restored or not, to match by name)",
+                stacklevel=6,
+            )
         if named and None in found.values():
             missing = [k for k, p in found.items() if p is None]
             raise TargetMismatchError(f"{where}: parameters {missing[:10]} of the commit are not parameters of the target's modules")
@@ -164,6 +171,12 @@ class OptimizerAdapter(Adapter):
             if named:
                 mine = {id(p) for p in target["params"]}
                 theirs = {id(found[k]): k for k in g["params"]}
+                if len(theirs) != len(g["params"]):
+                    tied = [k for k in g["params"] if theirs[id(found[k])] != k]
+                    raise TargetMismatchError(
+                        f"{where}: parameters {tied[:10]} of the commit are one parameter in the target with another of its "
+                        "parameters (tied there, not in the commit)"
+                    )
                 if set(theirs) != mine:
                     names = {id(p): scope.name(p) or list(p.shape) for p in target["params"]}
                     raise TargetMismatchError(

@@ -58,8 +58,8 @@ class ReplayBufferAdapter(Adapter):
         """The rules of a partial restore (docs/adapters.md):
 
         - a writer or sampler restored without the storage needs the target's
-          storage to hold as many rows as the committed one did (their cursors,
-          priorities and permutations index those rows);
+          storage to hold as many rows as the committed one did, with the same
+          capacity (their cursors, priorities and permutations index those rows);
         - a storage restored without its writer or sampler resets them as if the
           restored rows had just been written, in order, into an emptied buffer:
           supported for round-robin writers without generation tracking and for
@@ -71,10 +71,12 @@ class ReplayBufferAdapter(Adapter):
         if "storage" in skipped and dependent:
             state = skipped["storage"]
             rows = len(state.json("kinds")) if state.adapter == ListStorageAdapter.name else state.json("len")
-            if rows != len(obj._storage):
+            capacity = state.json("max_size")
+            if rows != len(obj._storage) or capacity != obj._storage.max_size:
                 raise TargetMismatchError(
                     f"{where}: restoring the {' and '.join(dependent)} without the storage needs the target's storage to hold "
-                    f"the {rows} rows the commit's did; it holds {len(obj._storage)}: check out {storage_path} as well"
+                    f"the {rows} rows the commit's did, with its capacity {capacity}; it holds {len(obj._storage)} of "
+                    f"{obj._storage.max_size}: check out {storage_path} as well"
                 )
         if "storage" in restored:
             writer = obj._writer

@@ -125,13 +125,43 @@ class DictAdapter(Adapter):
     def to_state(self, obj: dict) -> Any:
         return plain(obj)
 
+    def check(self, obj: Any, state: ComponentState) -> None:
+        """A tensor the target dict holds where the commit has a tensor is overwritten in
+        place, so it must have the stored dtype and shape (ShapeMismatchError otherwise)."""
+        if not isinstance(obj, dict):
+            return
+        for key in state.keys():
+            if not state.is_tensor(key):
+                continue
+            node: Any = obj
+            for k in split(key):
+                node = node.get(k) if isinstance(node, dict) else None
+            if isinstance(node, torch.Tensor):
+                dtype, shape = state.spec(key)
+                if (node.dtype, tuple(node.shape)) != (dtype, shape):
+                    raise ShapeMismatchError(f"{state.where(key)}: stored {dtype} {list(shape)}, target {node.dtype} {list(node.shape)}")
+
     def from_state(self, obj: Any, state: ComponentState) -> Any:
         value = state.tree()
         if isinstance(obj, dict) and isinstance(value, dict):
-            obj.clear()
-            obj.update(value)
+            _update(obj, value)
             return obj
         return value
+
+
+def _update(obj: dict, value: dict) -> None:
+    """Make ``obj`` equal ``value`` in place, keeping the target's nested dicts (the
+    objects a caller may hold) and overwriting its tensors of the same dtype and shape."""
+    for k in [k for k in obj if k not in value]:
+        del obj[k]
+    for k, v in value.items():
+        old = obj.get(k)
+        if type(old) is dict and type(v) is dict:
+            _update(old, v)
+        elif isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and (old.dtype, old.shape) == (v.dtype, v.shape):
+            old.copy_(v)  # in place, on the target's device
+        else:
+            obj[k] = v
 
 
 def _device_exists(device: str) -> bool:
