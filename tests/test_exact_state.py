@@ -32,6 +32,7 @@ import ckptstore
 from ckptstore.adapters import capture
 from ckptstore.errors import PartialPathError, ShapeMismatchError, TargetMismatchError
 from ckptstore.layout import escape, keypath, split, unescape
+from ckptstore.records import ESCAPED
 
 from .conftest import assert_bit_equal
 
@@ -504,7 +505,7 @@ def _manual_commit(store, component_meta: dict, paths: list[str], tag: str) -> s
 
 
 def test_commits_from_before_keys_were_escaped_keep_their_keys(store):
-    # such a record has no "escaped" marker in its component meta, and its keys were stored raw
+    # such a record has no ESCAPED marker in its component meta, and its keys were stored raw
     _manual_commit(store, {"class": "builtins.dict"}, ["td/50%", "td/%25", "td/%", "td/%2F"], "old")
     back = store.checkout("old")
     assert sorted(back["td"].keys()) == ["%", "%25", "%2F", "50%"]
@@ -526,7 +527,7 @@ def test_a_path_segment_that_is_not_escaped_canonically_is_refused(store):
 
     for bad in (["td/%zz", "td/%25zz"], ["td/%2f"], ["td/%ud800"]):
         with pytest.raises(InvalidNameError, match="is not the escaped form of its key"):
-            _manual_commit(store, {"escaped": True}, bad, "new")
+            _manual_commit(store, {ESCAPED: True}, bad, "new")
     assert store.tags() == {}
 
 
@@ -548,3 +549,98 @@ def test_short_hex_refs_are_not_commit_prefixes(store):
         with pytest.raises(RefNotFoundError):
             store.resolve(short)
     assert store.resolve(info.id[:4]) == info.id
+
+
+# --- found by a second adversarial trial -------------------------------------------------------
+
+
+def test_dict_targets_that_alias_memory_are_refused_before_any_change(store):
+    store.commit({"d": {"a": torch.tensor([1.0, 1.0]), "b": torch.tensor([2.0, 2.0])}}, tag="d")
+    t, base = torch.zeros(2), torch.zeros(4)
+    shared = {"a": torch.zeros(2)}
+    store.commit({"d": {"x": {"a": torch.ones(2)}, "y": {"a": torch.ones(2)}}}, tag="n")
+    for ref, into, match in (
+        ("d", {"d": {"a": t, "b": t}}, "share memory"),
+        ("d", {"d": {"a": base[:2], "b": base[1:3]}}, "share memory"),
+        ("n", {"d": {"x": shared, "y": shared}}, "twice"),
+    ):
+        with pytest.raises(TargetMismatchError, match=match):
+            store.checkout(ref, into=into)
+    assert torch.equal(t, torch.zeros(2)) and torch.equal(base, torch.zeros(4)) and torch.equal(shared["a"], torch.zeros(2))
+    placeholder = {"d": {"a": torch.empty(2, device="meta"), "b": torch.zeros(2)}}
+    store.checkout("d", into=placeholder)  # a meta placeholder is replaced, not "copied into"
+    assert_bit_equal(placeholder["d"]["a"], torch.tensor([1.0, 1.0]))
+
+
+def test_max_value_writer_alone_is_refused(store):
+    def build():
+        return TensorDictReplayBuffer(storage=LazyTensorStorage(10), writer=TensorDictMaxValueWriter(rank_key="reward"))
+
+    def rows(values):
+        return TensorDict({"obs": values.clone(), "reward": values.clone()}, [len(values)])
+
+    rb = build()
+    rb.extend(rows(torch.arange(15.0)))
+    store.commit({"rb": rb}, tag="t")
+    target = build()
+    target.extend(rows(torch.arange(-100.0, -90.0)))
+    with pytest.raises(TargetMismatchError, match="TensorDictMaxValueWriter restored without its storage"):
+        store.checkout("t", into={"rb": target}, partial=["rb/writer"])
+
+
+def test_legacy_and_escaped_components_that_read_as_one_path_are_refused(store):
+    from ckptstore import jsonvalue
+    from ckptstore.errors import InvalidNameError
+    from ckptstore.records import Component, LeafRecord
+
+    comps = [Component("p%q", "dict", 1, {}), Component("p%25q", "dict", 1, {ESCAPED: True})]  # "p%q" read as "p%25q"
+    leaves = [LeafRecord("p%q/x", "p%q", "json", None, None, 0, None, jsonvalue.dumps(1)),
+              LeafRecord("p%25q/y", "p%25q", "json", None, None, 0, None, jsonvalue.dumps(2))]
+    with pytest.raises(InvalidNameError, match="two components are one path once read"):
+        store.commit_manifest(comps, leaves, [], None, ["t"], "", {}, None, 0.0)
+    assert store.tags() == {}
+
+
+def test_an_adapter_meta_may_not_use_the_reserved_key(store):
+    from ckptstore.errors import AdapterError
+
+    class Box:
+        pass
+
+    @ckptstore.register_adapter
+    class BoxAdapter(ckptstore.Adapter):
+        name, types = "test.reserved-meta-box", (Box,)
+
+        def meta(self, obj):
+            return {ESCAPED: False}
+
+        def to_state(self, obj):
+            return {"t": torch.ones(1)}
+
+    with pytest.raises(AdapterError, match="reserves"):
+        store.commit({"box": Box()}, tag="b")
+    assert store.tags() == {}
+
+
+def test_optimizer_of_a_torchrl_loss_module_restores_by_name(store):
+    from torchrl.modules import QValueActor
+    from torchrl.objectives import DQNLoss
+
+    def build():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        loss = DQNLoss(QValueActor(net, in_keys=["obs"], action_space="one-hot"), action_space="one-hot", delay_value=True)
+        return loss, torch.optim.Adam(loss.parameters(), lr=1e-2)
+
+    td = TensorDict({"obs": torch.randn(8, 4), "action": torch.nn.functional.one_hot(torch.randint(2, (8,)), 2),
+                     ("next", "obs"): torch.randn(8, 4), ("next", "reward"): torch.randn(8, 1),
+                     ("next", "done"): torch.zeros(8, 1, dtype=torch.bool), ("next", "terminated"): torch.zeros(8, 1, dtype=torch.bool)}, [8])
+    loss, opt = build()
+    loss(td)["loss"].backward()
+    opt.step()
+    store.commit({"loss": loss, "optim": opt}, tag="x")
+    loss2, opt2 = build()
+    loss2(td)  # builds its value estimator, whose state the commit holds
+    store.checkout("x", into={"loss": loss2, "optim": opt2})
+    for p, q in zip(loss.parameters(), loss2.parameters()):
+        assert_bit_equal(opt2.state[q]["exp_avg"], opt.state[p]["exp_avg"])

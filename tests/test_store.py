@@ -50,14 +50,16 @@ def test_ref_errors(store):
         store.checkout("nope")
     ids = set()
     i = 0
-    while True:  # find two commits sharing a first hex digit
+    while True:  # find two commits sharing their first 4 hex digits (a few hundred commits)
         cid = store.commit({"i": i}).id
         i += 1
-        if cid[0] in ids:
+        if cid[:4] in ids:
             break
-        ids.add(cid[0])
+        ids.add(cid[:4])
     with pytest.raises(AmbiguousRefError, match="ambiguous"):
-        store.resolve(cid[0])
+        store.resolve(cid[:4])
+    with pytest.raises(RefNotFoundError):  # shorter hex is not read as a prefix: too easily a mistyped tag
+        store.resolve(cid[:3])
     for bad in ("", " x", "a\nb", 3):
         with pytest.raises(InvalidNameError):
             store.commit({"i": 0}, tag=bad)

@@ -218,38 +218,49 @@ def parse_commit(text: Any, cid: str) -> CommitRecord:
     if not ok:
         raise IntegrityError(f"{where}: malformed record")
     leaves = [_leaf(e, comps, where) for e in manifest]
-    bad = escaping_problem(comps, leaves)
+    bad, read_as = path_problem(comps, leaves)
     if bad:
         raise IntegrityError(f"{where}: {bad}")
-    legacy = {c for c, row in comps.items() if not row["meta"].get(ESCAPED)}
-    if legacy:  # read as today's escaped paths: see layout.from_raw_keys
-        for r in leaves:
-            if r.component in legacy:
-                r.path, r.component = from_raw_keys(r.path), from_raw_keys(r.component)
-        comps = {(from_raw_keys(c) if c in legacy else c): row for c, row in comps.items()}
+    for r in leaves:  # components from before keys were escaped: read as today's escaped paths
+        r.path, r.component = read_as(r.path, r.component), read_as(r.component, r.component)
+    comps = {read_as(c, c): row for c, row in comps.items()}
     for row in comps.values():  # the marker is the record's business, not the adapters'
         row["meta"].pop(ESCAPED, None)
-    bad = check_paths([r.path for r in leaves])
-    if bad:
-        raise IntegrityError(f"{where}: {bad}")
     return CommitRecord(cid, parents, float(created_at), message, metadata, comps, leaves, text)
 
 
-#: Component meta key of components whose paths are escaped (every component committed
-#: since keys are escaped has it; older ones are read through ``layout.from_raw_keys``).
-ESCAPED = "escaped"
+#: Component meta key (value ``true``) of components whose paths are escaped: every
+#: component committed since keys are escaped has it; older ones are read through
+#: ``layout.from_raw_keys``. Reserved: adapters' ``meta()`` must not use it.
+ESCAPED = "ckptstore.keys"
 
 
-def escaping_problem(comps: dict[str, dict], leaves: list) -> str | None:
-    """Why a component marked ``escaped`` holds a path segment that is not the one
-    ``layout.escape`` writes for its key (two spellings of one key could then collide), or ``None``."""
+def path_problem(comps: dict[str, dict], leaves: list) -> tuple[str | None, Any]:
+    """Why the paths of a commit's components (``{path: {"meta": ...}}``) and leaves cannot
+    be read back as one state tree, or ``None``; and ``read_as(path, component)``, the
+    path as read (``layout.from_raw_keys`` for a component without the :data:`ESCAPED` marker).
+
+    Refused: a segment of a marked component that is not the one ``layout.escape`` writes
+    for its key (two spellings of one key would collide); components or leaves that are
+    one path once read; what :func:`check_paths` refuses.
+    """
+    legacy = {c for c, row in comps.items() if not row["meta"].get(ESCAPED)}
+
+    def read_as(path: str, component: str) -> str:
+        return from_raw_keys(path) if component in legacy else path
+
+    for c in comps:
+        for part in (c.split("/") if c and c not in legacy else []):
+            if part and not is_escaped(part):
+                return f"component {c!r}: segment {part!r} is not the escaped form of its key ({escape(unescape(part))!r})", read_as
     for r in leaves:
-        row = comps.get(r.component)
-        if row is not None and row["meta"].get(ESCAPED):
+        if r.component not in legacy:
             for part in (r.path.split("/") if r.path else []):
                 if part and not is_escaped(part):
-                    return f"leaf {r.path!r}: segment {part!r} is not the escaped form of its key ({escape(unescape(part))!r})"
-    return None
+                    return f"leaf {r.path!r}: segment {part!r} is not the escaped form of its key ({escape(unescape(part))!r})", read_as
+    if len({read_as(c, c) for c in comps}) != len(comps):
+        return "two components are one path once read (a component from before keys were escaped beside a newer one)", read_as
+    return check_paths([read_as(r.path, r.component) for r in leaves]), read_as
 
 
 def ref_text(seq: int, tag: str, old: str | None, new: str | None, at: float, action: str) -> str:

@@ -599,6 +599,9 @@ class Store:
         jsonvalue.encode(metadata, "metadata")
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
+        for c in components:
+            if records.ESCAPED in c.meta:
+                raise AdapterError(f"{c.path or '<root>'}: adapter {c.adapter} returned meta key {records.ESCAPED!r}, which ckptstore reserves")
         components = [replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]  # paths in today's key encoding
         leaves, views, tokens, prior, from_cache = self._leaves(components, reuse_checked)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
@@ -638,9 +641,7 @@ class Store:
         if not self._open(create=True).writable:
             raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
         meta_json = jsonvalue.dumps(metadata, "metadata")
-        bad = records.escaping_problem({c.path: {"meta": c.meta} for c in components}, leaves) or records.check_paths(
-            [r.path for r in leaves]
-        )  # a store never accepts a commit it cannot check out
+        bad, _ = records.path_problem({c.path: {"meta": c.meta} for c in components}, leaves)  # a store never accepts a commit it cannot check out
         if bad:
             raise InvalidNameError(f"cannot commit: {bad}")
         for r in leaves:

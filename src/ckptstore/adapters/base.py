@@ -514,7 +514,11 @@ class Scope:
         if self._params is None:
             self._params = {}
             for path, module in self.modules:
-                for n, p in module.named_parameters(remove_duplicate=False):
+                try:
+                    named = module.named_parameters(remove_duplicate=False)
+                except TypeError:  # an override without it (TorchRL's LossModule): its own names
+                    named = module.named_parameters()
+                for n, p in named:
                     self._params.setdefault(join(path, escape(n)), p)
         return self._params.get(name)
 

@@ -78,6 +78,11 @@ class ReplayBufferAdapter(Adapter):
                     f"the {rows} rows the commit's did, with its capacity {capacity}; it holds {len(obj._storage)} of "
                     f"{obj._storage.max_size}: check out {storage_path} as well"
                 )
+        if "storage" in skipped and "writer" in restored and not isinstance(obj._writer, RoundRobinWriter):
+            raise TargetMismatchError(  # its state ranks the committed rows' values, not the target's
+                f"{where}: a {type(obj._writer).__name__} restored without its storage would rank rows it does not hold: "
+                f"check out {storage_path} with it"
+            )
         if "storage" in restored:
             writer = obj._writer
             if "writer" in skipped and not (isinstance(writer, RoundRobinWriter) and not getattr(writer, "_track_generations", False)):

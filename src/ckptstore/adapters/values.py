@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from typing import Any
 
@@ -127,19 +128,24 @@ class DictAdapter(Adapter):
 
     def check(self, obj: Any, state: ComponentState) -> None:
         """A tensor the target dict holds where the commit has a tensor is overwritten in
-        place, so it must have the stored dtype and shape (ShapeMismatchError otherwise)."""
+        place, so it must have the stored dtype and shape (ShapeMismatchError otherwise),
+        be writable (not an inference tensor) and share no memory with another tensor of the
+        target; a nested dict must appear once (TargetMismatchError otherwise)."""
         if not isinstance(obj, dict):
             return
+        _check_unaliased(obj, state.where(""))
         for key in state.keys():
             if not state.is_tensor(key):
                 continue
             node: Any = obj
             for k in split(key):
                 node = node.get(k) if isinstance(node, dict) else None
-            if isinstance(node, torch.Tensor):
+            if isinstance(node, torch.Tensor) and node.device.type != "meta":  # a meta placeholder is replaced
                 dtype, shape = state.spec(key)
                 if (node.dtype, tuple(node.shape)) != (dtype, shape):
                     raise ShapeMismatchError(f"{state.where(key)}: stored {dtype} {list(shape)}, target {node.dtype} {list(node.shape)}")
+                if node.is_inference():
+                    raise TargetMismatchError(f"{state.where(key)}: the target is an inference tensor, which cannot be written in place")
 
     def from_state(self, obj: Any, state: ComponentState) -> Any:
         value = state.tree()
@@ -147,6 +153,32 @@ class DictAdapter(Adapter):
             _update(obj, value)
             return obj
         return value
+
+
+def _check_unaliased(obj: dict, where: str) -> None:
+    """Refuse a target dict whose tensors share memory or whose dicts appear twice (or
+    contain themselves): restoring them one after another would give wrong values."""
+    seen_dicts: set[int] = set()
+    spans: list[tuple[int, int, str]] = []
+
+    def walk(node: dict, path: str) -> None:
+        if id(node) in seen_dicts:
+            raise TargetMismatchError(f"{where}: the target holds the dict at {path or '<root>'} twice (or inside itself)")
+        seen_dicts.add(id(node))
+        for k, v in node.items():
+            sub = f"{path}/{k}" if path else str(k)
+            if type(v) is dict:
+                walk(v, sub)
+            elif isinstance(v, torch.Tensor) and v.device.type != "meta" and v.numel():
+                storage = v.untyped_storage()
+                start = storage.data_ptr() + v.storage_offset() * v.element_size()
+                spans.append((start, start + v.numel() * v.element_size() if v.is_contiguous() else storage.data_ptr() + storage.nbytes(), sub))
+
+    walk(obj, "")
+    spans.sort()
+    for (_, a1, pa), (b0, _, pb) in itertools.pairwise(spans):
+        if b0 < a1:
+            raise TargetMismatchError(f"{where}: the target's tensors at {pa} and {pb} share memory; give each its own tensor")
 
 
 def _update(obj: dict, value: dict) -> None:
@@ -158,7 +190,7 @@ def _update(obj: dict, value: dict) -> None:
         old = obj.get(k)
         if type(old) is dict and type(v) is dict:
             _update(old, v)
-        elif isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and (old.dtype, old.shape) == (v.dtype, v.shape):
+        elif isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and (old.dtype, old.shape) == (v.dtype, v.shape) and old.device.type != "meta":
             old.copy_(v)  # in place, on the target's device
         else:
             obj[k] = v
