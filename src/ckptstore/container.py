@@ -101,10 +101,11 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
     """
     dest = Path(dest)
     _check_destination(dest)
-    cid = store.resolve(ref)
-    info = store.info(cid)
-    leaves = store.manifest(cid)  # the shards' locations
-    raw_comps, raw_leaves = recreate(store.record(cid))  # paths and values as stored: the import rebuilds the same record
+    with store.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its blobs' rows
+        cid = store.resolve(ref)
+        info = store.info(cid)
+        leaves = store.manifest(cid)  # the shards' locations
+        raw_comps, raw_leaves = recreate(store.record(cid))  # paths and values as stored: the import rebuilds the same record
     manifest = {
         "format": FORMAT,
         "version": VERSION,
