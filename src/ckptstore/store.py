@@ -1089,9 +1089,17 @@ class Store:
         return [dict(r) for r in rows]
 
     def info(self, ref: str) -> CommitInfo:
-        """The :class:`CommitInfo` of one commit."""
-        cid = self.resolve(ref)
-        return self._infos([cid])[cid]
+        """The :class:`CommitInfo` of one commit.
+
+        Raises:
+            RefNotFoundError / AmbiguousRefError: bad ref.
+        """
+        with self.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its row
+            cid = self.resolve(ref)
+            found = self._infos([cid]).get(cid)
+        if found is None:
+            raise RefNotFoundError(f"commit {cid} is not in {self.root}")
+        return found
 
     def _infos(self, ids: list[str]) -> dict[str, CommitInfo]:
         rows = self.catalog.chunked("SELECT * FROM commits WHERE id IN ({})", ids)
