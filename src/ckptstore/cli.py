@@ -195,9 +195,9 @@ def log(
 @app.command()
 def tags(store: StorePath = None, as_json: AsJson = False) -> None:
     """Tags and the commits they point to."""
-    with open_store(store) as s:
+    with open_store(store) as s, s.catalog.read():  # one snapshot: a concurrent GC cannot drop a tagged commit in between
         named = s.tags()
-        infos = s._infos(list(set(named.values())))
+        infos = s.infos(list(set(named.values())))
     if as_json:
         emit_json({name: cid for name, cid in named.items()})
         return

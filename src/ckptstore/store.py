@@ -1096,12 +1096,13 @@ class Store:
         """
         with self.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its row
             cid = self.resolve(ref)
-            found = self._infos([cid]).get(cid)
+            found = self.infos([cid]).get(cid)
         if found is None:
             raise RefNotFoundError(f"commit {cid} is not in {self.root}")
         return found
 
-    def _infos(self, ids: list[str]) -> dict[str, CommitInfo]:
+    def infos(self, ids: list[str]) -> dict[str, CommitInfo]:
+        """``{commit id: CommitInfo}`` of the full commit ids ``ids`` the store holds (others are left out)."""
         rows = self.catalog.chunked("SELECT * FROM commits WHERE id IN ({})", ids)
         parents: dict[str, list[str]] = {}
         for r in self.catalog.chunked("SELECT commit_id, parent_id FROM parents WHERE commit_id IN ({}) ORDER BY position", ids):
@@ -1139,7 +1140,7 @@ class Store:
                 rows = self.catalog.chunked("SELECT parent_id FROM parents WHERE commit_id IN ({})", frontier)
                 frontier = list(dict.fromkeys(r["parent_id"] for r in rows if r["parent_id"] not in known))
             ids = seen
-        infos = self._infos(ids)
+        infos = self.infos(ids)
         out = sorted((infos[i] for i in ids if i in infos), key=lambda c: (-c.created_at, c.id))
         return out[:limit] if limit else out
 
