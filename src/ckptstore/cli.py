@@ -40,7 +40,7 @@ console = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 StorePath = Annotated[Path | None, typer.Option("--store", "-s", help="Store folder (default: the global --store, $CKPTSTORE_PATH, or .).")]
-AsJson = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+AsJson = Annotated[bool, typer.Option("--json", metavar="", help="Print JSON for scripts.")]
 
 
 _global: dict[str, Path | None] = {"store": None}  # the options given before the command
@@ -57,7 +57,7 @@ def _version(value: bool) -> None:
 @app.callback()
 def _options(
     store: Annotated[Path | None, typer.Option("--store", "-s", envvar="CKPTSTORE_PATH", help="Store folder for every command (or $CKPTSTORE_PATH).")] = None,
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
+    version: Annotated[bool, typer.Option("--version", metavar="", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
 ) -> None:
     """Content-addressed, versioned checkpoints for PyTorch and TorchRL training state."""
     _global["store"] = store
@@ -220,7 +220,7 @@ def tag_cmd(
     emit_json({"tag": name, "commit": cid}) if as_json else console.print(f"{name} -> {cid}")
 
 
-Force = Annotated[bool, typer.Option("--force", help="Move the tag even when its commit is not an ancestor of REF's.")]
+Force = Annotated[bool, typer.Option("--force", metavar="", help="Move the tag even when its commit is not an ancestor of REF's.")]
 
 
 def _transfer_done(report, as_json: bool, direction: str) -> None:
@@ -341,7 +341,7 @@ def diff(
     a: Annotated[str, typer.Argument(help="Old commit or tag.")],
     b: Annotated[str, typer.Argument(help="New commit or tag.")],
     store: StorePath = None,
-    all_leaves: Annotated[bool, typer.Option("--all", help="Also list unchanged leaves.")] = False,
+    all_leaves: Annotated[bool, typer.Option("--all", metavar="", help="Also list unchanged leaves.")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Leaf by leaf: added, removed, changed or unchanged; shards changed; new bytes."""
@@ -388,7 +388,7 @@ def gc(
     keep_tag: Annotated[list[str] | None, typer.Option(help="Keep the whole lineage of tags matching this glob (repeatable).")] = None,
     keep_within: Annotated[str | None, typer.Option(help="Keep commits younger than this (30m, 12h, 7d).")] = None,
     grace: Annotated[str, typer.Option(help="Never free blobs, packs or files younger than this.")] = "1h",
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Report what would be freed; change nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="Report what would be freed; change nothing.")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Free what no tag or retained commit needs. Exit 0 done, 1 error, 3 another GC holds the store."""
@@ -429,7 +429,7 @@ def _print_fsck(report, as_json: bool) -> None:
 @app.command()
 def fsck(
     store: StorePath = None,
-    deep: Annotated[bool, typer.Option("--deep", help="Reread blobs and check their hashes.")] = False,
+    deep: Annotated[bool, typer.Option("--deep", metavar="", help="Reread blobs and check their hashes.")] = False,
     sample: Annotated[float, typer.Option(help="Reread this fraction of the blobs (implies --deep).")] = 1.0,
     as_json: AsJson = False,
 ) -> None:
@@ -450,7 +450,7 @@ def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: St
 @app.command()
 def recover(
     store: StorePath = None,
-    force: Annotated[bool, typer.Option("--force", help="Rebuild even a catalog that opens and passes SQLite's check.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Rebuild even a catalog that opens and passes SQLite's check.")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Rebuild a lost or damaged catalog from the packs alone; run it while nothing else uses the store."""
