@@ -77,7 +77,7 @@ from .packs import BlobLoc, PackReader, PackWriter, pack_path
 from .records import ESCAPED, LeafRecord
 from .shards import DTYPES, byte_view, dense_order, dtype_name, physical, tensor_bytes
 from .shards import plan as shard_plan
-from .store import CommitInfo, Store, check_tag
+from .store import CommitInfo, Store, check_message, check_tag
 
 __all__ = ["ADAPTER", "AdapterState", "DCPAdapter", "StoreReader", "StoreWriter", "item_path"]
 
@@ -196,12 +196,7 @@ class StoreWriter(StorageWriter):
         if isinstance(tags, str):
             tags = [tags]
         self.tags = list(dict.fromkeys(check_tag(t) for t in ([tag] if tag is not None else []) + list(tags)))
-        if type(message) is not str or not jsonvalue.is_text(message):
-            raise InvalidArgumentError(f"message must be a UTF-8 str, got {message!r}")
-        metadata = {} if metadata is None else metadata
-        if type(metadata) is not dict:
-            raise InvalidArgumentError(f"metadata must be a dict, got {type(metadata).__name__}")
-        jsonvalue.encode(metadata, "metadata")
+        metadata = check_message(message, metadata)
         self.store = store
         self.message = message
         self.metadata = metadata

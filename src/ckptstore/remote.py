@@ -55,7 +55,7 @@ from .layout import address, digest
 from .packindex import decode_index, encode_index, index_key, pack_key, scan_pack
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, check_entry, entry_header, pack_header
 from .records import KIND_COMMIT, CommitRecord, commit_id, parse_commit, recreate
-from .transfer import TransferReport
+from .transfer import TransferReport, missing_lineage
 
 if TYPE_CHECKING:
     from .store import Store
@@ -282,24 +282,6 @@ class _Packs:
         self._new()
 
 
-def _missing_on_remote(local: Store, backend: Backend, cid: str) -> list[str]:
-    """Commits of ``cid``'s lineage the remote has no record of, parents before children."""
-    order: list[str] = []
-    state: dict[str, bool] = {}
-    stack = [(cid, False)]
-    while stack:
-        c, expanded = stack.pop()
-        if expanded:
-            order.append(c)
-            continue
-        if c in state or backend.head(commit_key(c)) is not None:
-            continue
-        state[c] = False
-        stack.append((c, True))
-        stack.extend((p, False) for p in reversed(local.record(c).parents) if p not in state and local.has_commit(p))
-    return order
-
-
 def _diverged(where: str, tag: str, theirs: str, ours: str) -> RefConflictError:
     return RefConflictError(
         f"{where}: tag {tag!r} names commit {theirs}, which is not an ancestor of {ours}: "
@@ -344,7 +326,9 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
     if previous is not None and previous != cid and not force and not is_ancestor(previous):
         raise _diverged(backend.url, tag, previous, cid)
     report = TransferReport(cid, tag, previous)
-    missing = _missing_on_remote(local, backend, cid)
+    missing = missing_lineage(  # commits of cid's lineage the remote has no record of
+        cid, lambda c: local.record(c).parents if local.has_commit(c) else None, lambda c: backend.head(commit_key(c)) is not None
+    )
     if missing:
         if marker is None:
             n = ensure_marker(backend, local)
@@ -479,21 +463,15 @@ def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> Trans
     except NotAStoreError:
         previous = None
     records: dict[str, CommitRecord] = {}
-    order: list[str] = []
-    stack = [(cid, False)]
-    while stack:
-        c, expanded = stack.pop()
-        if expanded:
-            order.append(c)
-            continue
-        if c in records or local.has_commit(c):
-            continue
+
+    def parents_of(c: str) -> list[str] | None:
         if c != cid and backend.head(commit_key(c)) is None:
-            continue  # a GC of the pushing store dropped it before the push: the lineage ends here, as locally
+            return None  # a GC of the pushing store dropped it before the push: the lineage ends here, as locally
         why = f" (named by tag {tag!r})" if c == cid and tag else f" (an ancestor of {cid})"
-        records[c] = rec = fetch_record(backend, c, why)
-        stack.append((c, True))
-        stack.extend((p, False) for p in reversed(rec.parents) if p not in records)
+        records[c] = fetch_record(backend, c, why)
+        return records[c].parents
+
+    order = missing_lineage(cid, parents_of, local.has_commit)
     if previous is not None and previous != cid and not force:
         ancestors = set(order)
         for c in [cid, *(p for r in records.values() for p in r.parents)]:

@@ -176,6 +176,22 @@ def paused_gc():
             gc.enable()
 
 
+def check_message(message: Any, metadata: Any) -> dict:
+    """A commit's message and metadata, checked; returns the metadata (``{}`` for ``None``).
+
+    Raises:
+        InvalidArgumentError: a message that is not a UTF-8 ``str``, metadata not a dict.
+        UnsupportedTypeError: metadata values that are not JSON (:mod:`ckptstore.jsonvalue`).
+    """
+    if type(message) is not str or not jsonvalue.is_text(message):
+        raise InvalidArgumentError(f"message must be a UTF-8 str, got {message!r}")
+    metadata = {} if metadata is None else metadata
+    if type(metadata) is not dict:
+        raise InvalidArgumentError(f"metadata must be a dict, got {type(metadata).__name__}")
+    jsonvalue.encode(metadata, "metadata")
+    return metadata
+
+
 def _setting(name: str, value: Any, low: int, high: int) -> Any:
     """Validate an integer setting (None passes through). Raises InvalidArgumentError."""
     if value is None:
@@ -591,12 +607,7 @@ class Store:
         t0 = time.perf_counter() if t0 is None else t0
         tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
         tags = list(dict.fromkeys(_check_tag(t) for t in tags))
-        if type(message) is not str or not jsonvalue.is_text(message):
-            raise InvalidArgumentError(f"message must be a UTF-8 str, got {message!r}")
-        metadata = {} if metadata is None else metadata
-        if type(metadata) is not dict:
-            raise InvalidArgumentError(f"metadata must be a dict, got {type(metadata).__name__}")
-        jsonvalue.encode(metadata, "metadata")
+        metadata = check_message(message, metadata)
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
         for c in components:

@@ -16,10 +16,11 @@ period; running it again copies only what is still missing.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .errors import BlobMissingError, RefConflictError, RefNotFoundError
+from .errors import BlobMissingError, RefConflictError
 from .layout import address
 from .packs import BLOB_HEADER, BlobLoc, PackReader, PackWriter
 from .records import recreate
@@ -55,22 +56,26 @@ class TransferReport:
     bytes_written: int = 0
 
 
-def _missing_lineage(src: Store, dst: Store, cid: str) -> list[str]:
-    """Commits of ``cid``'s lineage in ``src`` that ``dst`` lacks, parents before children."""
+def missing_lineage(cid: str, parents_of: Callable[[str], list[str] | None], have: Callable[[str], bool]) -> list[str]:
+    """Commits of ``cid``'s lineage that the destination lacks (``have(c)`` false),
+    parents before children. ``parents_of(c)`` gives ``c``'s parents in the source, or
+    ``None`` when the source lacks ``c`` (a GC dropped it: the lineage ends there)."""
     order: list[str] = []
-    state: dict[str, bool] = {}  # False: being visited, True: done
+    seen: set[str] = set()
     stack = [(cid, False)]
     while stack:
         c, expanded = stack.pop()
         if expanded:
-            state[c] = True
             order.append(c)
             continue
-        if c in state or dst.has_commit(c):
+        if c in seen or have(c):
             continue
-        state[c] = False
+        parents = parents_of(c)
+        if parents is None:
+            continue
+        seen.add(c)
         stack.append((c, True))
-        stack.extend((p, False) for p in reversed(src.record(c).parents) if p not in state and src.has_commit(p))
+        stack.extend((p, False) for p in reversed(parents) if p not in seen)
     return order
 
 
@@ -102,7 +107,7 @@ def transfer(src: Store, dst: Store, ref: str, force: bool = False) -> TransferR
     report = TransferReport(cid, tag, previous)
     reader = PackReader(src.root, sparse=True, locate=src.relocate)
     try:
-        for c in _missing_lineage(src, dst, cid):
+        for c in missing_lineage(cid, lambda c: src.record(c).parents if src.has_commit(c) else None, dst.has_commit):
             rec = src.record(c)
             components, leaves = recreate(rec)
             keys = [k for leaf in leaves for k in leaf.keys]
@@ -130,4 +135,4 @@ def transfer(src: Store, dst: Store, ref: str, force: bool = False) -> TransferR
     return report
 
 
-__all__ = ["RefNotFoundError", "TransferReport", "transfer"]
+__all__ = ["TransferReport", "missing_lineage", "transfer"]
