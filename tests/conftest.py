@@ -73,16 +73,17 @@ def row_count(s: ckptstore.Store) -> dict[str, int]:
 
 
 @pytest.fixture(scope="session")
-def s3_server():
+def s3_server(tmp_path_factory):
     """moto's S3 server on loopback (tests/s3server.py), requests serialized so that
     conditional PUTs are atomic as on S3; the standard AWS_* environment points at it
     for the session (spawned processes inherit it). Bucket ``ckpt`` exists."""
     pytest.importorskip("moto", reason="the object-storage tests need moto[server] (the test extra)")
     from .s3server import MotoServer
 
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ALLOW_HTTP", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ALLOW_HTTP", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "XDG_CACHE_HOME")}
     with MotoServer(buckets=["ckpt"], serialize=True) as server:
         os.environ.update(server.env)
+        os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))  # the caches of Store("s3://...")
         try:
             yield server
         finally:

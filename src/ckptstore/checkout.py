@@ -18,7 +18,6 @@ from . import progress
 from .adapters import Adapter, ComponentState, LazyTensor, Registry, join, migrate
 from .adapters.base import Scope, check_key, escape, under
 from .errors import CkptStoreError, IntegrityError, TargetMismatchError
-from .packs import PackReader
 from .shards import DTYPES, ShardPlan, byte_view, dense_order
 
 if TYPE_CHECKING:
@@ -34,7 +33,7 @@ class BlobReader:
         self.store = store
         self.cid = cid
         self.verify = verify
-        self.packs = PackReader(store.root, sparse, locate=store.relocate)
+        self.packs = store.pack_reader(sparse)
 
     def lazy(self, rec: LeafRecord) -> LazyTensor:
         """A tensor leaf to read. ``rec`` comes from a verified commit record:
@@ -67,6 +66,7 @@ class BlobReader:
                 a, b = expected.bounds(i)
                 tasks.append((loc, view[a:b], f"commit {self.cid}, leaf {rec.path}, shard {i}"))
         total = sum(loc.raw_len for loc, _, _ in tasks)
+        self.packs.prefetch([loc for loc, _, _ in tasks])
         with progress.task(f"checkout {self.cid[:12]}", total) as advance:
             def run(task: tuple) -> None:
                 self.packs.read_into(task[0], task[1], task[2], self.verify)

@@ -313,6 +313,9 @@ class PackReader:
                 got = self._fds[pack] = (fd, os.fstat(fd).st_size)
             return got
 
+    def prefetch(self, locs: list[BlobLoc]) -> None:
+        """Announce the blobs about to be read (nothing to do for files; object storage fetches them together)."""
+
     def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> BlobLoc:
         """Read blob ``loc`` into ``dest`` (exactly ``loc.raw_len`` bytes); returns where it was read.
 
@@ -358,17 +361,7 @@ class PackReader:
             self.bytes_read += got
         if got != BLOB_HEADER.size + loc.stored_len:
             raise BlobCorruptError(f"{where}: pack {loc.pack}.pack is truncated ({got} of {BLOB_HEADER.size + loc.stored_len} bytes)")
-        check_header(bytes(header), loc, where, magic)
-        if loc.codec == CODEC_ZSTD:
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=loc.raw_len)
-            except zstandard.ZstdError as exc:
-                raise BlobCorruptError(f"{where}: zstd payload does not decode: {exc}") from None
-            if len(raw) != loc.raw_len:
-                raise BlobCorruptError(f"{where}: decodes to {len(raw)} bytes, expected {loc.raw_len}")
-            dest[:] = raw
-        if verify and xxh3(dest) != loc.digest:
-            raise BlobCorruptError(f"{where}: content hash mismatch: the bytes hash to {xxh3(dest).hex()}, not to the address")
+        decode_entry(header, payload, loc, dest, where, verify, magic)
 
     def read(self, loc: BlobLoc, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> bytearray:
         """Read blob (or, with ``magic=RECORD_MAGIC``, record) ``loc`` into a new ``bytearray``
@@ -388,6 +381,31 @@ class PackReader:
             for fd, _ in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def decode_entry(header, payload, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> None:
+    """Check an entry's 40-byte ``header`` against ``loc``, decode its ``payload`` (as stored)
+    into ``dest`` (``loc.raw_len`` bytes; a raw payload that already is ``dest`` is not
+    copied) and, with ``verify``, rehash it. ``where`` names the blob for messages.
+
+    Raises:
+        BlobCorruptError: a header field, the codec payload or the hash does not match.
+    """
+    check_header(bytes(header), loc, where, magic)
+    if loc.codec == CODEC_ZSTD:
+        try:
+            raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=loc.raw_len)
+        except zstandard.ZstdError as exc:
+            raise BlobCorruptError(f"{where}: zstd payload does not decode: {exc}") from None
+        if len(raw) != loc.raw_len:
+            raise BlobCorruptError(f"{where}: decodes to {len(raw)} bytes, expected {loc.raw_len}")
+        dest[:] = raw
+    elif payload is not dest:
+        if len(payload) != loc.raw_len:
+            raise BlobCorruptError(f"{where}: raw payload of {len(payload)} bytes, expected {loc.raw_len}")
+        dest[:] = payload
+    if verify and xxh3(dest) != loc.digest:
+        raise BlobCorruptError(f"{where}: content hash mismatch: the bytes hash to {xxh3(dest).hex()}, not to the address")
 
 
 def check_header(header: bytes, loc: BlobLoc, where: str, want_magic: bytes = BLOB_MAGIC) -> None:

@@ -69,7 +69,7 @@ from .layout import (
     split,
     under,
 )
-from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
+from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
 from .records import LeafRecord
 from .recover import RecoverReport, recover
 
@@ -148,7 +148,9 @@ class _Prehashed:
     reused: dict[int, int]  # shard index -> blob id
 
 
-class _ReusedBlobsGone(Exception):
+class ReusedBlobsGone(Exception):
+    """Raised by :meth:`Store.index_commit`: blobs the commit reuses are gone (a GC); ``keys`` must be written again."""
+
     def __init__(self, keys: list[tuple[bytes, int]]):
         self.keys = keys
 
@@ -229,10 +231,11 @@ def _as_backend(remote: Any) -> Backend | None:
 
 
 class Store:
-    """A content-addressed, versioned checkpoint store in one folder.
+    """A content-addressed, versioned checkpoint store in one folder, or on object storage.
 
     Args:
-        path: the store folder.
+        path: the store folder; ``"s3://bucket/prefix"`` opens a store on object storage
+            instead (a :class:`ckptstore.bucket.BucketStore`: same API, see its docstring).
         create: ``None`` (default): open the store if it exists; if it does not,
             reading raises NotAStoreError and the first commit (or tag move)
             creates it, so a mistyped path never turns into an empty store.
@@ -264,6 +267,13 @@ class Store:
         CatalogCorruptError: the catalog is not a ckptstore SQLite catalog.
         SchemaVersionError: the catalog is newer than this library.
     """
+
+    def __new__(cls, path: str | os.PathLike = "", *args: Any, **kwargs: Any) -> Store:
+        if cls is Store and isinstance(path, str) and path.startswith("s3://"):  # a store on object storage
+            from .bucket import BucketStore
+
+            return super().__new__(BucketStore)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -667,7 +677,7 @@ class Store:
         known = dict(prior or {})
         known.update(self._lookup([k for k in dict.fromkeys(keys) if k not in known]))
         given, given_packs = written or ({}, [])
-        with PackWriter(self.root, self.compression_level, self.pack_bytes) as writer:
+        with self.pack_writer() as writer:
             written = {k: loc for k, loc in given.items() if k not in known}
             todo = [k for k in dict.fromkeys(keys) if k not in known and k not in written]
             while True:
@@ -682,13 +692,13 @@ class Store:
                 writer.finish()
                 try:
                     created_at = time.time() if origin is None else origin[2]
-                    cid, parent_ids, seconds, ids = self._commit_txn(
+                    cid, parent_ids, seconds, ids = self.index_commit(
                         components, leaves, keys, known, written, writer, tags, message, meta_json,
                         explicit_parents if origin is None else list(origin[1]), created_at, t0, None if origin is None else origin[0],
                         given_packs,
                     )
                     break
-                except _ReusedBlobsGone as gone:  # a GC removed them meanwhile: write them again
+                except ReusedBlobsGone as gone:  # a GC removed them meanwhile: write them again
                     todo = gone.keys
                     for k in todo:
                         known.pop(k, None)
@@ -873,9 +883,14 @@ class Store:
                 writer.discard()
                 raise
 
-    def _commit_txn(
+    def index_commit(
         self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0, expect=None, given_packs=(),
     ):
+        """Step 4 of the commit protocol: in one catalog transaction, check that the
+        reused blobs (``known``: address -> blob id) still exist (else
+        :class:`ReusedBlobsGone`), index the new blobs (``written``) and the commit, and move
+        ``tags``. ``expect``: the id the record must hash to (IntegrityError otherwise).
+        Returns ``(commit id, parent ids, seconds, {address: blob id})``."""
         with self._write() as batch:
             db = self.catalog.db
             if known:
@@ -884,7 +899,7 @@ class Store:
                 held = {i: (h, n) for i, h, n in rows}
                 gone = [k for k, i in known.items() if held.get(i) != k]
                 if gone:
-                    raise _ReusedBlobsGone(gone)
+                    raise ReusedBlobsGone(gone)
             db["packs"].insert_all(
                 ({"id": pid, "size": size, "created_at": created_at} for pid, size in [*writer.pack_ids, *given_packs]), ignore=True
             )
@@ -1379,6 +1394,15 @@ class Store:
                     raise BlobMissingError(f"commit {rec.id}, leaf {r.path}: shard {i} (blob {address(*key)}) is not in the catalog")
                 r.shards.append(loc)
         return leaves
+
+    def pack_writer(self) -> PackWriter:
+        """A writer of new packs for one commit (:class:`ckptstore.packs.PackWriter`'s interface)."""
+        return PackWriter(self.root, self.compression_level, self.pack_bytes)
+
+    def pack_reader(self, sparse: bool = False) -> PackReader:
+        """A reader of this store's packs (:class:`ckptstore.packs.PackReader`'s interface);
+        ``sparse``: a few blobs will be read, no readahead."""
+        return PackReader(self.root, sparse, locate=self.relocate)
 
     def _locate(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], BlobLoc]:
         """Where the catalog says each blob is."""

@@ -1,0 +1,679 @@
+"""A store that lives on object storage: ``Store("s3://bucket/prefix")``
+(docs/design.md, "Object storage" and "A store on object storage").
+
+:class:`BucketStore` is the :class:`~ckptstore.store.Store` facade with three parts
+swapped for object storage, everything else (adapters, sharding, hashing, the manifest,
+checkout's planning and restoring) shared with the local store:
+
+- **objects**: new blobs go into packs assembled in memory (:class:`BucketPackWriter`),
+  each put whole with a create-only PUT, then its ``.idx``; reads are ranged GETs of
+  only the needed blobs, coalesced and in parallel (:class:`BucketReader`), each checked
+  against its entry header and rehashed;
+- **refs**: tags live on the bucket (``refs/<tag>``) and move by compare-and-swap; a
+  commit takes the tag's current commit as its parent, and a lost race rebuilds the
+  record on the new parent and tries again (bounded: ``RefBusyError``);
+- **the index**: a SQLite catalog of the local store's schema under the user's cache
+  folder (:func:`cache_folder`) holds copies of the pack indexes and of the commit
+  records, so dedup lookups and blob lookups cost no round trips. Every row is a copy
+  of an immutable object on the bucket (or a mirror of a ref read from it): deleting
+  the folder loses nothing. Tags are always read from the bucket before a move, a
+  checkout or a listing.
+
+The bucket is the truth: a commit exists once ``commits/<xx>/<cid>`` exists and is
+reachable once a ref names it (order: packs, ``.idx``, record, ref CAS, reflog object).
+Before its CAS a commit checks every pack it reuses blobs from against the GC marks
+(``gc/*.json``) and that the pack still exists; a blob in a marked or missing pack is
+written again. GC is two-phase (:mod:`ckptstore.bucketgc`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from .backends import Backend, open_backend
+from .backends.base import ref_segment
+from .errors import (
+    BackendError,
+    BlobMissingError,
+    InvalidArgumentError,
+    NotAStoreError,
+    ObjectNotFoundError,
+    RefBusyError,
+    RefConflictError,
+    RefNotFoundError,
+)
+from .layout import address, digest
+from .packindex import decode_index, encode_index, index_key, pack_key
+from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, PACK_HEADER, RECORD_MAGIC, BlobLoc, Entry, decode_entry, encode_blob, entry_header, pack_header
+from .records import recreate
+from .remote import MARKER, PACK_BYTES, commit_key, ensure_marker, fetch_record, read_marker, read_tag, ref_payload
+from .remote import resolve as resolve_remote
+from .store import ReusedBlobsGone, Store, check_tag
+
+#: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
+CAS_SECONDS = 60.0
+#: Parallel uploads of packs (each up to ``PACK_BYTES``) and parallel small requests.
+UPLOADS = 4
+REQUESTS = 16
+_CID = re.compile(r"[0-9a-f]{32}")
+
+
+def cache_folder(url: str) -> Path:
+    """The local cache of store ``url``: ``$XDG_CACHE_HOME/ckptstore/<hash>`` (default
+    ``~/.cache``), one per endpoint (``AWS_ENDPOINT_URL``), bucket and prefix."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ckptstore" / digest(f"{os.environ.get('AWS_ENDPOINT_URL', '')}|{url}".encode()).hex()
+
+
+class _MemPack:
+    def __init__(self):
+        self.id = uuid.uuid4().hex
+        self.parts: list = [pack_header()]
+        self.entries: list[Entry] = []
+        self.size = PACK_HEADER.size
+
+
+class BucketPackWriter:
+    """:class:`~ckptstore.packs.PackWriter`'s interface for object storage; thread-safe.
+
+    Entries are appended to a pack held in memory (raw payloads as views of the caller's
+    buffers, which must stay valid until :meth:`finish`); a pack past ``pack_bytes`` is
+    uploaded in the background (create-only PUT of the pack, then of its ``.idx``) while
+    the next one fills. :meth:`finish` uploads the last one and waits: every pack is then
+    durable. Nothing is ever deleted: a commit that does not land leaves unreferenced
+    packs, which GC removes after the grace period.
+
+    Raises:
+        BackendError: an upload failed after the client's retries (from :meth:`finish`).
+    """
+
+    def __init__(self, backend: Backend, level: int, pack_bytes: int, uploads: ThreadPoolExecutor):
+        self.backend, self.level, self.pack_bytes, self._uploads = backend, level, pack_bytes, uploads
+        self._lock = threading.Lock()
+        self._open: _MemPack | None = None
+        self._futures: list[Future] = []
+        self._ids: list[tuple[str, int]] = []
+        self.stored_bytes = 0
+
+    def append(self, raw: memoryview, digest_: bytes | None = None) -> BlobLoc:
+        """Write one blob (``raw`` bytes) and return its location."""
+        digest_ = digest(raw) if digest_ is None else digest_
+        codec, payload = encode_blob(raw, self.level)
+        return self.append_encoded(digest_, len(raw), codec, payload)
+
+    def append_record(self, kind: int, raw: bytes) -> BlobLoc:
+        """Write one record (``kind``, its text's bytes) and return its location."""
+        return self.append_encoded(digest(raw), len(raw), CODEC_RAW, raw, RECORD_MAGIC, kind)
+
+    def append_encoded(self, digest_: bytes, raw_len: int, codec: int, payload, magic: bytes = BLOB_MAGIC, kind: int = 0) -> BlobLoc:
+        """Write an entry already encoded (verified by the caller) as it is."""
+        header = entry_header(digest_, raw_len, codec, len(payload), magic, kind)
+        need = len(header) + len(payload)
+        with self._lock:
+            pack = self._open
+            if pack is None or (pack.entries and pack.size + need > self.pack_bytes):
+                if pack is not None:
+                    self._ship(pack)
+                pack = self._open = _MemPack()
+            loc = BlobLoc(digest_, raw_len, pack.id, pack.size, len(payload), codec)
+            pack.parts += (header, payload)
+            pack.entries.append(Entry(loc, kind, magic))
+            pack.size += need
+            self.stored_bytes += need
+        return loc
+
+    def _ship(self, pack: _MemPack) -> None:
+        self._ids.append((pack.id, pack.size))
+
+        def upload() -> None:
+            self.backend.put_new(pack_key(pack.id), pack.parts)
+            self.backend.put_new(index_key(pack.id), encode_index(pack.entries))
+
+        self._futures.append(self._uploads.submit(upload))
+
+    @property
+    def pack_ids(self) -> list[tuple[str, int]]:
+        """``(pack id, size in bytes)`` of every pack written so far."""
+        with self._lock:
+            return list(self._ids) + ([(self._open.id, self._open.size)] if self._open is not None else [])
+
+    def finish(self) -> None:
+        """Upload the open pack and wait until every pack and ``.idx`` is on the bucket."""
+        with self._lock:
+            if self._open is not None:
+                self._ship(self._open)
+                self._open = None
+            futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+    def discard(self) -> None:
+        """Nothing to undo: unreferenced packs are GC's (after the grace period)."""
+        self.close()
+
+    def close(self) -> None:
+        with self._lock:
+            futures, self._futures, self._open = self._futures, [], None
+        for f in futures:
+            f.exception()
+
+    def __enter__(self) -> BucketPackWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class BucketReader:
+    """:class:`~ckptstore.packs.PackReader`'s interface for object storage.
+
+    :meth:`prefetch` fetches the announced blobs with one coalesced, parallel ranged read
+    per pack (:meth:`~ckptstore.backends.Backend.get_ranges`); each read then checks the
+    entry header against the catalog's location, decodes and rehashes (invariant 5). A
+    blob whose pack is gone (a GC swept it after repacking) is looked up again after the
+    cache has been refreshed from the bucket.
+    """
+
+    def __init__(self, store: BucketStore):
+        self.store, self.backend = store, store.backend
+        self._got: dict[tuple[str, int], Any] = {}
+        self._lock = threading.Lock()
+        self.blobs_read = 0
+        self.bytes_read = 0
+
+    def prefetch(self, locs: list[BlobLoc]) -> None:
+        by_pack: dict[str, list[BlobLoc]] = {}
+        for loc in locs:
+            by_pack.setdefault(loc.pack, []).append(loc)
+
+        def fetch(item: tuple[str, list[BlobLoc]]) -> None:
+            pid, group = item
+            try:
+                bufs = self.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in group])
+            except ObjectNotFoundError:
+                return  # read_into finds the blob elsewhere, or reports it
+            with self._lock:
+                for loc, buf in zip(group, bufs):
+                    self._got[(pid, loc.offset)] = buf
+
+        list(self.store.requests.map(fetch, by_pack.items()))
+
+    def _entry(self, loc: BlobLoc, where: str):
+        with self._lock:
+            buf = self._got.pop((loc.pack, loc.offset), None)
+        if buf is None:
+            try:
+                buf = self.backend.get_ranges(pack_key(loc.pack), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len)])[0]
+            except ObjectNotFoundError:
+                raise BlobMissingError(f"{where}: pack {loc.pack} is not on {self.backend.url}") from None
+        with self._lock:
+            self.blobs_read += 1
+            self.bytes_read += len(buf)
+        return memoryview(buf).cast("B")
+
+    def _read(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool, magic: bytes) -> None:
+        where = f"{where}, blob {loc.address}"
+        if len(dest) != loc.raw_len:
+            raise BlobMissingError(f"{where}: destination holds {len(dest)} bytes, blob {loc.raw_len}")
+        view = self._entry(loc, where)
+        decode_entry(view[: BLOB_HEADER.size], view[BLOB_HEADER.size :], loc, dest, where, verify, magic)
+
+    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> BlobLoc:
+        """Read blob ``loc`` into ``dest``; returns where it was read (see :class:`~ckptstore.packs.PackReader`)."""
+        try:
+            self._read(loc, dest, where, verify, magic)
+            return loc
+        except BlobMissingError:
+            self.store.refresh_index()
+            moved = self.store.relocate(loc)
+            if moved is None or moved == loc:
+                raise
+            self._read(moved, dest, where, verify, magic)
+            return moved
+
+    def read(self, loc: BlobLoc, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> bytearray:
+        out = bytearray(loc.raw_len)
+        self.read_into(loc, memoryview(out), where, verify, magic)
+        return out
+
+    def stored(self, loc: BlobLoc, where: str) -> bytes:
+        """The entry at ``loc`` as stored (header and payload), after verifying it."""
+        self.prefetch([loc])
+        with self._lock:
+            buf = self._got.get((loc.pack, loc.offset))
+        self.read(loc, where)
+        if buf is None:
+            raise BlobMissingError(f"{where}: pack {loc.pack} is not on {self.backend.url}")
+        return bytes(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            self._got.clear()
+
+
+class BucketStore(Store):
+    """A store under ``s3://bucket/prefix``: ``Store("s3://…")`` returns one.
+
+    The same API as the local :class:`~ckptstore.store.Store` (commit, checkout,
+    tags, log, reflog, gc, fsck...), with these differences:
+
+    - ``create``: the bucket is never created (a missing one is ``NotAStoreError``);
+      an empty prefix becomes a store on the first commit (``ckptstore.json``). With
+      ``create=False`` a prefix without ``ckptstore.json`` is ``NotAStoreError``.
+    - ``pack_bytes``: packs roll over past this size (default 64 MiB; they upload in
+      parallel, :data:`UPLOADS` at a time).
+    - ``cache``: the folder of the local index (default :func:`cache_folder`).
+    - ``gc``'s grace period defaults to 24 hours (:mod:`ckptstore.bucketgc`).
+    - ``push``, ``export`` and ``recover`` are for local stores: pull the commit into
+      one (``local.pull("s3://…", ref)``) first.
+
+    Credentials and endpoint come from the standard environment (``AWS_ENDPOINT_URL``,
+    ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``).
+
+    Raises:
+        NotAStoreError: a missing bucket, a foreign ``ckptstore.json``, or (``create=False``) none.
+        BackendError: obstore is missing or the server cannot be reached.
+    """
+
+    def __init__(self, path: str, *, create: bool | None = None, shard_bytes: int | None = None, compression_level: int | None = None,
+                 pack_bytes: int = PACK_BYTES, workers: int | None = None, registry=None, reuse_hashes: bool = True,
+                 cache: str | os.PathLike | None = None, backend: Backend | None = None):
+        self.backend = backend if backend is not None else open_backend(path)
+        self.url = self.backend.url
+        try:
+            self.marker = read_marker(self.backend)
+            if self.marker is None and create is False:
+                raise NotAStoreError(f"{self.url} is not a ckptstore store (no {MARKER}; a first commit creates one)")
+            if self.marker is not None:
+                shard_bytes = shard_bytes or self.marker.get("shard_bytes")
+                compression_level = self.marker.get("compression_level") if compression_level is None else compression_level
+            self.uploads = ThreadPoolExecutor(UPLOADS, thread_name_prefix="ckptstore-upload")
+            self.requests = ThreadPoolExecutor(REQUESTS, thread_name_prefix="ckptstore-request")
+            super().__init__(cache or cache_folder(self.url), create=True, shard_bytes=shard_bytes, compression_level=compression_level,
+                             pack_bytes=pack_bytes, workers=workers, registry=registry, reuse_hashes=reuse_hashes)
+        except BaseException:
+            self.backend.close()
+            raise
+        self._index_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Store({self.url!r})"
+
+    def close(self) -> None:
+        """Wait for asynchronous commits, then release threads, the cache and the client."""
+        super().close()
+        self.uploads.shutdown()
+        self.requests.shutdown()
+        self.backend.close()
+
+    def _need_store(self) -> None:
+        if self.marker is None:
+            self.marker = read_marker(self.backend)
+            if self.marker is None:
+                raise NotAStoreError(f"{self.url} is not a ckptstore store yet (no {MARKER}; a first commit creates one)")
+
+    # --- objects -----------------------------------------------------------------------------
+
+    def pack_writer(self) -> BucketPackWriter:
+        return BucketPackWriter(self.backend, self.compression_level, self.pack_bytes, self.uploads)
+
+    def pack_reader(self, sparse: bool = False) -> BucketReader:
+        return BucketReader(self)
+
+    def refresh_index(self) -> int:
+        """Bring the cache's blob index up to date with the bucket: read the ``.idx`` of
+        every pack not seen before (each checked before use), and move the rows of blobs
+        whose pack is gone to another pack that holds them. Returns the packs read.
+
+        Raises:
+            BlobCorruptError: an index fails its checks (names it).
+            BackendError: the storage failed.
+        """
+        with self._index_lock:
+            listed = {o.key: o for o in self.backend.list("blobs")}
+            packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack") and k[:-5] + ".idx" in listed}
+            cat = self.catalog
+            seen = {r[0] for r in cat.rows("SELECT id FROM packs", raw=True)}
+            holding = {r[0] for r in cat.rows("SELECT DISTINCT pack FROM blobs", raw=True)}
+            gone = holding - set(packs)
+            todo = list(packs) if gone else [p for p in packs if p not in seen]
+
+            def load(pid: str) -> list[Entry]:
+                return decode_index(self.backend.get(index_key(pid)), pid, packs[pid].size, f"{self.url}: {index_key(pid)}")
+
+            entries = dict(zip(todo, self.requests.map(load, todo)))
+            with cat.write():
+                cat.db["packs"].insert_all(
+                    ({"id": pid, "size": packs[pid].size, "created_at": packs[pid].mtime} for pid in todo if pid not in seen), ignore=True
+                )
+                rows = [(e.loc.digest, e.loc.raw_len, pid, e.loc.offset, e.loc.stored_len, e.loc.codec, packs[pid].mtime)
+                        for pid, es in entries.items() for e in es if e.magic == BLOB_MAGIC]
+                conn = cat.conn
+                conn.execute("CREATE TEMP TABLE IF NOT EXISTS gone_packs (id TEXT PRIMARY KEY)")
+                conn.execute("DELETE FROM gone_packs")
+                conn.executemany("INSERT INTO gone_packs VALUES (?)", [(p,) for p in gone])
+                # A blob whose pack is gone moves to another pack that holds it, if one does.
+                conn.executemany(
+                    "INSERT INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT(hash, raw_len) DO UPDATE SET pack = excluded.pack, offset = excluded.offset, "
+                    "stored_len = excluded.stored_len, codec = excluded.codec WHERE blobs.pack IN (SELECT id FROM gone_packs)",
+                    rows,
+                )
+                if gone:  # rows of blobs found nowhere go, unless a cached commit refers to them (its reads fail, clearly)
+                    conn.execute("DELETE FROM blobs WHERE pack IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT blob_id FROM shards)")
+                    conn.execute("DELETE FROM packs WHERE id IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT pack FROM blobs)")
+            return len(todo)
+
+    def _cache(self, cids: list[str], lineage: bool = False) -> None:
+        """Copy the records of ``cids`` (and, with ``lineage``, of their ancestors) from the
+        bucket into the cache, each checked against its id. Ancestors the bucket lacks are
+        skipped (a GC dropped them: the lineage ends there)."""
+        records = {}
+        seen: set[str] = set()
+        stack = list(dict.fromkeys(cids))
+        while stack:
+            c = stack.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            if self.has_cached(c):
+                parents = [r[0] for r in self.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)]
+            elif c not in cids and self.backend.head(commit_key(c)) is None:
+                continue
+            else:
+                records[c] = fetch_record(self.backend, c)
+                parents = records[c].parents
+            if lineage:
+                stack += parents
+        todo = list(reversed(records))  # parents before children
+        if not todo:
+            return
+        refreshed = False
+        for c in todo:
+            rec = records[c]
+            components, leaves = recreate(rec)
+            keys = [k for leaf in leaves for k in leaf.keys]
+            if not refreshed and len(self.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
+                self.refresh_index()
+                refreshed = True
+
+            def missing(writer, key, c=c):
+                raise BlobMissingError(f"{self.url}: commit {c}: blob {address(*key)} is in no pack index of the store")
+
+            self.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
+                                 origin=(c, rec.parents, rec.created_at))
+
+    def has_cached(self, cid: str) -> bool:
+        """Does the cache hold commit ``cid``'s record?"""
+        return super().has_commit(cid)
+
+    def has_commit(self, cid: str) -> bool:
+        """Does the bucket hold commit ``cid`` (a full id)?"""
+        return self.has_cached(cid) or (type(cid) is str and bool(_CID.fullmatch(cid)) and self.backend.head(commit_key(cid)) is not None)
+
+    # --- commit ------------------------------------------------------------------------------
+
+    def _check_reused(self, known: dict) -> None:
+        """Before a ref CAS: no reused blob may sit in a pack a GC marked or swept."""
+        if not known:
+            return
+        where = self.locate(list(known))
+        packs = {loc.pack for loc in where.values()}
+        marked = self.marked_packs()
+        present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)) is not None, packs)))
+        bad = {p for p in packs if p in marked or not present[p]}
+        gone = [k for k in known if k not in where or where[k].pack in bad]
+        if gone:
+            raise ReusedBlobsGone(gone)
+
+    def marked_packs(self) -> set[str]:
+        """Pack ids a GC mark (``gc/*.json``) names; every listed pack if a mark is unreadable."""
+        out: set[str] = set()
+        for o in self.backend.list("gc"):
+            try:
+                mark = json.loads(self.backend.get(o.key))
+                out.update(p for p in mark["packs"] if type(p) is str)
+            except ObjectNotFoundError:
+                continue  # swept and removed meanwhile
+            except (ValueError, KeyError, TypeError):
+                return {r[0] for r in self.catalog.rows("SELECT id FROM packs", raw=True)}
+        return out
+
+    def index_commit(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0,
+                     expect=None, given_packs=()):
+        """Step 4 on object storage: check the reused packs, index the commit in the cache,
+        put its record, then compare-and-swap each tag (a lost race rebuilds the record on
+        the tag's new commit and tries again)."""
+        if expect is not None:  # a commit of the bucket copied into the cache
+            return super().index_commit(components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents,
+                                        created_at, t0, expect, given_packs)
+        self._check_reused(known)
+        if self.marker is None:
+            ensure_marker(self.backend, self)
+            self.marker = read_marker(self.backend)
+        if written:  # blobs written again after a GC marked their old pack: the cache points here now
+            with self.catalog.write():
+                self.catalog.conn.executemany(
+                    "UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE hash = ? AND raw_len = ?",
+                    [(loc.pack, loc.offset, loc.stored_len, loc.codec, loc.digest, loc.raw_len) for loc in written.values()],
+                )
+        deadline = time.monotonic() + CAS_SECONDS
+        moved: dict[str, str | None] = {}
+        delay = 0.01
+        while True:
+            remaining = [t for t in tags if t not in moved]
+            current = dict(zip(remaining, self.requests.map(lambda t: read_tag(self.backend, t), remaining)))
+            parents = explicit_parents if explicit_parents is not None else list(dict.fromkeys(c for c, _ in current.values() if c))
+            cid, parent_ids, seconds, ids = super().index_commit(components, leaves, keys, known, written, writer, [], message, meta_json,
+                                                                 parents, created_at, t0, None, given_packs)
+            text = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
+            self.backend.put_new(commit_key(cid), text.encode())
+            for t in remaining:
+                old, version = current[t]
+                try:
+                    self.backend.cas_ref(t, ref_payload(cid, old, "commit", created_at), version)
+                except RefConflictError:
+                    break
+                moved[t] = old
+                self._log_move(t, old, cid, "commit", created_at)
+            if len(moved) == len(tags):
+                break
+            if time.monotonic() > deadline:
+                raise RefBusyError(f"{self.url}: tags {', '.join(repr(t) for t in tags if t not in moved)} kept moving for {CAS_SECONDS:.0f} s: "
+                                   f"commit {cid} is stored but they do not name it")
+            time.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 1.0)
+        self._mirror({t: cid for t in tags})
+        return cid, parent_ids, seconds, ids
+
+    def _log_move(self, tag: str, old: str | None, new: str | None, action: str, at: float) -> None:
+        move = json.dumps({"action": action, "at": at, "new": new, "old": old, "tag": tag}, sort_keys=True).encode()
+        self.backend.put_new(f"reflog/{ref_segment(tag)}/{time.time_ns():020d}-{uuid.uuid4().hex}", move)
+
+    def _mirror(self, refs: dict[str, str | None], complete: bool = False) -> None:
+        """Copy tag values read from the bucket into the cache's tags table (``None``:
+        deleted); ``complete``: ``refs`` is every tag, others are dropped."""
+        self._cache([c for c in refs.values() if c])
+        with self.catalog.write():
+            conn = self.catalog.conn
+            if complete:
+                names = list(refs)
+                conn.execute(f"DELETE FROM tags WHERE name NOT IN ({', '.join('?' * len(names))})", names)
+            for name, cid in refs.items():
+                if cid is None:
+                    conn.execute("DELETE FROM tags WHERE name = ?", (name,))
+                else:
+                    conn.execute(
+                        "INSERT INTO tags(name, commit_id, updated_at) VALUES (?, ?, ?) "
+                        "ON CONFLICT(name) DO UPDATE SET commit_id = excluded.commit_id, updated_at = excluded.updated_at",
+                        (name, cid, time.time()),
+                    )
+
+    # --- refs ---------------------------------------------------------------------------------
+
+    def read_refs(self) -> dict[str, str | None]:
+        """Every tag on the bucket, ``{name: commit id}`` (``None``: deleted), read now."""
+        names = self.backend.list_refs()
+        return {n: c for n, (c, _) in zip(names, self.requests.map(lambda n: read_tag(self.backend, n), names))}
+
+    def tags(self) -> dict[str, str]:
+        """``{tag name: commit id}`` as on the bucket now, sorted by name."""
+        if self.marker is None and read_marker(self.backend) is None:
+            return {}
+        refs = self.read_refs()
+        self._mirror(refs, complete=True)
+        return {n: c for n, c in sorted(refs.items()) if c is not None}
+
+    def resolve(self, ref: str) -> str:
+        """The commit id ``ref`` names on the bucket (a tag, read now; a commit id or a
+        unique prefix of at least 4 hex digits); its record is then in the cache."""
+        if type(ref) is str and _CID.fullmatch(ref) and self.has_cached(ref):
+            return ref  # records are immutable
+        self._need_store()
+        cid, _ = resolve_remote(self.backend, ref)
+        self._cache([cid])
+        return cid
+
+    def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
+        """Create or move tag ``name`` to ``ref``'s commit by compare-and-swap; with
+        ``expect`` (a commit id or ``None``) RefConflictError if the tag names something else."""
+        check_tag(name)
+        cid = self.resolve(ref)
+        self._move(name, cid, "tag", expect)
+        return cid
+
+    def delete_tag(self, name: str) -> str:
+        """Delete tag ``name`` (a tombstone by compare-and-swap); returns the commit it named.
+
+        Raises:
+            RefNotFoundError: no such tag.
+        """
+        self._need_store()
+        old = read_tag(self.backend, name)[0] if type(name) is str and name else None
+        if old is None:
+            raise RefNotFoundError(f"no tag named {name!r} at {self.url}")
+        return self._move(name, None, "delete", old) or old
+
+    def _move(self, name: str, cid: str | None, action: str, expect: Any = ...) -> str | None:
+        deadline = time.monotonic() + CAS_SECONDS
+        while True:
+            old, version = read_tag(self.backend, name)
+            if expect is not ... and old != expect:
+                raise RefConflictError(f"{self.url}: tag {name!r} names {old or 'nothing'}, not {expect or 'nothing'}: another writer moved it")
+            if cid is None and old is None:
+                raise RefNotFoundError(f"no tag named {name!r} at {self.url}")
+            at = time.time()
+            try:
+                self.backend.cas_ref(name, ref_payload(cid, old, action, at), version)
+                break
+            except RefConflictError:
+                if time.monotonic() > deadline:
+                    raise RefBusyError(f"{self.url}: tag {name!r} kept moving for {CAS_SECONDS:.0f} s") from None
+        self._log_move(name, old, cid, action, at)
+        self._mirror({name: cid})
+        return old
+
+    def reflog(self, tag: str | None = None) -> list[dict]:
+        """Every tag move recorded on the bucket, newest first: ``{tag, old_commit, new_commit, at, action}``.
+
+        Raises RefNotFoundError for a tag that never existed.
+        """
+        self._need_store()
+        objects = self.backend.list(f"reflog/{ref_segment(tag)}" if tag is not None else "reflog")
+
+        def load(key: str) -> dict | None:
+            try:
+                m = json.loads(self.backend.get(key))
+                return {"tag": m["tag"], "old_commit": m["old"], "new_commit": m["new"], "at": float(m["at"]), "action": m["action"]}
+            except ObjectNotFoundError:
+                return None
+            except (ValueError, KeyError, TypeError):
+                from .errors import IntegrityError
+
+                raise IntegrityError(f"{self.url}: {key} is not a reflog record") from None
+
+        out = [m for m in self.requests.map(load, [o.key for o in objects]) if m is not None]
+        if tag is not None and not out:
+            raise RefNotFoundError(f"tag {tag!r} never existed at {self.url}")
+        keys = {id(m): o.key.rsplit("/", 1)[1] for m, o in zip(out, objects)}
+        return sorted(out, key=lambda m: (m["at"], keys[id(m)]), reverse=True)
+
+    def info(self, ref: str):
+        cid = self.resolve(ref)
+        self.tags()
+        return self.infos([cid])[cid]
+
+    def log(self, ref: str | None = None, limit: int | None = None):
+        """Lineage of ``ref`` on the bucket (every commit without ``ref``), newest first."""
+        self.tags()
+        if ref is None:
+            ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")]
+            self._cache([c for c in ids if _CID.fullmatch(c)])
+            gone = [c for c in (r[0] for r in self.catalog.rows("SELECT id FROM commits", raw=True)) if c not in set(ids)]
+            self.forget(gone)
+        else:
+            ref = self.resolve(ref)
+            self._cache([ref], lineage=True)
+        return super().log(ref, limit)
+
+    def forget(self, cids: list[str]) -> None:
+        """Drop commits from the cache (the bucket no longer holds them)."""
+        if not cids:
+            return
+        cat = self.catalog
+        with cat.write():
+            cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", cids)
+            for table in ("leaves", "components", "parents"):
+                cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", cids)
+            cat.chunked("DELETE FROM tags WHERE commit_id IN ({})", cids)
+            cat.chunked("DELETE FROM commits WHERE id IN ({})", cids)
+
+    def checkout(self, ref: str, partial=None, into: Any = None, verify: bool = True, map_location: Any = None) -> Any:
+        return super().checkout(self.resolve(ref), partial, into, verify, map_location)
+
+    # --- maintenance ----------------------------------------------------------------------------
+
+    def gc(self, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=None, dry_run: bool = False):
+        """Two-phase GC on the bucket (:func:`ckptstore.bucketgc.collect`); ``grace`` defaults to 24 hours."""
+        from .bucketgc import DEFAULT_GRACE, collect
+
+        self._need_store()
+        return collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within,
+                       grace=DEFAULT_GRACE if grace is None else grace, dry_run=dry_run)
+
+    def fsck(self, deep: bool = False, sample: float = 1.0):
+        """Check the bucket: every tag names a commit whose record verifies, every blob of
+        every commit is in a pack the bucket holds; ``deep`` rereads and rehashes them."""
+        from .bucketgc import check
+
+        self._need_store()
+        return check(self, deep=deep or sample < 1, sample=sample)
+
+    def verify(self, ref: str):
+        from .bucketgc import check
+
+        return check(self, deep=True, commit=self.resolve(ref))
+
+    def _local_only(self, what: str):
+        raise InvalidArgumentError(f"{what} works on a local store: pull the commit into one first (Store(folder).pull({self.url!r}, ref))")
+
+    def push(self, remote, ref, force=False):
+        self._local_only("push")
+
+    def pull(self, remote, ref, force=False):
+        self._local_only("pull")
+
+    def export(self, ref, dest):
+        self._local_only("export")
+
+
+__all__ = ["BucketPackWriter", "BucketReader", "BucketStore", "cache_folder"]
