@@ -188,3 +188,36 @@ def test_long_work_reports_progress(filled, tmp_path, monkeypatch):
         s.export("big", tmp_path / "big.zip")
         ckptstore.Store(tmp_path / "o", create=True).import_from(tmp_path / "big.zip", tag="big")
     assert {"commit:", "checkout", "fsck", "export", "verify"} <= set(seen) and seen["fsck"] > 200_000
+
+
+def test_every_command_takes_an_s3_store(s3_server, monkeypatch, capsys):
+    import uuid
+
+    url = f"s3://ckpt/cli-{uuid.uuid4().hex[:10]}"
+    with ckptstore.Store(url, shard_bytes=4096) as s:
+        a = s.commit({"w": torch.zeros(4096), "n": 1}, tag="t", message="one")
+        b = s.commit({"w": torch.cat([torch.zeros(2048), torch.ones(2048)]), "n": 2}, tag="t", message="two")
+    code, out, _ = cli(monkeypatch, capsys, "--store", url, "log", "t", "--json")
+    assert code == 0 and [c["id"] for c in json.loads(out)] == [b.id, a.id]
+    code, out, _ = cli(monkeypatch, capsys, "tags", "--store", url, "--json")
+    assert json.loads(out) == {"t": b.id}
+    code, out, _ = cli(monkeypatch, capsys, "show", "t", "--store", url, "--json")
+    w = next(leaf for leaf in json.loads(out)["leaves"] if leaf["path"] == "w")
+    assert (w["shards"], w["shared_with_parent"]) == (4, 2)
+    assert cli(monkeypatch, capsys, "tag", "old", a.id[:8], "--store", url)[0] == 0
+    code, out, _ = cli(monkeypatch, capsys, "reflog", "old", "--store", url, "--json")
+    assert [(m["action"], m["new_commit"]) for m in json.loads(out)] == [("tag", a.id)]
+    code, out, _ = cli(monkeypatch, capsys, "diff", "old", "t", "--store", url, "--json")
+    assert code == 0
+    assert cli(monkeypatch, capsys, "verify", "t", "--store", url)[0] == 0
+    assert cli(monkeypatch, capsys, "delete-tag", "old", "--store", url)[0] == 0
+    code, out, _ = cli(monkeypatch, capsys, "gc", "--grace", "0s", "--store", url, "--json")
+    assert code == 0 and json.loads(out)["dropped"] == [a.id]
+    code, out, _ = cli(monkeypatch, capsys, "fsck", "--deep", "--store", url, "--json")
+    assert code == 0 and json.loads(out)["ok"] and json.loads(out)["commits"] == 1
+    code, out, _ = cli(monkeypatch, capsys, "du", "--store", url, "--json")
+    assert code == 0 and json.loads(out)["commits"] == 1
+    code, _, err = cli(monkeypatch, capsys, "export", "t", "x.zip", "--store", url)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "local store" in err
+    code, _, err = cli(monkeypatch, capsys, "tags", "--store", "s3://nosuchbucket-ckpt/x")
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "does not exist" in err

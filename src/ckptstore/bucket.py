@@ -533,6 +533,12 @@ class BucketStore(Store):
         self._mirror(refs, complete=True)
         return {n: c for n, c in sorted(refs.items()) if c is not None}
 
+    def tagged(self) -> dict:
+        """``{tag name: CommitInfo}`` as on the bucket now."""
+        named = self.tags()
+        infos = self.infos(list(set(named.values())))
+        return {name: infos[cid] for name, cid in named.items()}
+
     def resolve(self, ref: str) -> str:
         """The commit id ``ref`` names on the bucket (a tag, read now; a commit id or a
         unique prefix of at least 4 hex digits); its record is then in the cache."""

@@ -39,11 +39,11 @@ app = typer.Typer(
 console = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
-StorePath = Annotated[Path | None, typer.Option("--store", "-s", help="Store folder (default: the global --store, $CKPTSTORE_PATH, or .).")]
+StorePath = Annotated[str | None, typer.Option("--store", "-s", help="Store folder or s3://bucket/prefix (default: the global --store, $CKPTSTORE_PATH, or .).")]
 AsJson = Annotated[bool, typer.Option("--json", metavar="", help="Print JSON for scripts.")]
 
 
-_global: dict[str, Path | None] = {"store": None}  # the options given before the command
+_global: dict[str, str | None] = {"store": None}  # the options given before the command
 
 
 def _version(value: bool) -> None:
@@ -56,7 +56,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _options(
-    store: Annotated[Path | None, typer.Option("--store", "-s", envvar="CKPTSTORE_PATH", help="Store folder for every command (or $CKPTSTORE_PATH).")] = None,
+    store: Annotated[str | None, typer.Option("--store", "-s", envvar="CKPTSTORE_PATH", help="Store folder or s3://bucket/prefix for every command (or $CKPTSTORE_PATH).")] = None,
     version: Annotated[bool, typer.Option("--version", metavar="", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
 ) -> None:
     """Content-addressed, versioned checkpoints for PyTorch and TorchRL training state."""
@@ -106,13 +106,14 @@ def bars() -> Iterator[None]:
             yield
 
 
-def store_path(path: Path | None) -> Path:
+def store_path(path: str | None) -> str | Path:
     """The command's ``--store``, else the global one (given before the command), else
-    ``$CKPTSTORE_PATH``, else the current folder."""
-    return path or _global["store"] or Path(os.environ.get("CKPTSTORE_PATH") or ".")
+    ``$CKPTSTORE_PATH``, else the current folder: a folder's path, or an ``s3://`` URL as given."""
+    value = path or _global["store"] or os.environ.get("CKPTSTORE_PATH") or "."
+    return value if value.startswith("s3://") else Path(value)
 
 
-def open_store(path: Path | None) -> Store:
+def open_store(path: str | None) -> Store:
     return Store(store_path(path), create=False)
 
 
@@ -195,15 +196,14 @@ def log(
 @app.command()
 def tags(store: StorePath = None, as_json: AsJson = False) -> None:
     """Tags and the commits they point to."""
-    with open_store(store) as s, s.catalog.read():  # one snapshot: a concurrent GC cannot drop a tagged commit in between
-        named = s.tags()
-        infos = s.infos(list(set(named.values())))
+    with open_store(store) as s:
+        named = s.tagged()
     if as_json:
-        emit_json({name: cid for name, cid in named.items()})
+        emit_json({name: info.id for name, info in named.items()})
         return
     out = table("tag", "commit", "time", "message", whole=("tag", "commit", "time"))
-    for name, cid in named.items():
-        out.add_row(name, cid[:12], fmt_time(infos[cid].created_at), infos[cid].message)
+    for name, info in named.items():
+        out.add_row(name, info.id[:12], fmt_time(info.created_at), info.message)
     console.print(out)
 
 
@@ -387,13 +387,14 @@ def gc(
     keep_last: Annotated[int, typer.Option(help="Keep the N newest commits of each tag's lineage (the tagged commit counts).")] = 1,
     keep_tag: Annotated[list[str] | None, typer.Option(help="Keep the whole lineage of tags matching this glob (repeatable).")] = None,
     keep_within: Annotated[str | None, typer.Option(help="Keep commits younger than this (30m, 12h, 7d).")] = None,
-    grace: Annotated[str, typer.Option(help="Never free blobs, packs or files younger than this.")] = "1h",
+    grace: Annotated[str | None, typer.Option(help="Never free blobs, packs or files younger than this (default 1h; 24h on object storage).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", metavar="", help="Report what would be freed; change nothing.")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Free what no tag or retained commit needs. Exit 0 done, 1 error, 3 another GC holds the store."""
     with open_store(store) as s, bars():
-        report = s.gc(keep_last=keep_last, keep_tags=keep_tag or (), keep_within=keep_within, grace=grace, dry_run=dry_run)
+        extra = {} if grace is None else {"grace": grace}
+        report = s.gc(keep_last=keep_last, keep_tags=keep_tag or (), keep_within=keep_within, dry_run=dry_run, **extra)
     if as_json:
         emit_json(report)
         return

@@ -1017,6 +1017,14 @@ class Store:
         """``{tag name: commit id}``, sorted by name."""
         return {r["name"]: r["commit_id"] for r in self.catalog.rows("SELECT name, commit_id FROM tags ORDER BY name")}
 
+    def tagged(self) -> dict[str, CommitInfo]:
+        """``{tag name: CommitInfo of the commit it names}``, sorted by name, read in one
+        snapshot (a concurrent GC cannot drop a tagged commit in between)."""
+        with self.catalog.read():
+            named = self.tags()
+            infos = self.infos(list(set(named.values())))
+        return {name: infos[cid] for name, cid in named.items()}
+
     def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
         """Create or move tag ``name`` to the commit ``ref`` names; returns its id.
 
@@ -1311,6 +1319,8 @@ class Store:
             InvalidArgumentError: the catalog is healthy and ``force`` is false.
             GCLockedError: a GC is running on the store.
         """
+        if str(path).startswith("s3://"):
+            raise InvalidArgumentError(f"{path}: recover rebuilds a local store's catalog; a store on object storage has none to rebuild")
         return recover(path, force)
 
     # --- containers --------------------------------------------------------------------
