@@ -42,8 +42,8 @@ from typing import Any
 from .backends import Backend, open_backend
 from .backends.base import ref_segment
 from .errors import (
-    BackendError,
     BlobMissingError,
+    IntegrityError,
     InvalidArgumentError,
     NotAStoreError,
     ObjectNotFoundError,
@@ -53,7 +53,19 @@ from .errors import (
 )
 from .layout import address, digest
 from .packindex import decode_index, encode_index, index_key, pack_key
-from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, PACK_HEADER, RECORD_MAGIC, BlobLoc, Entry, decode_entry, encode_blob, entry_header, pack_header
+from .packs import (
+    BLOB_HEADER,
+    BLOB_MAGIC,
+    CODEC_RAW,
+    PACK_HEADER,
+    RECORD_MAGIC,
+    BlobLoc,
+    Entry,
+    decode_entry,
+    encode_blob,
+    entry_header,
+    pack_header,
+)
 from .records import recreate
 from .remote import MARKER, PACK_BYTES, commit_key, ensure_marker, fetch_record, read_marker, read_tag, ref_payload
 from .remote import resolve as resolve_remote
@@ -429,7 +441,11 @@ class BucketStore(Store):
         where = self.locate(list(known))
         packs = {loc.pack for loc in where.values()}
         marked = self.marked_packs()
-        present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)) is not None, packs)))
+        if len(packs) > REQUESTS:  # one listing costs less than many HEADs
+            listed = {o.key for o in self.backend.list("blobs")}
+            present = {p: pack_key(p) in listed for p in packs}
+        else:
+            present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)) is not None, packs)))
         bad = {p for p in packs if p in marked or not present[p]}
         gone = [k for k in known if k not in where or where[k].pack in bad]
         if gone:
@@ -603,8 +619,6 @@ class BucketStore(Store):
             except ObjectNotFoundError:
                 return None
             except (ValueError, KeyError, TypeError):
-                from .errors import IntegrityError
-
                 raise IntegrityError(f"{self.url}: {key} is not a reflog record") from None
 
         out = [m for m in self.requests.map(load, [o.key for o in objects]) if m is not None]

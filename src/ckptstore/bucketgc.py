@@ -107,7 +107,7 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
     t0 = time.perf_counter()
     st = _state(store, c)
     cutoff = time.time() - grace
-    old = lambda key: key in st.objects and st.objects[key].mtime < cutoff  # noqa: E731
+    old = lambda key: key in st.objects and st.objects[key].mtime < cutoff
     dead_commits = sorted(k.rsplit("/", 1)[1] for k in st.objects if k.startswith("commits/") and old(k)
                           and k.rsplit("/", 1)[1] not in st.retained)
     dead_packs, repack, orphans = [], [], []
