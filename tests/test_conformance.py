@@ -240,3 +240,12 @@ def test_commit_async(home):
     assert s.tags() == {"bg": info.id}
     assert_bit_equal(s.checkout("bg")["a"], state()["a"])
     assert np.array_equal(s.checkout("bg", partial=["b"])["b"].numpy(), state()["b"].numpy())
+
+
+def test_a_second_process_uploads_only_what_the_store_lacks(home):
+    sd = state()
+    first = home.open().commit(sd, tag="latest")
+    sd["b"][:40] -= 1  # one shard of b
+    other = home.open(fresh_cache=True)  # a resumed job on another machine
+    info = other.commit(sd, tag="latest")
+    assert (info.shards_new, info.new_bytes, info.parents) == (1, SHARD, (first.id,))

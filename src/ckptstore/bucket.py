@@ -42,6 +42,7 @@ from typing import Any
 from .backends import Backend, open_backend
 from .backends.base import ref_segment
 from .errors import (
+    BlobCorruptError,
     BlobMissingError,
     IntegrityError,
     InvalidArgumentError,
@@ -235,7 +236,7 @@ class BucketReader:
     def _read(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool, magic: bytes) -> None:
         where = f"{where}, blob {loc.address}"
         if len(dest) != loc.raw_len:
-            raise BlobMissingError(f"{where}: destination holds {len(dest)} bytes, blob {loc.raw_len}")
+            raise BlobCorruptError(f"{where}: destination holds {len(dest)} bytes, blob {loc.raw_len}")
         view = self._entry(loc, where)
         decode_entry(view[: BLOB_HEADER.size], view[BLOB_HEADER.size :], loc, dest, where, verify, magic)
 
@@ -316,6 +317,7 @@ class BucketStore(Store):
             self.backend.close()
             raise
         self._index_lock = threading.Lock()
+        self._indexed = False  # refresh_index ran in this object
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -351,6 +353,7 @@ class BucketStore(Store):
             BackendError: the storage failed.
         """
         with self._index_lock:
+            self._indexed = True
             listed = {o.key: o for o in self.backend.list("blobs")}
             packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack") and k[:-5] + ".idx" in listed}
             cat = self.catalog
@@ -423,6 +426,15 @@ class BucketStore(Store):
 
             self.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
                                  origin=(c, rec.parents, rec.created_at))
+
+    def commit_manifest(self, *args, **kwargs):
+        """As :meth:`Store.commit_manifest`; the first commit of this object brings the
+        cache's blob index up to date first, so that a fresh machine uploads only what
+        the bucket lacks."""
+        if not self._indexed:
+            self.refresh_index()
+            self._indexed = True
+        return super().commit_manifest(*args, **kwargs)
 
     def has_cached(self, cid: str) -> bool:
         """Does the cache hold commit ``cid``'s record?"""
@@ -517,8 +529,14 @@ class BucketStore(Store):
 
     def _mirror(self, refs: dict[str, str | None], complete: bool = False) -> None:
         """Copy tag values read from the bucket into the cache's tags table (``None``:
-        deleted); ``complete``: ``refs`` is every tag, others are dropped."""
-        self._cache([c for c in refs.values() if c])
+        deleted); ``complete``: ``refs`` is every tag, others are dropped. A tag whose
+        commit cannot be cached (its record is missing or damaged) is left out: checking
+        it out raises the error, and fsck reports it."""
+        for cid in dict.fromkeys(c for c in refs.values() if c):
+            try:
+                self._cache([cid])
+            except (IntegrityError, BlobMissingError):
+                refs = {n: c for n, c in refs.items() if c != cid}
         with self.catalog.write():
             conn = self.catalog.conn
             if complete:
