@@ -50,6 +50,15 @@ class Home:
         self.opened.append(s)
         return s
 
+    def pack_bytes(self) -> int:
+        """Bytes of every pack (and pack index) the store holds."""
+        if self.kind == "local":
+            return sum(p.stat().st_size for p in (self.tmp_path / "store" / "blobs").glob("*/*"))
+        from ckptstore.backends import open_backend
+
+        with open_backend(self.location) as b:
+            return sum(o.size for o in b.list("blobs"))
+
     def corrupt_one_blob(self, s: ckptstore.Store, key: tuple[bytes, int]) -> None:
         """Flip one payload byte of blob ``key`` where the store keeps it."""
         loc = s.locate([key])[key]
@@ -249,3 +258,18 @@ def test_a_second_process_uploads_only_what_the_store_lacks(home):
     other = home.open(fresh_cache=True)  # a resumed job on another machine
     info = other.commit(sd, tag="latest")
     assert (info.shards_new, info.new_bytes, info.parents) == (1, SHARD, (first.id,))
+
+
+def test_deleting_a_tag_and_collecting_frees_that_commits_unique_bytes(home):
+    s = home.open()
+    g = torch.Generator().manual_seed(5)
+    shared, mine = torch.randn(ROWS, 64, generator=g), torch.randn(2 * ROWS, 64, generator=g)  # 1 MiB and 2 MiB, in one pack
+    s.commit({"shared": shared, "mine": mine}, tag="old")
+    s.commit({"shared": shared, "mine": torch.randn(2 * ROWS, 64, generator=g)}, tag="new")
+    s.delete_tag("old")
+    before = home.pack_bytes()
+    report = s.gc(grace=0)
+    freed = before - home.pack_bytes()
+    assert report.packs_repacked == 1  # the first pack is a third live: its live blobs were copied out
+    assert 8 * SHARD <= freed <= 8 * SHARD + 8 * BLOB_HEADER.size + 4096, freed  # mine's 2 MiB, its headers, a record or index
+    assert_bit_equal(home.open(fresh_cache=True).checkout("new")["shared"], shared)
