@@ -281,6 +281,21 @@ def delete_prefix(prefix: str) -> None:
         obstore.delete(store, key)
 
 
+@contextmanager
+def peak_rss():
+    """``{"delta": peak RSS during the block - RSS before}`` in bytes (VmHWM reset through
+    /proc/self/clear_refs, as benchmarks.measure; the lifetime peak where that is refused)."""
+    from .measure import _status, reset_peak_rss
+
+    out: dict = {}
+    reset_peak_rss()
+    before = _status()["VmRSS"]
+    try:
+        yield out
+    finally:
+        out["delta"] = _status()["VmHWM"] - before
+
+
 # --- timing the commit's phases --------------------------------------------------------------------
 
 
@@ -435,14 +450,19 @@ def repetition(rep: int, state: dict, floor_buf, gen, args, work: Path) -> dict:
             order = ["floor", "commit"] if rep % 2 == 0 else ["commit", "floor"]
             for op in order:
                 if op == "floor":
-                    t0 = time.perf_counter()
-                    assert floor_backend.put_new(floor_key, floor_buf)
-                    out["floor_put_s"] = time.perf_counter() - t0
+                    with peak_rss() as rss:
+                        t0 = time.perf_counter()
+                        done = floor_backend.put_new(floor_key, floor_buf)
+                        out["floor_put_s"] = time.perf_counter() - t0
+                    if not done:
+                        raise RuntimeError(f"{floor_key} already existed")
+                    out["floor_put_peak_rss_delta"] = rss["delta"]
                 else:
-                    with phases(store, backend.counter) as ph:
+                    with phases(store, backend.counter) as ph, peak_rss() as rss:
                         t0 = time.perf_counter()
                         info = store.commit(state, tag="main")
                         out["commit_s"] = time.perf_counter() - t0
+                    out["commit_peak_rss_delta"] = rss["delta"]
                     first = listing(prefix)
                     out["commit_phases"] = ph
                     out["commit_objects"], out["commit_bytes"] = len(first), sum(n for n, _ in first.values())
@@ -514,6 +534,99 @@ def repetition(rep: int, state: dict, floor_buf, gen, args, work: Path) -> dict:
     return out
 
 
+# --- a sweep of settings, in one run -------------------------------------------------------------------
+
+
+def parse_sweep(text: str) -> list[dict]:
+    """``"uploads=4,pack_mib=64;put_mib=16,threads=4;put_mib=1024"`` -> variants: commits with
+    ``bucket.UPLOADS`` and ``pack_bytes`` set, or raw PUTs of the state's bytes cut in
+    ``put_mib`` pieces, ``threads`` at a time (``put_mib`` >= the size: the one-PUT floor)."""
+    out = []
+    for part in (p for p in text.split(";") if p.strip()):
+        v = {k.strip(): int(x) for k, x in (kv.split("=") for kv in part.split(","))}
+        if set(v) - {"uploads", "pack_mib", "put_mib", "threads"} or ("put_mib" in v) == bool({"uploads", "pack_mib"} & set(v)):
+            raise ValueError(f"bad sweep variant {part!r}: uploads=N,pack_mib=M (a commit) or put_mib=M[,threads=T] (raw PUTs)")
+        v["name"] = part.strip()
+        out.append(v)
+    return out
+
+
+def sweep(variants: list[dict], state: dict, floor_buf, reps: int) -> list[dict]:
+    """Each repetition runs every variant once, in an order rotated by one per repetition;
+    every commit goes to a fresh prefix with a fresh cache, deleted afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import ckptstore.bucket
+    from ckptstore.bucket import BucketStore
+
+    default_uploads = ckptstore.bucket.UPLOADS
+    results: list[dict] = []
+    for rep in range(reps):
+        row: dict = {}
+        shift = rep % len(variants)
+        for i, v in enumerate(variants[shift:] + variants[:shift]):
+            prefix = f"sweep-{rep}-{variants.index(v)}-{os.getpid()}"
+            try:
+                if "put_mib" in v:
+                    backend = counting_backend(f"s3://{BUCKET}/{prefix}")
+                    step = v["put_mib"] * MiB
+                    pieces = [floor_buf[o : o + step] for o in range(0, len(floor_buf), step)]
+                    with ThreadPoolExecutor(v.get("threads", 1)) as pool, peak_rss() as rss:
+                        t0 = time.perf_counter()
+                        done = list(pool.map(lambda kp, b=backend: b.put_new(f"piece-{kp[0]:05d}", kp[1]), enumerate(pieces)))
+                        seconds = time.perf_counter() - t0
+                    if not all(done):
+                        raise RuntimeError(f"{prefix}: a piece already existed")
+                    m = {"seconds": seconds, "peak_rss_delta": rss["delta"], "objects": len(pieces)}
+                else:
+                    backend = counting_backend(f"s3://{BUCKET}/{prefix}")
+                    ckptstore.bucket.UPLOADS = v.get("uploads", default_uploads)  # read when the store starts its upload threads
+                    try:
+                        store = BucketStore(f"s3://{BUCKET}/{prefix}", backend=backend,
+                                            **({"pack_bytes": v["pack_mib"] * MiB} if "pack_mib" in v else {}))
+                    finally:
+                        ckptstore.bucket.UPLOADS = default_uploads
+                    with phases(store, backend.counter) as ph, peak_rss() as rss:
+                        t0 = time.perf_counter()
+                        store.commit(state, tag="main")
+                        seconds = time.perf_counter() - t0
+                    store.close()
+                    m = {"seconds": seconds, "peak_rss_delta": rss["delta"], "objects": len(listing(prefix)), "phases": ph}
+                backend.close()
+            finally:
+                delete_prefix(prefix)
+            m["position"] = i
+            row[v["name"]] = m
+        results.append(row)
+        print(f"repetition {rep + 1}/{reps}: " + ", ".join(f"{k} {m['seconds']:.3f}" for k, m in row.items()), flush=True)
+    return results
+
+
+def summarize_sweep(variants: list[dict], results: list[dict]) -> dict:
+    names = [v["name"] for v in variants]
+    med = {n: statistics.median(r[n]["seconds"] for r in results) for n in names}
+    out = {n: {"seconds": _stats([r[n]["seconds"] for r in results]), "peak_rss_delta": _stats([r[n]["peak_rss_delta"] for r in results]),
+               "objects": results[0][n]["objects"], "over_first": med[n] / med[names[0]]} for n in names}
+    one_put = next((v["name"] for v in variants if "put_mib" in v and results[0][v["name"]]["objects"] == 1), None)
+    for n in names:
+        if one_put is not None:
+            out[n]["over_one_put"] = med[n] / med[one_put]
+        phs = [r[n]["phases"] for r in results if "phases" in r[n]]
+        if phs:
+            out[n]["phases"] = {k: statistics.median(p[k] for p in phs if k in p) for k in phs[0]}
+    return out
+
+
+def print_sweep(doc: dict) -> None:
+    print(f"\nsweep, {doc['meta']['size_mib']} MiB state, median [min-max] of {doc['meta']['repetitions']} (one run, rotated order):")
+    print(f"  {'variant':<34}{'seconds':>26}{'/ first':>9}{'/ one PUT':>11}{'objects':>9}{'peak RSS +MiB':>15}  pack PUTs: concurrency, each s")
+    for n, m in doc["summary"]["sweep"].items():
+        ph = m.get("phases", {})
+        extra = f"  {ph.get('pack_put_concurrency', 0):.2f}, {ph.get('pack_put_median_s', 0):.3f}" if ph else ""
+        print(f"  {n:<34}{_s(m, 'seconds'):>26}{m['over_first']:>9.3f}{m.get('over_one_put', float('nan')):>11.3f}{m['objects']:>9}"
+              f"{m['peak_rss_delta']['median'] / MiB:>15.0f}{extra}")
+
+
 # --- summary and table -------------------------------------------------------------------------------
 
 
@@ -539,6 +652,8 @@ def summarize(reps: list[dict], state_bytes: int) -> dict:
         ratios["partial_total_over_stored"] = med["partial_total_over_stored"]
     if "whole_s" in med and "floor_get_s" in med:
         ratios["whole_checkout_over_floor_get"] = med["whole_s"] / med["floor_get_s"]
+    if "push1_s" in med and "floor_put_s" in med:
+        ratios["push1_over_floor_put"] = med["push1_s"] / med["floor_put_s"]
     for i in (1, 2):
         if f"push{i}_fraction" in med:
             ratios[f"push{i}_bytes_over_state"] = med[f"push{i}_fraction"]
@@ -567,6 +682,9 @@ def print_table(doc: dict) -> None:
     if "commit_s" in m:
         print(f"  {'commit (empty prefix) vs one PUT':<44}{_s(m, 'commit_s'):>26}{_s(m, 'floor_put_s'):>26}"
               f"{q['commit_over_floor']:>9.3f}  <= 1.3{mark('commit_over_floor')}")
+        if "commit_peak_rss_delta" in m:
+            print(f"      peak RSS during the operation - RSS before: commit +{med('commit_peak_rss_delta') / MiB:.0f} MiB, "
+                  f"one PUT +{med('floor_put_peak_rss_delta') / MiB:.0f} MiB")
     if "whole_s" in m:
         print(f"  {'whole checkout (fresh) vs one GET':<44}{_s(m, 'whole_s'):>26}{_s(m, 'floor_get_s'):>26}"
               f"{q['whole_checkout_over_floor_get']:>9.3f}")
@@ -580,9 +698,10 @@ def print_table(doc: dict) -> None:
         print(f"      {PARTIAL} stored {med('partial_stored_bytes') / MiB:.2f} MiB; blob bytes read / stored {q['partial_blob_over_stored']:.4f}"
               f"{mark('partial_blob_over_stored')}; all bytes fetched / stored {q['partial_total_over_stored']:.4f}{mark('partial_total_over_stored')}"
               "  (target <= 1.1)")
-    for i, what in ((1, "push (empty prefix)"), (2, "push after 1 % change")):
+    for i, what in ((1, "push (empty prefix) vs one PUT"), (2, "push after 1 % change")):
         if f"push{i}_s" in m:
-            print(f"  {what:<44}{_s(m, f'push{i}_s'):>26}")
+            ratio = f"{_s(m, 'floor_put_s'):>26}{q['push1_over_floor_put']:>9.3f}" if i == 1 and "push1_over_floor_put" in q else ""
+            print(f"  {what:<44}{_s(m, f'push{i}_s'):>26}{ratio}")
             print(f"      uploaded: {med(f'push{i}_objects'):.0f} objects, {med(f'push{i}_bytes') / MiB:.2f} MiB = "
                   f"{q[f'push{i}_bytes_over_state']:.2%} of the state")
     if "commit_phases" in m:
@@ -603,6 +722,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--output", default=None, help="JSON results (default benchmarks/results/objstore-<date>.json)")
     ap.add_argument("--uploads", type=int, default=None, help="experiment: ckptstore.bucket.UPLOADS (parallel pack PUTs) for this run")
     ap.add_argument("--pack-mib", type=int, default=None, help="experiment: pack_bytes of the committing store, MiB")
+    ap.add_argument("--sweep", help="experiment: only commits and raw PUTs, variants in one run, e.g. "
+                    "'uploads=4,pack_mib=64;uploads=8,pack_mib=16;put_mib=1024' (see parse_sweep)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
@@ -613,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
     args.ops = [o for o in args.ops.split(",") if o]
     if bad := set(args.ops) - set(OPS):
         ap.error(f"unknown --ops {sorted(bad)}")
+    variants = parse_sweep(args.sweep) if args.sweep else None
     if {"partial", "whole"} & set(args.ops) or "recommit" in args.ops:
         args.ops = list(dict.fromkeys(["commit", *args.ops]))
 
@@ -645,7 +767,9 @@ def main(argv: list[str] | None = None) -> int:
                 s.commit({"a": torch.zeros(4)}, tag="w")
                 s.checkout("w")
             delete_prefix("warm-up")
-            for rep in range(args.repeat):
+            if variants is not None:
+                sweep_results = sweep(variants, state, floor_buf, args.repeat)
+            for rep in range(args.repeat if variants is None else 0):
                 rep_dir = work / f"rep-{rep}"
                 rep_dir.mkdir()
                 t0 = time.perf_counter()
@@ -689,6 +813,16 @@ def main(argv: list[str] | None = None) -> int:
         "repetitions": reps,
         "summary": summarize(reps, state_bytes),
     }
+    if variants is not None:
+        doc["meta"]["sweep"] = variants
+        doc["repetitions"] = sweep_results
+        doc["summary"] = {"sweep": summarize_sweep(variants, sweep_results)}
+        out = Path(args.output) if args.output else HERE / "results" / f"objstore-sweep-{started:%Y-%m-%d}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1) + "\n")
+        print_sweep(doc)
+        print(f"\nwrote {out} ({doc['meta']['wall_s']:.0f} s)")
+        return 0
     out = Path(args.output) if args.output else HERE / "results" / f"objstore-{started:%Y-%m-%d}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
