@@ -173,3 +173,46 @@ def test_raw_floor_io_round_trips(tmp_path: Path):
         assert np.array_equal(a, b)
     with pytest.raises(EOFError):
         read_raw_into(path, [np.empty(path.stat().st_size + 1, dtype=np.uint8)])
+
+
+def test_objstore_benchmark_quick(tmp_path: Path):
+    """benchmarks/objstore.py --quick (64 MiB, 1 repetition, its own moto server) runs end to
+    end and its byte counts agree with each other. No timing or size-target assertions."""
+    pytest.importorskip("moto", reason="needs moto[server]")
+    pytest.importorskip("obstore")
+    import os
+
+    import ckptstore
+
+    out = tmp_path / "objstore.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(ckptstore.__file__).resolve().parents[1]), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.objstore", "--quick", "--workdir", str(tmp_path), "--output", str(out)],
+                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"benchmarks.objstore failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert not list(tmp_path.glob("ckptstore-objbench-*")), "the run left its work folder behind"
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["quick"] and doc["meta"]["repetitions"] == 1 and doc["meta"]["size_mib"] == 64
+    assert not doc["meta"]["settings"]["experiment"]
+    (r,) = doc["repetitions"]
+    state = doc["meta"]["state_bytes"]
+    for k in ("commit_s", "floor_put_s", "recommit_s", "partial_s", "whole_s", "floor_get_s", "push1_s", "push2_s"):
+        assert r[k] > 0, k
+    assert r["commit_bytes"] >= state and r["commit_stored_bytes"] >= state  # random floats: stored raw
+    assert r["commit_phases"]["pack_puts"] >= 1 and r["commit_phases"]["upload_wait_s"] >= 0
+    assert 0 < r["changed_bytes"] <= r["recommit_new_bytes"] <= r["recommit_bytes"] < state // 10
+    # the partial checkout read exactly the component's entries, and little else
+    p = r["partial"]
+    assert p["io_bytes_read"] == r["partial_stored_bytes"] == p["fetched"]["packs"]["bytes"]
+    assert r["partial_stored_bytes"] >= r["partial_logical_bytes"] == state // 16
+    assert p["fetched_bytes"] == sum(c["bytes"] for c in p["fetched"].values()) and 1 <= r["partial_total_over_stored"] < 1.1
+    w = r["whole"]
+    assert w["io_bytes_read"] == w["fetched"]["packs"]["bytes"] >= state
+    # push: the TransferReport agrees with the bucket's listing (the ref's bytes are not in bytes_written)
+    for i in (1, 2):
+        t = r[f"push{i}"]
+        assert t["objects_written"] == t["listed_new_objects"] and 0 < t["listed_new_bytes"] - t["bytes_written"] < 1024, (i, t)
+    assert r["push1"]["bytes_written"] >= state > 10 * r["push2"]["bytes_written"] > 0
+    q = doc["summary"]["ratios"]
+    assert q["commit_over_floor"] == pytest.approx(r["commit_s"] / r["floor_put_s"])
+    assert q["whole_checkout_over_floor_get"] == pytest.approx(r["whole_s"] / r["floor_get_s"])
+    assert set(doc["summary"]["met"]) == set(doc["summary"]["targets"])
