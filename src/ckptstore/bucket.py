@@ -68,14 +68,13 @@ from .packs import (
     pack_header,
 )
 from .records import recreate
-from .remote import MARKER, PACK_BYTES, commit_key, ensure_marker, fetch_record, read_marker, read_tag, ref_payload
+from .remote import MARKER, PACK_BYTES, UPLOADS, commit_key, ensure_marker, fetch_record, read_marker, read_tag, ref_payload
 from .remote import resolve as resolve_remote
 from .store import ReusedBlobsGone, Store, check_tag
 
 #: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
 CAS_SECONDS = 60.0
-#: Parallel uploads of packs (each up to ``PACK_BYTES``) and parallel small requests.
-UPLOADS = 4
+#: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
 REQUESTS = 16
 _CID = re.compile(r"[0-9a-f]{32}")
 

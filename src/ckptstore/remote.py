@@ -64,6 +64,8 @@ MARKER = "ckptstore.json"
 FORMAT_VERSION = 1
 #: Bytes: a pack pushed to object storage rolls over past this size (several upload in parallel on S3).
 PACK_BYTES = 64 << 20
+#: Packs uploaded at a time by a push or a commit to object storage.
+UPLOADS = 4
 CAS_ATTEMPTS = 20
 _CID = re.compile(r"[0-9a-f]{32}")
 _HEX = re.compile(r"[0-9a-f]+")
@@ -250,10 +252,14 @@ class RemoteIndex:
 
 
 class _Packs:
-    """Assembles entries into packs in memory and uploads each whole, then its ``.idx``."""
+    """Assembles entries into packs in memory; each full pack uploads in the background
+    (the pack whole, then its ``.idx``; :data:`UPLOADS` at a time) while the next fills.
+    :meth:`wait` uploads the last one and waits for all (raising the first failure)."""
 
     def __init__(self, backend: Backend, report: TransferReport, pack_bytes: int):
         self.backend, self.report, self.pack_bytes = backend, report, pack_bytes
+        self._pool = ThreadPoolExecutor(UPLOADS, thread_name_prefix="ckptstore-push")
+        self._futures: list = []
         self._new()
 
     def _new(self) -> None:
@@ -272,14 +278,26 @@ class _Packs:
     def flush(self) -> None:
         if len(self.parts) == 1:
             return
-        data = b"".join(self.parts)
-        entries = scan_pack(data, self.id)
-        idx = encode_index(entries)
-        self.backend.put_new(pack_key(self.id), data)
-        self.backend.put_new(index_key(self.id), idx)
+        pid, data = self.id, b"".join(self.parts)
+        idx = encode_index(scan_pack(data, pid))
+
+        def upload() -> None:
+            self.backend.put_new(pack_key(pid), data)
+            self.backend.put_new(index_key(pid), idx)
+
+        self._futures.append(self._pool.submit(upload))
         self.report.objects_written += 2
         self.report.bytes_written += len(data) + len(idx)
         self._new()
+
+    def wait(self) -> None:
+        self.flush()
+        futures, self._futures = self._futures, []
+        for f in futures:
+            f.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def _diverged(where: str, tag: str, theirs: str, ours: str) -> RefConflictError:
@@ -367,7 +385,7 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
                 text = rec.text.encode()
                 packs.add(entry_header(digest(text), len(text), CODEC_RAW, len(text), RECORD_MAGIC, KIND_COMMIT) + text)
                 texts.append((c, text))
-            packs.flush()
+            packs.wait()
             # A GC may have marked a pack we reuse since we listed: write those blobs again (design: "Writers").
             marked = index.read_marks()
             again = [k for k, pid in reused.items() if index.all_marked or pid in marked]
@@ -375,8 +393,9 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
                 located = local.locate(again)
                 for key in again:
                     send(key, located, cid)
-                packs.flush()
+                packs.wait()
         finally:
+            packs.close()
             reader.close()
         for c, text in texts:
             if backend.put_new(commit_key(c), text):
