@@ -273,3 +273,19 @@ def test_deleting_a_tag_and_collecting_frees_that_commits_unique_bytes(home):
     assert report.packs_repacked == 1  # the first pack is a third live: its live blobs were copied out
     assert 8 * SHARD <= freed <= 8 * SHARD + 8 * BLOB_HEADER.size + 4096, freed  # mine's 2 MiB, its headers, a record or index
     assert_bit_equal(home.open(fresh_cache=True).checkout("new")["shared"], shared)
+
+
+def test_checkpointer_saves_and_resumes(home):
+    torch.manual_seed(3)
+    policy = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(policy.parameters())
+    ck = ckptstore.Checkpointer(home.location, {"policy": policy, "optim": opt}, every_n_steps=2, keep_last=2)
+    for _ in range(6):
+        ck.step()
+    ck.store.close()
+    s = home.open(fresh_cache=True)
+    assert sorted(s.tags()) == ["latest", "step-4", "step-6"]
+    policy2 = torch.nn.Linear(4, 2)
+    opt2 = torch.optim.Adam(policy2.parameters())
+    assert ckptstore.Checkpointer(home.location, {"policy": policy2, "optim": opt2}).resume() == 6
+    assert_bit_equal(policy2.weight.detach(), policy.weight.detach())

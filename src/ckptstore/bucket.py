@@ -257,16 +257,6 @@ class BucketReader:
         self.read_into(loc, memoryview(out), where, verify, magic)
         return out
 
-    def stored(self, loc: BlobLoc, where: str) -> bytes:
-        """The entry at ``loc`` as stored (header and payload), after verifying it."""
-        self.prefetch([loc])
-        with self._lock:
-            buf = self._got.get((loc.pack, loc.offset))
-        self.read(loc, where)
-        if buf is None:
-            raise BlobMissingError(f"{where}: pack {loc.pack} is not on {self.backend.url}")
-        return bytes(buf)
-
     def close(self) -> None:
         with self._lock:
             self._got.clear()
