@@ -221,3 +221,18 @@ def test_every_command_takes_an_s3_store(s3_server, monkeypatch, capsys):
     assert code != 0 and len(err.strip().splitlines()) == 1 and "local store" in err
     code, _, err = cli(monkeypatch, capsys, "tags", "--store", "s3://nosuchbucket-ckpt/x")
     assert code != 0 and len(err.strip().splitlines()) == 1 and "does not exist" in err
+
+
+def test_object_storage_mistakes_get_one_line_hints(s3_server, tmp_path, monkeypatch, capsys):
+    code, _, err = cli(monkeypatch, capsys, "pull", "s3://ckpt/never-pushed", "latest", "--store", str(tmp_path / "new"))
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "new").exists()  # a failed pull leaves no empty store behind
+    for url in ("gs://ckpt/x", "S3://ckpt/x", "s3a://ckpt/x"):
+        code, _, err = cli(monkeypatch, capsys, "tags", "--store", url)
+        assert code != 0 and "unsupported store location" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ckptstore.errors.InvalidArgumentError):
+        ckptstore.Store("gs://ckpt/x", create=True)
+    assert not list(tmp_path.glob("gs*"))
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    code, _, err = cli(monkeypatch, capsys, "tags", "--store", "s3://ckpt/x")
+    assert code != 0 and "AWS_ALLOW_HTTP=true" in err and len(err.strip().splitlines()) == 1

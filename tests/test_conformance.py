@@ -289,3 +289,25 @@ def test_checkpointer_saves_and_resumes(home):
     opt2 = torch.optim.Adam(policy2.parameters())
     assert ckptstore.Checkpointer(home.location, {"policy": policy2, "optim": opt2}).resume() == 6
     assert_bit_equal(policy2.weight.detach(), policy.weight.detach())
+
+
+def test_import_show_and_du_read_the_store_not_a_cache(home, tmp_path):
+    src = ckptstore.Store(tmp_path / "src", create=True)
+    sd = state()
+    first = src.commit(sd, tag="x")
+    sd["a"][:40] += 1
+    src.commit(sd, tag="x")
+    src.export("x", tmp_path / "x.zip")
+    src.close()
+    s = home.open()
+    s.commit(state(9), tag="main")
+    imported = s.import_from(tmp_path / "x.zip", tag="imported")
+    other = home.open(fresh_cache=True)  # another machine
+    assert other.tags() == {"imported": imported.id, "main": s.tags()["main"]}
+    assert_bit_equal(other.checkout("imported")["a"], sd["a"])
+    usage = other.du()
+    assert (usage["commits"], usage["tags"], usage["logical_bytes"]) == (2, 2, 2 * 8 * SHARD)
+    assert usage["unique_bytes"] == 16 * SHARD  # two states, 8 shards each (JSON leaves are not blobs)
+    leaves = {leaf["path"]: leaf for leaf in other.show("imported")["leaves"]}
+    assert leaves["a"]["shards"] == 4 and leaves["a"]["shared_with_parent"] == 0  # the export holds one commit, no parent
+    assert first.id not in {c.id for c in other.log()}

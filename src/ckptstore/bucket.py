@@ -307,6 +307,7 @@ class BucketStore(Store):
             raise
         self._index_lock = threading.Lock()
         self._indexed = False  # refresh_index ran in this object
+        self._copying = threading.local()  # .on: this thread copies a commit of the bucket into the cache
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -413,8 +414,32 @@ class BucketStore(Store):
             def missing(writer, key, c=c):
                 raise BlobMissingError(f"{self.url}: commit {c}: blob {address(*key)} is in no pack index of the store")
 
-            self.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
-                                 origin=(c, rec.parents, rec.created_at))
+            self._copying.on = True
+            try:
+                self.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
+                                     origin=(c, rec.parents, rec.created_at))
+            finally:
+                self._copying.on = False
+            self._figures(c, keys, rec.parents)
+
+    def _figures(self, cid: str, keys: list, parents: list[str]) -> None:
+        """A copied commit's ``new_bytes`` / ``shards_new`` / ``stored_bytes``: its blobs no
+        parent holds (the same on every machine; the bucket does not keep what the
+        committing machine measured, and ``seconds`` stays 0)."""
+        had: set = set()
+        for p in parents:
+            try:
+                rec = self.record(p) if self.has_cached(p) else fetch_record(self.backend, p)
+            except (IntegrityError, RefNotFoundError):
+                continue  # dropped by a GC: the lineage ends there
+            had.update(k for leaf in rec.leaves for k in leaf.keys)
+        new = [k for k in dict.fromkeys(keys) if k not in had]
+        where = self.locate(new)
+        with self.catalog.write():
+            self.catalog.conn.execute(
+                "UPDATE commits SET new_bytes = ?, shards_new = ?, stored_bytes = ? WHERE id = ?",
+                (sum(n for _, n in new), len(new), sum(BLOB_HEADER.size + loc.stored_len for loc in where.values()), cid),
+            )
 
     def commit_manifest(self, *args, **kwargs):
         """As :meth:`Store.commit_manifest`; the first commit of this object brings the
@@ -470,7 +495,7 @@ class BucketStore(Store):
         """Step 4 on object storage: check the reused packs, index the commit in the cache,
         put its record, then compare-and-swap each tag (a lost race rebuilds the record on
         the tag's new commit and tries again)."""
-        if expect is not None:  # a commit of the bucket copied into the cache
+        if getattr(self._copying, "on", False):  # a commit of the bucket copied into the cache
             return super().index_commit(components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents,
                                         created_at, t0, expect, given_packs)
         self._check_reused(known)
@@ -491,7 +516,7 @@ class BucketStore(Store):
             current = dict(zip(remaining, self.requests.map(lambda t: read_tag(self.backend, t), remaining)))
             parents = explicit_parents if explicit_parents is not None else list(dict.fromkeys(c for c, _ in current.values() if c))
             cid, parent_ids, seconds, ids = super().index_commit(components, leaves, keys, known, written, writer, [], message, meta_json,
-                                                                 parents, created_at, t0, None, given_packs)
+                                                                 parents, created_at, t0, expect, given_packs)
             text = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
             self.backend.put_new(commit_key(cid), text.encode())
             for t in remaining:
@@ -652,6 +677,29 @@ class BucketStore(Store):
             self._cache([ref], lineage=True)
         return super().log(ref, limit)
 
+    def show(self, ref: str) -> dict:
+        cid = self.resolve(ref)
+        try:
+            self._cache(list(self.record(cid).parents[:1]))  # its first parent, for shared_with_parent
+        except IntegrityError:
+            pass  # not on the bucket (an imported commit, or dropped by a GC): nothing is shared
+        return super().show(cid)
+
+    def du(self) -> dict:
+        """Space accounting of the bucket, as :meth:`Store.du`: ``pack_bytes`` sums the
+        packs and indexes under ``blobs/``, ``catalog_bytes`` the local cache, ``tmp_bytes`` 0."""
+        self.log()  # every commit record cached, the ones the bucket lost forgotten
+        self.refresh_index()
+        listed = {o.key: o.size for o in self.backend.list("blobs")}
+        packs = [k.rsplit("/", 1)[1][:-5] for k in listed if k.endswith(".pack")]
+        usage = super().du()
+        b = self.catalog.chunked("SELECT COUNT(*), COALESCE(SUM(raw_len), 0), COALESCE(SUM(stored_len + ?), 0) FROM blobs WHERE pack IN ({})",
+                                 packs, (BLOB_HEADER.size,), raw=True) if packs else []
+        n, raw, stored = (sum(r[i] for r in b) for i in range(3)) if b else (0, 0, 0)
+        usage.update(packs=len(packs), pack_bytes=sum(listed.values()), blobs=n, unique_bytes=raw, stored_bytes=stored, tmp_bytes=0,
+                     dedup_ratio=usage["logical_bytes"] / raw if raw else None, compression_ratio=raw / stored if stored else None)
+        return usage
+
     def forget(self, cids: list[str]) -> None:
         """Drop commits from the cache (the bucket no longer holds them)."""
         if not cids:
@@ -690,17 +738,17 @@ class BucketStore(Store):
 
         return check(self, deep=True, commit=self.resolve(ref))
 
-    def _local_only(self, what: str):
-        raise InvalidArgumentError(f"{what} works on a local store: pull the commit into one first (Store(folder).pull({self.url!r}, ref))")
-
     def push(self, remote, ref, force=False):
-        self._local_only("push")
+        raise InvalidArgumentError(f"push copies from a local store; {self.url} is a store on object storage: "
+                                   f"copy from it into a local store with `ckptstore pull {self.url} REF --store FOLDER` (Store(folder).pull)")
 
     def pull(self, remote, ref, force=False):
-        self._local_only("pull")
+        raise InvalidArgumentError(f"pull copies into a local store; {self.url} is a store on object storage: "
+                                   f"copy a local store's commits to it with `ckptstore push {self.url} REF --store FOLDER` (Store(folder).push)")
 
     def export(self, ref, dest):
-        self._local_only("export")
+        raise InvalidArgumentError(f"export reads a local store; {self.url} is a store on object storage: pull the commit into a "
+                                   f"local store first (`ckptstore pull {self.url} REF --store FOLDER`), then export it from there")
 
 
 __all__ = ["BucketPackWriter", "BucketReader", "BucketStore", "cache_folder"]

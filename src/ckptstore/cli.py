@@ -110,7 +110,7 @@ def store_path(path: str | None) -> str | Path:
     """The command's ``--store``, else the global one (given before the command), else
     ``$CKPTSTORE_PATH``, else the current folder: a folder's path, or an ``s3://`` URL as given."""
     value = path or _global["store"] or os.environ.get("CKPTSTORE_PATH") or "."
-    return value if value.startswith("s3://") else Path(value)
+    return value if "://" in value else Path(value)  # a URL stays a URL: Store refuses what it cannot open
 
 
 def open_store(path: str | None) -> Store:
@@ -258,7 +258,7 @@ def pull(
     as_json: AsJson = False,
 ) -> None:
     """Copy REF of REMOTE and the ancestors this store lacks into this store (created if missing)."""
-    with Store(store_path(store), create=True) as s:
+    with Store(store_path(store)) as s:  # created by the pull, only once there is something to copy
         report = s.pull(remote, ref, force=force)
     _transfer_done(report, as_json, "pulled")
 

@@ -83,6 +83,7 @@ if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or 
     from .transfer import TransferReport
 
 CATALOG = "catalog.sqlite"
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/")  # a URL scheme (s3:/ once a path mangled s3://), not a folder
 _STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|\.v\d+\.bak)?|blobs|tmp|gc\.lock)$")
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
 
@@ -273,6 +274,8 @@ class Store:
             from .bucket import BucketStore
 
             return super().__new__(BucketStore)
+        if isinstance(path, str) and _URL.match(path):
+            raise InvalidArgumentError(f"unsupported store location {path!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
         return super().__new__(cls)
 
     def __init__(

@@ -81,6 +81,16 @@ def _brief(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def _hint(text: str) -> str:
+    """What the user probably has to set, for the client errors of a missing environment."""
+    if "169.254.169.254" in text or "credential" in text.lower():
+        return ("; no credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(and AWS_ENDPOINT_URL for a server other than AWS; see docs/object-storage.md)")
+    if "builder error" in text and "http://" in text:
+        return "; the endpoint is plain HTTP: set AWS_ALLOW_HTTP=true to allow it"
+    return ""
+
+
 class S3Backend(Backend):
     """Objects and refs under ``s3://bucket/prefix``.
 
@@ -132,7 +142,7 @@ class S3Backend(Backend):
             return NotAStoreError(f"{self.url}: bucket {self.bucket!r} does not exist (ckptstore never creates buckets)")
         if isinstance(exc, FileNotFoundError) and key is not None:
             return ObjectNotFoundError(f"{self.url}: object {key} is missing")
-        return BackendError(f"{self.url}: {what} failed: {_brief(exc)}")
+        return BackendError(f"{self.url}: {what} failed: {_brief(exc)}{_hint(text)}")
 
     # --- objects -------------------------------------------------------------------------------
 
