@@ -311,3 +311,17 @@ def test_import_show_and_du_read_the_store_not_a_cache(home, tmp_path):
     leaves = {leaf["path"]: leaf for leaf in other.show("imported")["leaves"]}
     assert leaves["a"]["shards"] == 4 and leaves["a"]["shared_with_parent"] == 0  # the export holds one commit, no parent
     assert first.id not in {c.id for c in other.log()}
+
+
+def test_a_fresh_checkout_of_a_tag_reads_only_the_indexes_of_its_packs(s3_server, tmp_path, monkeypatch):
+    home = Home("s3", tmp_path, monkeypatch)
+    s = home.open()
+    for seed in range(3):  # three commits, three packs on the bucket
+        s.commit(state(seed), tag=f"t{seed}")
+    fresh = home.open(fresh_cache=True)
+    assert_bit_equal(fresh.checkout("t2", partial=["a"])["a"], state(2)["a"])
+    bucket_packs = {o.key.rsplit("/", 1)[1][:-5] for o in fresh.backend.list("blobs") if o.key.endswith(".pack")}
+    known = {r[0] for r in fresh.catalog.rows("SELECT DISTINCT pack FROM blobs", raw=True)}
+    assert len(bucket_packs) == 3 and len(known) == 1 and known < bucket_packs  # t2's tag named its pack
+    for x in (s, fresh):
+        x.close()

@@ -46,6 +46,7 @@ from .errors import (
     BlobMissingError,
     IntegrityError,
     InvalidArgumentError,
+    InvalidNameError,
     NotAStoreError,
     ObjectNotFoundError,
     RefBusyError,
@@ -68,7 +69,7 @@ from .packs import (
     pack_header,
 )
 from .records import recreate
-from .remote import MARKER, PACK_BYTES, UPLOADS, commit_key, ensure_marker, fetch_record, read_marker, read_tag, ref_payload
+from .remote import MARKER, PACK_BYTES, UPLOADS, commit_key, ensure_marker, fetch_record, read_marker, read_tag, read_tag_hint, ref_payload
 from .remote import resolve as resolve_remote
 from .store import ReusedBlobsGone, Store, check_tag
 
@@ -333,23 +334,30 @@ class BucketStore(Store):
     def pack_reader(self, sparse: bool = False) -> BucketReader:
         return BucketReader(self)
 
-    def refresh_index(self) -> int:
+    def refresh_index(self, only: list[str] | None = None) -> int:
         """Bring the cache's blob index up to date with the bucket: read the ``.idx`` of
         every pack not seen before (each checked before use), and move the rows of blobs
-        whose pack is gone to another pack that holds them. Returns the packs read.
+        whose pack is gone to another pack that holds them. ``only``: read just these
+        packs' indexes, if not seen (a tag's hint; nothing is listed). Returns the packs read.
 
         Raises:
             BlobCorruptError: an index fails its checks (names it).
             BackendError: the storage failed.
         """
         with self._index_lock:
-            self._indexed = True
-            listed = {o.key: o for o in self.backend.list("blobs")}
-            packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack") and k[:-5] + ".idx" in listed}
             cat = self.catalog
             seen = {r[0] for r in cat.rows("SELECT id FROM packs", raw=True)}
-            holding = {r[0] for r in cat.rows("SELECT DISTINCT pack FROM blobs", raw=True)}
-            gone = holding - set(packs)
+            if only is not None:
+                todo = [p for p in dict.fromkeys(only) if p not in seen]
+                heads = dict(zip(todo, self.requests.map(lambda p: self.backend.head(pack_key(p)), todo)))
+                packs = {p: o for p, o in heads.items() if o is not None}
+                gone: set[str] = set()
+            else:
+                self._indexed = True
+                listed = {o.key: o for o in self.backend.list("blobs")}
+                packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack") and k[:-5] + ".idx" in listed}
+                holding = {r[0] for r in cat.rows("SELECT DISTINCT pack FROM blobs", raw=True)}
+                gone = holding - set(packs)
             todo = list(packs) if gone else [p for p in packs if p not in seen]
 
             def load(pid: str) -> list[Entry]:
@@ -378,10 +386,11 @@ class BucketStore(Store):
                     conn.execute("DELETE FROM packs WHERE id IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT pack FROM blobs)")
             return len(todo)
 
-    def _cache(self, cids: list[str], lineage: bool = False) -> None:
+    def _cache(self, cids: list[str], lineage: bool = False, packs: list[str] | None = None) -> None:
         """Copy the records of ``cids`` (and, with ``lineage``, of their ancestors) from the
         bucket into the cache, each checked against its id. Ancestors the bucket lacks are
-        skipped (a GC dropped them: the lineage ends there)."""
+        skipped (a GC dropped them: the lineage ends there). ``packs``: where their blobs
+        are, as a tag says (only those indexes are read, unless blobs are still missing)."""
         records = {}
         seen: set[str] = set()
         stack = list(dict.fromkeys(cids))
@@ -408,7 +417,10 @@ class BucketStore(Store):
             components, leaves = recreate(rec)
             keys = [k for leaf in leaves for k in leaf.keys]
             if not refreshed and len(self.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
-                self.refresh_index()
+                if packs:
+                    self.refresh_index(packs)
+                if not packs or len(self.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
+                    self.refresh_index()
                 refreshed = True
 
             def missing(writer, key, c=c):
@@ -445,9 +457,8 @@ class BucketStore(Store):
         """As :meth:`Store.commit_manifest`; the first commit of this object brings the
         cache's blob index up to date first, so that a fresh machine uploads only what
         the bucket lacks."""
-        if not self._indexed:
+        if not self._indexed and not getattr(self._copying, "on", False):
             self.refresh_index()
-            self._indexed = True
         return super().commit_manifest(*args, **kwargs)
 
     def has_cached(self, cid: str) -> bool:
@@ -519,10 +530,11 @@ class BucketStore(Store):
                                                                  parents, created_at, t0, expect, given_packs)
             text = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
             self.backend.put_new(commit_key(cid), text.encode())
+            packs = self._packs_of(cid)
             for t in remaining:
                 old, version = current[t]
                 try:
-                    self.backend.cas_ref(t, ref_payload(cid, old, "commit", created_at), version)
+                    self.backend.cas_ref(t, ref_payload(cid, old, "commit", created_at, packs), version)
                 except RefConflictError:
                     break
                 moved[t] = old
@@ -536,6 +548,13 @@ class BucketStore(Store):
             delay = min(delay * 2, 1.0)
         self._mirror({t: cid for t in tags})
         return cid, parent_ids, seconds, ids
+
+    def _packs_of(self, cid: str | None) -> list[str]:
+        """Ids of the packs holding commit ``cid``'s blobs, as the cache knows them (a tag's hint)."""
+        if cid is None:
+            return []
+        keys = list(dict.fromkeys(k for leaf in self.record(cid).leaves for k in leaf.keys))
+        return sorted({loc.pack for loc in self.locate(keys).values()})
 
     def _log_move(self, tag: str, old: str | None, new: str | None, action: str, at: float) -> None:
         move = json.dumps({"action": action, "at": at, "new": new, "old": old, "tag": tag}, sort_keys=True).encode()
@@ -593,8 +612,13 @@ class BucketStore(Store):
         if type(ref) is str and _CID.fullmatch(ref) and self.has_cached(ref):
             return ref  # records are immutable
         self._need_store()
-        cid, _ = resolve_remote(self.backend, ref)
-        self._cache([cid])
+        try:
+            cid, _, packs = read_tag_hint(self.backend, ref)
+        except InvalidNameError:
+            cid, packs = None, []
+        if cid is None:
+            cid, _ = resolve_remote(self.backend, ref)
+        self._cache([cid], packs=packs)
         return cid
 
     def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
@@ -627,7 +651,7 @@ class BucketStore(Store):
                 raise RefNotFoundError(f"no tag named {name!r} at {self.url}")
             at = time.time()
             try:
-                self.backend.cas_ref(name, ref_payload(cid, old, action, at), version)
+                self.backend.cas_ref(name, ref_payload(cid, old, action, at, self._packs_of(cid)), version)
                 break
             except RefConflictError:
                 if time.monotonic() > deadline:
