@@ -270,12 +270,12 @@ class Store:
     """
 
     def __new__(cls, path: str | os.PathLike = "", *args: Any, **kwargs: Any) -> Store:
-        if cls is Store and isinstance(path, str) and path.startswith("s3://"):  # a store on object storage
-            from .bucket import BucketStore
+        if cls is Store and isinstance(path, str) and _URL.match(path):
+            if not path.startswith("s3://"):
+                raise InvalidArgumentError(f"unsupported store location {path!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
+            from .bucket import BucketStore  # a store on object storage
 
             return super().__new__(BucketStore)
-        if isinstance(path, str) and _URL.match(path):
-            raise InvalidArgumentError(f"unsupported store location {path!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
         return super().__new__(cls)
 
     def __init__(

@@ -176,7 +176,14 @@ class S3Backend(Backend):
                 self._store, key, starts=[ranges[i][0] for i in wanted], ends=[ranges[i][1] for i in wanted], coalesce=self.coalesce
             )
         except self._failures as exc:
-            if "416" in str(exc).split("\n", 1)[0]:
+            past = "416" in str(exc).split("\n", 1)[0]
+            if not past and not isinstance(exc, FileNotFoundError):  # the server's words vary: ask for the object's size
+                try:
+                    info = self.head(key)
+                except BackendError:
+                    info = None
+                past = info is not None and any(ranges[i][1] > info.size for i in wanted)
+            if past:
                 raise BlobCorruptError(f"{self.url}: object {key}: a byte range lies past its end ({_brief(exc)})") from None
             raise self._error(exc, f"reading object {key}", key) from None
         for i, buf in zip(wanted, got):
