@@ -533,12 +533,13 @@ class BucketStore(Store):
             packs = self._packs_of(cid)
             for t in remaining:
                 old, version = current[t]
+                at = time.time()  # the move's time, not the commit's: a retried CAS lands after moves made meanwhile
                 try:
-                    self.backend.cas_ref(t, ref_payload(cid, old, "commit", created_at, packs), version)
+                    self.backend.cas_ref(t, ref_payload(cid, old, "commit", at, packs), version)
                 except RefConflictError:
                     break
                 moved[t] = old
-                self._log_move(t, old, cid, "commit", created_at)
+                self._log_move(t, old, cid, "commit", at)
             if len(moved) == len(tags):
                 break
             if time.monotonic() > deadline:
