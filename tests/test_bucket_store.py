@@ -100,3 +100,132 @@ def test_four_processes_commit_to_one_tag_and_no_update_is_lost(tmp_path, url):
     assert lineage == {m["new_commit"]: (m["old_commit"],) if m["old_commit"] else () for m in moves}
     store.close()
 
+
+
+# --- 5. hostile objects on the bucket -------------------------------------------------------------
+
+
+def _raw_put(url: str, key: str, data: bytes) -> None:
+    """Overwrite object ``key`` under ``url`` behind ckptstore's back (obstore, unconditional PUT)."""
+    import obstore
+    from obstore.store import S3Store
+
+    from ckptstore.backends.s3 import parse_s3_url
+
+    bucket, prefix = parse_s3_url(url)
+    obstore.put(S3Store(bucket, prefix=prefix), key, data)
+
+
+def _fresh(url: str, tmp_path) -> BucketStore:
+    """A store on ``url`` with an empty cache of its own (a machine that never saw it)."""
+    return ckptstore.Store(url, cache=tmp_path / f"cache-{uuid.uuid4().hex[:8]}")
+
+
+def _committed(url: str, tmp_path, n: int = 4096) -> tuple[str, dict]:
+    meta = {"w": 9, "i": 0, "n": n, "alt": 1}
+    with ckptstore.Store(url, cache=tmp_path / "writer-cache") as s:
+        return s.commit(bucket_workers.state(meta), tag="latest", metadata=meta).id, meta
+
+
+def test_a_tag_naming_a_missing_or_forged_record_is_an_integrity_error(tmp_path, url):
+    from ckptstore.backends import open_backend
+    from ckptstore.errors import IntegrityError
+    from ckptstore.remote import commit_key, ref_payload
+
+    cid, meta = _committed(url, tmp_path)
+    with open_backend(url) as b:
+        text = b.get(commit_key(cid))
+        _raw_put(url, commit_key(cid), text.replace(b'\\"i\\":0', b'\\"i\\":1', 1))  # the metadata forged
+        assert b.get(commit_key(cid)) != text
+        with pytest.raises(IntegrityError, match=f"{commit_key(cid)}: the record does not hash to commit id {cid}"):
+            _fresh(url, tmp_path).checkout("latest")
+        report = _fresh(url, tmp_path).fsck(deep=True)
+        assert not report.ok and report.damaged_tags == ["latest"] and report.damaged_commits == [cid]
+
+        b.delete(commit_key(cid))  # the record gone
+        with pytest.raises(IntegrityError, match=f"commit {cid} is missing \\(no object {commit_key(cid)}\\)"):
+            _fresh(url, tmp_path).checkout("latest")
+        report = _fresh(url, tmp_path).fsck()
+        assert not report.ok and report.damaged_tags == ["latest"]
+
+        ghost = "ab" * 16  # a tag naming a commit that never existed
+        b.cas_ref("ghost", ref_payload(ghost, None, "commit", 0.0), None)
+        with pytest.raises(IntegrityError, match=f"commit {ghost} is missing"):
+            _fresh(url, tmp_path).checkout("ghost")
+        _raw_put(url, commit_key(cid), text)  # put back: everything reads again
+    s = _fresh(url, tmp_path)
+    _assert_state(s.checkout("latest"), meta, "the restored record")
+    assert s.fsck(deep=True).damaged_tags == ["ghost"]
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_a_flipped_byte_in_a_pack_is_caught_by_checkout_and_fsck(tmp_path, url, where):
+    from ckptstore.backends import open_backend
+    from ckptstore.errors import BlobCorruptError, IntegrityError
+    from ckptstore.packindex import decode_index, index_key, pack_key
+    from ckptstore.packs import BLOB_HEADER
+
+    cid, meta = _committed(url, tmp_path)
+    with open_backend(url) as b:
+        (key,) = [o.key for o in b.list("blobs") if o.key.endswith(".pack")]
+        pid = key.rsplit("/", 1)[1][:-5]
+        own = bucket_workers.state(meta)["own"]
+        entries = decode_index(b.get(index_key(pid)), pid)
+        (e,) = [e for e in entries if e.loc.raw_len == own.numel() * 4 and e.loc.digest == ckptstore.layout.digest(own.numpy().tobytes())]
+        data = bytearray(b.get(key))
+        at = e.loc.offset + (BLOB_HEADER.size + 100 if where == "payload" else 8)
+        data[at] ^= 0x01
+        _raw_put(url, pack_key(pid), bytes(data))
+    for s in (ckptstore.Store(url, cache=tmp_path / "writer-cache"), _fresh(url, tmp_path)):  # a warm cache and a cold one
+        with pytest.raises((BlobCorruptError, IntegrityError), match=f"pack {pid}|{e.loc.address}"):
+            s.checkout("latest")
+        got = s.checkout("latest", partial="step")  # other leaves still read
+        assert_bit_equal(got["step"], bucket_workers.state(meta)["step"])
+        report = s.fsck(deep=True)
+        assert not report.ok and report.corrupt_blobs == [e.loc.address] and report.damaged_commits == [cid], report
+        s.close()
+
+
+def test_a_damaged_index_is_an_error_naming_it(tmp_path, url):
+    from ckptstore.backends import open_backend
+    from ckptstore.errors import CkptStoreError
+
+    _, meta = _committed(url, tmp_path)
+    with open_backend(url) as b:
+        (key,) = [o.key for o in b.list("blobs") if o.key.endswith(".idx")]
+        good = b.get(key)
+    data = bytearray(good)
+    data[20] ^= 0xFF
+    _raw_put(url, key, bytes(data))
+    s = _fresh(url, tmp_path)
+    with pytest.raises(CkptStoreError, match=key):
+        s.checkout("latest")
+    with pytest.raises(CkptStoreError, match=key):
+        s.fsck()
+    _raw_put(url, key, b"not an index")
+    with pytest.raises(CkptStoreError, match=key):
+        _fresh(url, tmp_path).checkout("latest")
+    _raw_put(url, key, good)  # put back: a cold cache reads it all again
+    s = _fresh(url, tmp_path)
+    _assert_state(s.checkout("latest"), meta, "the restored index")
+    assert s.fsck(deep=True).ok
+
+
+def test_missing_bucket_empty_prefix_and_create_false(tmp_path, s3_server):
+    from ckptstore.errors import NotAStoreError
+
+    with pytest.raises(NotAStoreError, match="bucket 'nosuchbucket' does not exist"):
+        ckptstore.Store("s3://nosuchbucket/x")
+    empty = f"s3://ckpt/empty-{uuid.uuid4().hex[:12]}"
+    with pytest.raises(NotAStoreError, match="is not a ckptstore store"):
+        ckptstore.Store(empty, create=False)
+    s = ckptstore.Store(empty)
+    assert s.tags() == {}
+    for call in (lambda: s.checkout("x"), lambda: s.info("x"), lambda: s.log("x"), lambda: s.reflog("x"), lambda: s.reflog(),
+                 lambda: s.resolve("x"), lambda: s.fsck(), lambda: s.gc(grace=0), lambda: s.delete_tag("x"), lambda: s.tag("y", "x")):
+        with pytest.raises(NotAStoreError, match=f"{empty} is not a ckptstore store yet \\(no ckptstore.json"):
+            call()
+    assert s.log() == []
+    with ckptstore.backends.open_backend(empty) as b:
+        assert b.list() == [] and b.list_refs() == []  # reading wrote nothing
+    s.close()
