@@ -515,6 +515,9 @@ class BucketStore(Store):
             self.marker = read_marker(self.backend)
         if written:  # blobs written again after a GC marked their old pack: the cache points here now
             with self.catalog.write():
+                self.catalog.db["packs"].insert_all(  # first: a blob row must name a known pack (foreign key)
+                    ({"id": pid, "size": size, "created_at": created_at} for pid, size in writer.pack_ids), ignore=True
+                )
                 self.catalog.conn.executemany(
                     "UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE hash = ? AND raw_len = ?",
                     [(loc.pack, loc.offset, loc.stored_len, loc.codec, loc.digest, loc.raw_len) for loc in written.values()],
