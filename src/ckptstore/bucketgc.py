@@ -6,7 +6,8 @@ It never deletes in the run that decided to, except with a grace period of 0.
 1. **Mark.** Read every ref; the roots and the retention policy (as locally:
    :meth:`ckptstore.gc.Collector.retained`, over the cache mirrored from the bucket)
    give the retained commits, and their manifests the live blob addresses. Every
-   ``.idx`` is read. A pack older than the grace period (the server's clock) is
+   ``.idx`` is read. A pack older than the grace period (the server's clock, whose whole
+   seconds count one more: :data:`MTIME_STEP`) is
    *dead* if none of its blobs is live, *half-dead* if its live bytes are below
    ``repack_below`` of its size; the live blobs of a half-dead pack are copied (each
    verified) into a new pack and ``.idx`` first. A commit record older than the grace
@@ -43,6 +44,9 @@ from .remote import commit_key
 
 DEFAULT_GRACE = 86400.0
 SWEEP_ATTEMPTS = 5
+#: Seconds: S3 (and moto) give object times in whole seconds, so an object may be this much younger than
+#: its time says; a grace period above 0 waits this much longer, or a just-written pack or mark looks old.
+MTIME_STEP = 1.0
 
 
 @dataclass
@@ -106,7 +110,7 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
     backend = store.backend
     t0 = time.perf_counter()
     st = _state(store, c)
-    cutoff = time.time() - grace
+    cutoff = time.time() - grace - (MTIME_STEP if grace > 0 else 0.0)
     old = lambda key: key in st.objects and st.objects[key].mtime < cutoff
     dead_commits = sorted(k.rsplit("/", 1)[1] for k in st.objects if k.startswith("commits/") and old(k)
                           and k.rsplit("/", 1)[1] not in st.retained)
@@ -158,7 +162,7 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
 
 def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
     backend = store.backend
-    marks = [o for o in backend.list("gc") if o.mtime <= time.time() - grace]
+    marks = [o for o in backend.list("gc") if o.mtime + (MTIME_STEP if grace > 0 else 0.0) <= time.time() - grace]
     if not marks:
         return
     for o in marks:
