@@ -1,13 +1,15 @@
 """GC and fsck of a store on object storage (docs/design.md, "GC on object storage").
 
 GC has no lock: any number of writers, and other GCs, may run beside it on any machine.
-It never deletes in the run that decided to, except with a grace period of 0.
+It never deletes in the run that decided to, except with a grace period of 0 (which may
+so delete what a commit in flight has uploaded: for when no writer runs).
 
 1. **Mark.** Read every ref; the roots and the retention policy (as locally:
    :meth:`ckptstore.gc.Collector.retained`, over the cache mirrored from the bucket)
-   give the retained commits, and their manifests the live blob addresses. Every
-   ``.idx`` is read. A pack older than the grace period (the server's clock, whose whole
-   seconds count one more: :data:`MTIME_STEP`) is
+   give the retained commits, and their manifests the live blob addresses; so do the
+   manifests of every other record this mark leaves on the bucket (a pack goes only with
+   the last record that needs it). Every ``.idx`` is read. A pack older than the grace
+   period (the server's clock, whose whole seconds count one more: :data:`MTIME_STEP`) is
    *dead* if none of its blobs is live, *half-dead* if its live bytes are below
    ``repack_below`` of its size; the live blobs of a half-dead pack are copied (each
    verified) into a new pack and ``.idx`` first. A commit record older than the grace
@@ -17,7 +19,7 @@ It never deletes in the run that decided to, except with a grace period of 0.
    (create-only).
 2. **Sweep**, of every mark older than the grace period (this run's own mark too
    when the grace period is 0): recompute the retained commits and live addresses from
-   the refs read now; delete each marked commit record still not retained, and each
+   the refs and records read now; delete each marked commit record still not retained, and each
    marked pack none of whose live blobs is held only there; re-read the refs and, if
    any moved meanwhile, start the sweep of that mark again; then delete the mark.
 
@@ -40,7 +42,7 @@ from .gc import REPACK_BELOW, Collector, GCReport, parse_duration
 from .layout import address
 from .packindex import decode_index, index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, check_entry
-from .remote import commit_key
+from .remote import commit_key, fetch_record
 
 DEFAULT_GRACE = 86400.0
 SWEEP_ATTEMPTS = 5
@@ -59,6 +61,7 @@ class _State:
     packs: dict  # pack id -> ObjectInfo
     entries: dict  # pack id -> [Entry] (packs with a readable .idx)
     objects: dict  # key -> ObjectInfo (everything under blobs/ and commits/)
+    needs: dict  # commit id -> blob addresses, for every record on the bucket (a pack stays while a record stays)
 
 
 def _state(store, c: Collector) -> _State:
@@ -83,7 +86,17 @@ def _state(store, c: Collector) -> _State:
             return pid, None
 
     entries = {pid: es for pid, es in store.requests.map(load, list(packs)) if es is not None}
-    return _State(refs, retained, live, packs, entries, objects)
+    ids = [k.rsplit("/", 1)[1] for k in objects if k.startswith("commits/")]
+    needs = {cid: {k for leaf in store.record(cid).leaves for k in leaf.keys} for cid in ids if store.has_cached(cid)}
+
+    def needed(cid):  # a record written since the cache was brought up to date
+        try:
+            return cid, {k for leaf in fetch_record(backend, cid).leaves for k in leaf.keys}
+        except CkptStoreError:
+            return cid, set()  # gone, or damaged (fsck reports it)
+
+    needs.update(store.requests.map(needed, [c for c in ids if c not in needs]))
+    return _State(refs, retained, live, packs, entries, objects, needs)
 
 
 def _blob_keys(entries) -> set:
@@ -114,6 +127,9 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
     old = lambda key: key in st.objects and st.objects[key].mtime < cutoff
     dead_commits = sorted(k.rsplit("/", 1)[1] for k in st.objects if k.startswith("commits/") and old(k)
                           and k.rsplit("/", 1)[1] not in st.retained)
+    # live: the retained commits' blobs, and those of every record this mark leaves on the bucket
+    dropping = set(dead_commits)
+    live_now = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in dropping))
     dead_packs, repack, orphans = [], [], []
     for pid, info in st.packs.items():
         if not old(pack_key(pid)):
@@ -122,7 +138,7 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
         if es is None:
             orphans.append(pack_key(pid))  # no readable .idx: a pack whose writer died, never used
             continue
-        live = [e for e in es if e.magic == BLOB_MAGIC and (e.loc.digest, e.loc.raw_len) in st.live]
+        live = [e for e in es if e.magic == BLOB_MAGIC and (e.loc.digest, e.loc.raw_len) in live_now]
         if not live:
             dead_packs.append(pid)
         elif sum(BLOB_HEADER.size + e.loc.stored_len for e in live) < repack_below * info.size:
@@ -181,8 +197,10 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
             doomed = [p for p in packs if p in st.packs]
             keep = set(st.packs) - set(doomed)
             covered = set().union(*(_blob_keys(st.entries.get(p, ())) for p in keep)) if keep else set()
-            deletable = [p for p in doomed if not ((_blob_keys(st.entries.get(p, ())) & st.live) - covered)]
             victims = [x for x in commits if x not in st.retained]
+            going = set(victims)
+            live = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in going))  # records that stay keep their packs
+            deletable = [p for p in doomed if not ((_blob_keys(st.entries.get(p, ())) & live) - covered)]
             if store.read_refs() != st.refs:
                 time.sleep(random.uniform(0.01, 0.1))
                 continue  # a ref moved while we decided: decide again
