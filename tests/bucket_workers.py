@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 import traceback
 
 import torch
 
 import ckptstore
-from ckptstore.errors import CkptStoreError, RefBusyError
+from ckptstore.errors import CkptStoreError, NotAStoreError, RefBusyError
 
 _CTX = None
+
+
+def _warm() -> None:
+    """Import what a first commit imports lazily (the adapters, tensordict, parts of torch:
+    about a second), so that the forkserver holds it and a worker starts committing at once."""
+    from ckptstore import bucket, bucketgc, checkout  # noqa: F401
+    from ckptstore.adapters import REGISTRY, capture
+
+    capture(state({"w": 0, "i": 0, "n": 4, "alt": 1}), REGISTRY)
 
 
 def context():
@@ -49,11 +59,11 @@ def _say(fd: int, line: str) -> None:
     os.write(fd, (line + "\n").encode())
 
 
-def writer(env: dict, url: str, tag: str, w: int, first: int, count: int | None, n: int, alt: int, log: str) -> None:
+def writer(env: dict, url: str, tag: str, w: int, first: int, count: int | None, n: int, alt: int, log: str, pause: float = 0.0) -> None:
     """Commit ``state({"w": w, "i": i, ...})`` to ``tag`` for i = first, first + 1, ...
-    (``count`` commits, or until killed); log ``<commit id> <i>`` per commit that
+    (``count`` commits, or until killed); log ``<commit id> <i> <blobs written>`` per commit that
     returned, ``busy <i>`` for a RefBusyError, ``error <i> <type>: <message>`` for any
-    other ckptstore error (and carry on), ``done`` at the end."""
+    other ckptstore error (and carry on), ``done`` at the end; ``pause`` seconds between commits."""
     os.environ.update(env)
     fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -64,12 +74,13 @@ def writer(env: dict, url: str, tag: str, w: int, first: int, count: int | None,
             meta = {"w": w, "i": i, "n": n, "alt": alt}
             try:
                 info = store.commit(state(meta), tag=tag, metadata=meta)
-                _say(fd, f"{info.id} {i}")
+                _say(fd, f"{info.id} {i} {info.shards_new}")
             except RefBusyError:
                 _say(fd, f"busy {i}")
             except CkptStoreError as exc:
                 _say(fd, f"error {i} {type(exc).__name__}: {str(exc).splitlines()[0]}")
             i += 1
+            time.sleep(pause)
         store.close()
         _say(fd, "done")
     except BaseException:
@@ -88,7 +99,11 @@ def collector(env: dict, url: str, grace: float, keep_last: int, log: str) -> No
         store = ckptstore.Store(url)
         _say(fd, "ready")
         while True:
-            r = store.gc(grace=grace, keep_last=keep_last)
+            try:
+                r = store.gc(grace=grace, keep_last=keep_last)
+            except NotAStoreError:  # no writer has committed yet
+                time.sleep(0.01)
+                continue
             _say(fd, f"gc {r.commits_dropped} {r.packs_deleted}")
     except BaseException:
         _say(fd, "crash " + traceback.format_exc().replace("\n", " | "))
@@ -104,3 +119,6 @@ def read_log(log: str) -> list[str]:
             return [line.rstrip("\n") for line in f if line.endswith("\n")]
     except FileNotFoundError:
         return []
+
+
+_warm()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import itertools
 import os
 import random
+import signal
 import time
 import uuid
+from datetime import timedelta
 
 import pytest
 
@@ -78,7 +80,7 @@ def test_four_processes_commit_to_one_tag_and_no_update_is_lost(tmp_path, url):
         assert lines[0] == "ready" and lines[-1] == "done", lines
         results = [line.split() for line in lines[1:-1]]
         assert [r[1] for r in results] == [str(i) for i in range(20)] and all(len(r[0]) == 32 for r in results), results
-        for cid, i in results:
+        for cid, i, _ in results:
             made[cid] = {"w": w, "i": int(i), "n": 16, "alt": 0}
     assert len(made) == 80
 
@@ -100,6 +102,348 @@ def test_four_processes_commit_to_one_tag_and_no_update_is_lost(tmp_path, url):
     assert lineage == {m["new_commit"]: (m["old_commit"],) if m["old_commit"] else () for m in moves}
     store.close()
 
+
+
+
+
+# --- 2. writers and GCs SIGKILLed at random instants -----------------------------------------------
+
+
+def _check_tags(store: BucketStore, writers: dict, seed: int, why: str) -> dict:
+    """Every tag names a commit of the writer that moves it, at least the last one that
+    writer saw return (or the next, if it died between its CAS and its report), and
+    checks out bit-exactly to the state of that commit's metadata. ``writers``: tag ->
+    (writer, last step that returned or -1, last step started). Returns {tag: step}."""
+    tags = store.tags()
+    out = {}
+    for tag, (w, done, started) in writers.items():
+        if done < 0 and tag not in tags:
+            continue
+        cid = tags[tag]
+        meta = store.info(cid).metadata
+        assert meta["w"] == w and done <= meta["i"] <= started, f"seed {seed}: {why}: tag {tag} names step {meta['i']} of writer " \
+            f"{meta['w']}; writer {w} last returned step {done} and started {started}"
+        _assert_state(store.checkout(tag), meta, f"seed {seed}: {why}: tag {tag}")
+        out[tag] = meta["i"]
+    return out
+
+
+def _progress(log: str) -> tuple[int, int]:
+    """(last step that returned or -1, last step started) from a writer's log."""
+    done = [int(line.split()[1]) for line in bucket_workers.read_log(log)[1:] if len(line.split()[0]) == 32]
+    return (done[-1] if done else -1), (done[-1] + 1 if done else 0)
+
+
+def _run_and_kill(procs: dict, logs: dict, rng: random.Random, low: float, high: float) -> None:
+    """Start ``procs``; once each says ``ready``, SIGKILL them in a random order, the first
+    ``low`` to ``high`` seconds later, the others up to 0.2 s apart."""
+    for p in procs.values():
+        p.start()
+    deadline = time.monotonic() + 60
+    while not all(bucket_workers.read_log(logs[name])[:1] == ["ready"] for name in procs):
+        assert time.monotonic() < deadline and all(p.is_alive() for p in procs.values()), {k: bucket_workers.read_log(logs[k]) for k in procs}
+        time.sleep(0.01)
+    time.sleep(rng.uniform(low, high))
+    for name in rng.sample(sorted(procs), len(procs)):
+        time.sleep(rng.uniform(0, 0.15))
+        procs[name].kill()
+        procs[name].join(30)
+        assert procs[name].exitcode == -signal.SIGKILL, (name, procs[name].exitcode, bucket_workers.read_log(logs[name])[-2:])
+
+
+def test_writers_and_gcs_killed_at_random_instants_lose_nothing_a_tag_holds(tmp_path, url):
+    """10 rounds: two writers (tags ``a`` and ``b``; 256 KiB of new floats a commit and a
+    256 KiB blob reused from an older commit) are SIGKILLed at random instants (mid-upload,
+    mid-CAS...), and so is a GC looping ``gc(keep_last=1)`` (mid-mark, mid-sweep...): with a
+    grace period of 0.5 s beside the writers (3 such rounds in a row, so the third one
+    sweeps what the second marked); with grace 0 once they are dead (a grace period of 0
+    marks and sweeps in one run, so it may delete the pack of a commit in flight:
+    docs/design.md, "GC on object storage"). After each round: fsck(deep) finds nothing,
+    every tag names a commit of its writer no older than the last one that returned and
+    checks out bit-exactly; after a grace-0 round, a gc(grace=0) collects what the killed
+    ones left, and all of that holds again. The next round's writers go on from there."""
+    seed = _seed()
+    rng = random.Random(seed)
+    ctx = bucket_workers.context()
+    store = ckptstore.Store(url)
+    base = {"w": 2, "i": 0, "n": 1 << 16, "alt": 1}
+    store.commit(bucket_workers.state(base), tag="base", metadata=base)  # a tag no one moves, sharing blobs with no one
+    writers = {"a": (0, -1, 0), "b": (1, -1, 0), "base": (2, 0, 0)}
+    steps = {"a": 0, "b": 0}
+    kills = []
+    for r in range(10):
+        grace = 0.0 if r % 4 == 3 else 0.5  # 3 rounds of grace 0.5 s in a row: the third sweeps what the second marked
+        logs = {t: str(tmp_path / f"r{r}-{t}.log") for t in steps} | {"gc": str(tmp_path / f"r{r}-gc.log")}
+        # the GC shares this process's cache, which the checks keep up to date: it starts with every record cached
+        gc = ctx.Process(target=bucket_workers.collector, args=(_env(os.environ["XDG_CACHE_HOME"]), url, grace, 1, logs["gc"]))
+        procs = {t: ctx.Process(target=bucket_workers.writer, args=(_env(tmp_path / f"cache-{t}"), url, t, w, steps[t], None, 1 << 16, 1, logs[t], 0.25))
+                 for t, (w, _, _) in writers.items() if t in steps}
+        _run_and_kill(procs | ({"gc": gc} if grace else {}), logs, rng, 0.3, 1.2)
+        if not grace:
+            _run_and_kill({"gc": gc}, logs, rng, 0.0, 1.0)
+        for t, first in steps.items():
+            w = writers[t][0]
+            done, started = _progress(logs[t])
+            if done < 0:  # this round's writer finished nothing: what it may have landed is its first step
+                done, started = writers[t][1], first
+            writers[t] = (w, done, started)
+            steps[t] = started + 1
+        runs = [line.split() for line in bucket_workers.read_log(logs["gc"])[1:]]
+        kills.append(f"round {r}: grace {grace}, steps {[writers[t][1] for t in steps]}, {len(runs)} gc runs, "
+                     f"{sum(int(x[2]) for x in runs)} packs deleted")
+        why = f"round {r} (grace {grace})"
+        report = store.fsck(deep=True)
+        assert report.ok, f"seed {seed}: {why}: {report.problems}"
+        _check_tags(store, writers, seed, why)
+        if not grace:  # a last GC collects what the killed ones left: the next round's GC has little to read
+            store.gc(grace=0, keep_last=1)
+            report = store.fsck(deep=True)
+            assert report.ok, f"seed {seed}: {why}, after a gc: {report.problems}"
+            assert len(store.log()) == len(_check_tags(store, writers, seed, f"{why}, after a gc"))
+    print("\n".join(kills))
+    _check_tags(_fresh(url, tmp_path), writers, seed, "from a cold cache")
+    store.close()
+
+
+# --- 3. GC beside a writer --------------------------------------------------------------------------
+
+
+def _sleep_past(mtime: float, grace: float) -> None:
+    """Wait until an object of server time ``mtime`` is older than ``grace`` (and a whole second, the server clock's step)."""
+    time.sleep(max(0.0, mtime + grace + 1.05 - time.time()))
+
+
+def test_a_blob_in_a_marked_pack_is_written_again_and_survives_the_sweep(tmp_path, url):
+    """Commit A; drop its tag; a GC marks its pack (grace 1 s: not swept in that run);
+    committing A's state again under a new tag writes every blob again (a reused blob
+    in a marked pack is never relied on); the sweep a grace period later deletes the old
+    pack and record, and the new tag checks out bit-exactly, from a cold cache too."""
+    from ckptstore.backends import open_backend
+    from ckptstore.remote import commit_key
+
+    grace = 1.0
+    meta = {"w": 3, "i": 0, "n": 4096, "alt": 1}
+    s = ckptstore.Store(url)
+    a = s.commit(bucket_workers.state(meta), tag="t1", metadata=meta)
+    b = open_backend(url)
+    (old_pack,) = [o for o in b.list("blobs") if o.key.endswith(".pack")]
+    s.delete_tag("t1")
+    _sleep_past(old_pack.mtime, grace)
+    first = s.gc(grace=grace, keep_last=1)
+    (mark,) = b.list("gc")
+    assert first.packs_deleted == 0 and first.commits_dropped == 0 and first.bytes_pending == old_pack.size
+    assert b.head(old_pack.key) is not None and b.head(commit_key(a.id)) is not None
+    again = s.commit(bucket_workers.state(meta), tag="t2", metadata=meta)
+    assert again.id != a.id and (again.shards_new, again.shards_total) == (3, 3)  # own, step, base: all written again
+    packs = [o.key for o in b.list("blobs") if o.key.endswith(".pack")]
+    assert len(packs) == 2 and old_pack.key in packs
+    _sleep_past(mark.mtime, grace)
+    second = s.gc(grace=grace, keep_last=1)
+    assert second.packs_deleted == 1 and second.dropped == [a.id]
+    assert b.head(old_pack.key) is None and b.head(commit_key(a.id)) is None and b.head(mark.key) is None
+    for store in (s, _fresh(url, tmp_path)):
+        assert store.tags() == {"t2": again.id}
+        _assert_state(store.checkout("t2"), meta, "the commit that wrote the marked blobs again")
+        assert store.fsck(deep=True).ok
+    b.close()
+    s.close()
+
+
+def test_grace_counts_from_the_write_not_from_the_servers_whole_second(tmp_path, url):
+    """S3 (and moto) give object times in whole seconds: an object written at x.5 reads as
+    written at x.0. Half a second later (at x+1.05), under a grace period of 1 s, a pack
+    no commit uses is not dead yet and a GC mark is not old enough to sweep: the grace
+    period is never cut short by the clock's step. Once it has passed, both go."""
+    import json
+
+    from ckptstore.backends import open_backend
+    from ckptstore.packindex import pack_key
+
+    meta = {"w": 6, "i": 0, "n": 16, "alt": 0}
+    s = ckptstore.Store(url)
+    s.commit(bucket_workers.state(meta), tag="t", metadata=meta)  # makes the store
+    b = open_backend(url)
+    time.sleep(1.5 - time.time() % 1)  # x.5
+    before = time.time()
+    writer = s.pack_writer()  # a pack whose writer died before its commit: no record uses it
+    writer.append(memoryview(b"orphan" * 100))
+    writer.finish()
+    (pid, _), = writer.pack_ids
+    mark = f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json"
+    b.put_new(mark, json.dumps({"at": time.time(), "commits": [], "objects": [], "packs": [pid]}).encode())
+    after = time.time()
+    assert int(after) == int(before) and after - before < 0.3, "the writes straddled a second: the machine is too slow for this test"
+    assert b.head(pack_key(pid)).mtime == b.head(mark).mtime == int(before)
+    time.sleep(int(before) + 1.05 - time.time())
+    assert s.gc(grace=1.0, dry_run=True).packs_deleted == 0  # the pack is 0.6 s old, not 1
+    report = s.gc(grace=1.0)
+    assert time.time() < before + 1.0, "the GC took too long for this test"
+    assert report.packs_deleted == 0 and b.head(pack_key(pid)) is not None and b.head(mark) is not None
+    time.sleep(int(before) + 2.1 - time.time())
+    report = s.gc(grace=1.0)
+    assert report.packs_deleted == 1 and b.head(pack_key(pid)) is None and b.head(mark) is None
+    _assert_state(s.checkout("t"), meta, "the tag beside them")
+    b.close()
+    s.close()
+
+
+def test_a_pack_stays_while_a_record_that_needs_it_stays(tmp_path, url):
+    """A record that is on the bucket but not yet old enough to mark (here: rewritten
+    late, as by a writer whose CAS retried past the grace period, or whose pack and record
+    straddled the GC's cutoff) keeps its pack: the GC marks the pack only with the record,
+    and sweeps both together. fsck finds nothing at every step."""
+    import json
+
+    from ckptstore.backends import open_backend
+    from ckptstore.remote import commit_key
+
+    grace = 0.5
+    meta = {"w": 7, "i": 0, "n": 4096, "alt": 0}
+    s = ckptstore.Store(url)
+    a = s.commit(bucket_workers.state(meta), tag="t", metadata=meta)
+    s.delete_tag("t")
+    b = open_backend(url)
+    (pack,) = [o for o in b.list("blobs") if o.key.endswith(".pack")]
+    _sleep_past(pack.mtime, grace)
+    text = b.get(commit_key(a.id))
+    b.delete(commit_key(a.id))
+    b.put_new(commit_key(a.id), text)  # the record, written again now: young, though its commit is old
+    s.gc(grace=grace, keep_last=1)
+    assert [json.loads(b.get(o.key)) for o in b.list("gc")] == [], "a pack was marked while a record that needs it stays"
+    assert s.fsck(deep=True).ok
+    _sleep_past(b.head(commit_key(a.id)).mtime, grace)
+    s.gc(grace=grace, keep_last=1)  # now both are old: marked together
+    marks = [json.loads(b.get(o.key)) for o in b.list("gc")]
+    assert [(m["commits"], m["packs"]) for m in marks] == [([a.id], [pack.key.rsplit("/", 1)[1][:-5]])]
+    assert s.fsck(deep=True).ok
+    _sleep_past(b.list("gc")[0].mtime, grace)
+    report = s.gc(grace=grace, keep_last=1)
+    assert report.dropped == [a.id] and report.packs_deleted == 1 and b.list("blobs") == [] and b.list("commits") == []
+    assert s.fsck(deep=True).ok
+    b.close()
+    s.close()
+
+
+def test_gc_beside_a_writer_that_reuses_old_blobs(tmp_path, url):
+    """A writer commits 40 states (pausing 30 ms after each), each with new floats and one of two
+    64 KiB blobs in turn (so it keeps reusing blobs from older packs that GC marks once
+    the tag names the other one), while this process runs gc(grace=0.5 s, keep_last=1)
+    again and again (a grace period and the server clock's 1 s step: the sweeps start
+    3 s in). Then the tag names the writer's last commit, it checks out bit-exactly,
+    fsck finds nothing, and a final GC leaves only that commit."""
+    ctx = bucket_workers.context()
+    log = str(tmp_path / "writer.log")
+    p = ctx.Process(target=bucket_workers.writer, args=(_env(tmp_path / "cache-w"), url, "live", 4, 0, 40, 1 << 14, 1, log, 0.03))
+    p.start()
+    store = ckptstore.Store(url)
+    runs, dropped, deleted = 0, 0, 0
+    while p.is_alive():
+        if bucket_workers.read_log(log)[1:2]:  # the first commit made the store
+            r = store.gc(grace=0.5, keep_last=1)
+            runs, dropped, deleted = runs + 1, dropped + r.commits_dropped, deleted + r.packs_deleted
+        time.sleep(0.05)
+    p.join()
+    assert p.exitcode == 0, bucket_workers.read_log(log)[-3:]
+    results = [line.split() for line in bucket_workers.read_log(log)[1:-1]]
+    assert [int(r[1]) for r in results] == list(range(40)), results
+    fewest = min(int(r[2]) for r in results)  # new floats and step; more: a reused blob was written again
+    rewritten = [int(r[1]) for r in results if int(r[1]) >= 2 and int(r[2]) > fewest]
+    print(f"{runs} gc runs beside the writer: {dropped} commits dropped, {deleted} packs deleted; "
+          f"commits that wrote a reused blob again: {rewritten}")
+    assert dropped > 0 and deleted > 0  # the sweeps ran beside the writer
+    last = {"w": 4, "i": 39, "n": 1 << 14, "alt": 1}
+    assert store.tags() == {"live": results[-1][0]}
+    _assert_state(store.checkout("live"), last, "the writer's last commit")
+    assert store.fsck(deep=True).ok
+    store.gc(grace=0, keep_last=1)
+    cold = _fresh(url, tmp_path)
+    assert [c.id for c in cold.log()] == [results[-1][0]]
+    _assert_state(cold.checkout("live"), last, "after the last gc, from a cold cache")
+    assert cold.fsck(deep=True).ok
+    store.close()
+
+
+# --- 4. a server that fails requests ----------------------------------------------------------------
+
+FAST_RETRIES = {"max_retries": 3, "backoff": {"init_backoff": timedelta(milliseconds=10), "max_backoff": timedelta(milliseconds=50), "base": 2}}
+
+
+def _faults(rng: random.Random, prefix: str) -> list[dict]:
+    """1 to 3 random fault rules on the requests of a commit or a checkout under ``prefix``:
+    counts up to 3 are ridden out by the retries (3), more fail the call."""
+    areas = [("PUT", "blobs/"), ("PUT", "commits/"), ("PUT", "refs/latest"), ("PUT", "reflog/"), ("PUT", "ckptstore.json"),
+             ("GET", "refs/latest"), ("GET", "blobs/"), ("GET", "commits/"), ("GET", "gc/"), ("HEAD", "blobs/"), ("HEAD", "commits/")]
+    rules = []
+    for _ in range(rng.randint(1, 3)):
+        method, key = rng.choice([*areas, ("GET", "")])  # GET "": any GET, listings included
+        key = f"/{prefix}/{key}" if key else "/ckpt"
+        rules.append({"method": method, "key": key, "action": rng.choice(["500-before", "500-after", "drop-after"]),
+                      "count": rng.choice([1, 1, 1, 2, 3, 8])})
+    return rules
+
+
+def test_commits_and_checkouts_through_a_failing_server(tmp_path, url, s3_server):
+    """Each round commits state k under random faults (HTTP 500 before or after doing the
+    request, dropped responses), then checks ``latest`` out under others, by a warm and
+    a cold cache: every call returns right or raises a ckptstore error; a checkout that
+    returns holds exactly the state of a commit the tag may name (the last one that
+    returned, or a later one whose call failed after its CAS). With the faults off the
+    tag names a whole commit, it checks out bit-exactly and fsck finds nothing."""
+    from ckptstore.backends import S3Backend
+    from ckptstore.errors import CkptStoreError
+
+    seed = _seed()
+    rng = random.Random(seed)
+    prefix = url.split("/", 3)[3]
+    store = BucketStore(url, backend=S3Backend(url, retry_config=FAST_RETRIES), cache=tmp_path / "warm")
+    last_ok, failures, reads = -1, [], 0
+
+    def meta(k: int) -> dict:
+        return {"w": 5, "i": k, "n": 2048, "alt": 1}
+
+    def attempt(what: str, call):
+        try:
+            return call()
+        except CkptStoreError as exc:
+            failures.append(f"{what}: {type(exc).__name__}")
+            return None
+        except Exception as exc:  # a raw error escaped: the test's point
+            raise AssertionError(f"seed {seed}: {what} raised {type(exc).__name__}, not a ckptstore error: {exc}") from exc
+
+    def cold_checkout(k: int):
+        """Open a store with a new cache (faults may hit that too) and check out."""
+        with BucketStore(url, backend=S3Backend(url, retry_config=FAST_RETRIES), cache=tmp_path / f"cold{k}") as reader:
+            return reader.checkout("latest")
+
+    try:
+        for k in range(12):
+            s3_server.set_faults(_faults(rng, prefix))
+            if attempt(f"commit {k}", lambda k=k: store.commit(bucket_workers.state(meta(k)), tag="latest", metadata=meta(k))) is not None:
+                last_ok = k
+            for cold in (False, True):
+                s3_server.set_faults(_faults(rng, prefix))
+                got = attempt(f"checkout {k} ({'cold' if cold else 'warm'})", lambda k=k, cold=cold: cold_checkout(k) if cold else store.checkout("latest"))
+                if got is not None:
+                    j = int(got["step"][1])
+                    assert last_ok <= j <= k, f"seed {seed}: round {k}: latest checks out to commit {j}, last returned {last_ok}"
+                    _assert_state(got, meta(j), f"seed {seed}: round {k}: checkout of commit {j}")
+                    reads += 1
+    finally:
+        s3_server.set_faults([])
+    print(f"{12 - sum(f.startswith('commit') for f in failures)} of 12 commits and {reads} of 24 checkouts returned; failed: {failures}")
+    check = _fresh(url, tmp_path)
+    tags = check.tags()
+    if last_ok >= 0 or tags:
+        cid = tags["latest"]
+        j = check.info(cid).metadata["i"]
+        assert j >= last_ok, f"seed {seed}: the tag names commit {j}, an older one than the last that returned ({last_ok})"
+        _assert_state(check.checkout("latest"), meta(j), f"seed {seed}: the final tag")
+    report = check.fsck(deep=True)
+    assert report.ok, f"seed {seed}: {report.problems}"
+    info = store.commit(bucket_workers.state(meta(12)), tag="latest", metadata=meta(12))  # the faulted store works on
+    assert info.parents == ((tags["latest"],) if tags else ())
+    _assert_state(check.checkout("latest"), meta(12), f"seed {seed}: a commit after the faults")
+    store.close()
 
 
 # --- 5. hostile objects on the bucket -------------------------------------------------------------
