@@ -395,7 +395,7 @@ def test_commits_and_checkouts_through_a_failing_server(tmp_path, url, s3_server
     seed = _seed()
     rng = random.Random(seed)
     prefix = url.split("/", 3)[3]
-    store = BucketStore(url, backend=S3Backend(url, retry_config=FAST_RETRIES), cache=tmp_path / "warm")
+    store = ckptstore.Store(url, backend=S3Backend(url, retry_config=FAST_RETRIES), cache=tmp_path / "warm")
     last_ok, failures, reads = -1, [], 0
 
     def meta(k: int) -> dict:
@@ -412,7 +412,7 @@ def test_commits_and_checkouts_through_a_failing_server(tmp_path, url, s3_server
 
     def cold_checkout(k: int):
         """Open a store with a new cache (faults may hit that too) and check out."""
-        with BucketStore(url, backend=S3Backend(url, retry_config=FAST_RETRIES), cache=tmp_path / f"cold{k}") as reader:
+        with ckptstore.Store(url, backend=S3Backend(url, retry_config=FAST_RETRIES), cache=tmp_path / f"cold{k}") as reader:
             return reader.checkout("latest")
 
     try:
