@@ -103,9 +103,6 @@ def test_four_processes_commit_to_one_tag_and_no_update_is_lost(tmp_path, url):
     store.close()
 
 
-
-
-
 # --- 2. writers and GCs SIGKILLed at random instants -----------------------------------------------
 
 
@@ -128,15 +125,18 @@ def _check_tags(store: BucketStore, writers: dict, seed: int, why: str) -> dict:
     return out
 
 
-def _progress(log: str) -> tuple[int, int]:
-    """(last step that returned or -1, last step started) from a writer's log."""
-    done = [int(line.split()[1]) for line in bucket_workers.read_log(log)[1:] if len(line.split()[0]) == 32]
-    return (done[-1] if done else -1), (done[-1] + 1 if done else 0)
+def _progress(log: str, first: int, seed: int) -> tuple[int | None, int]:
+    """(last step that returned or None, last step started) from the log of a writer
+    that started at step ``first``; any line but a returned commit fails the test."""
+    lines = bucket_workers.read_log(log)[1:]
+    assert all(len(line.split()[0]) == 32 for line in lines), f"seed {seed}: {[line for line in lines if len(line.split()[0]) != 32]}"
+    done = [int(line.split()[1]) for line in lines]
+    return (done[-1] if done else None), (done[-1] + 1 if done else first)
 
 
 def _run_and_kill(procs: dict, logs: dict, rng: random.Random, low: float, high: float) -> None:
     """Start ``procs``; once each says ``ready``, SIGKILL them in a random order, the first
-    ``low`` to ``high`` seconds later, the others up to 0.2 s apart."""
+    ``low`` to ``high`` seconds later, the others up to 0.15 s apart."""
     for p in procs.values():
         p.start()
     deadline = time.monotonic() + 60
@@ -182,11 +182,8 @@ def test_writers_and_gcs_killed_at_random_instants_lose_nothing_a_tag_holds(tmp_
         if not grace:
             _run_and_kill({"gc": gc}, logs, rng, 0.0, 1.0)
         for t, first in steps.items():
-            w = writers[t][0]
-            done, started = _progress(logs[t])
-            if done < 0:  # this round's writer finished nothing: what it may have landed is its first step
-                done, started = writers[t][1], first
-            writers[t] = (w, done, started)
+            done, started = _progress(logs[t], first, seed)
+            writers[t] = (writers[t][0], writers[t][1] if done is None else done, started)  # it may have landed `started` unseen
             steps[t] = started + 1
         runs = [line.split() for line in bucket_workers.read_log(logs["gc"])[1:]]
         kills.append(f"round {r}: grace {grace}, steps {[writers[t][1] for t in steps]}, {len(runs)} gc runs, "
