@@ -96,10 +96,11 @@ def test_four_processes_commit_to_one_tag_and_no_update_is_lost(tmp_path, url):
     for before, move in itertools.pairwise(moves):
         assert move["old_commit"] == before["new_commit"], (before, move)
     assert store.tags() == {"latest": moves[-1]["new_commit"]}
-    # one chain: each commit's only parent is the commit the tag named before its move
-    # (log sorts by created_at, which a commit takes before its CAS retries: not the chain's order)
-    lineage = {c.id: c.parents for c in store.log("latest")}
-    assert lineage == {m["new_commit"]: (m["old_commit"],) if m["old_commit"] else () for m in moves}
+    # one chain: each commit's only parent is the commit the tag named before its move, and
+    # log (newest first by creation time) lists the chain in order: a record is dated when built on its parent
+    log = store.log("latest")
+    assert {c.id: c.parents for c in log} == {m["new_commit"]: (m["old_commit"],) if m["old_commit"] else () for m in moves}
+    assert [c.id for c in log] == [m["new_commit"] for m in moves][::-1]
     store.close()
 
 

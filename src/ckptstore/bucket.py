@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -457,9 +458,13 @@ class BucketStore(Store):
         """As :meth:`Store.commit_manifest`; the first commit of this object brings the
         cache's blob index up to date first, so that a fresh machine uploads only what
         the bucket lacks."""
-        if not self._indexed and not getattr(self._copying, "on", False):
+        if getattr(self._copying, "on", False):
+            return super().commit_manifest(*args, **kwargs)
+        if not self._indexed:
             self.refresh_index()
-        return super().commit_manifest(*args, **kwargs)
+        info, ids = super().commit_manifest(*args, **kwargs)
+        at = self.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (info.id,), raw=True)[0][0]
+        return replace(info, created_at=at), ids  # the record is dated when it was built, after its parents were read
 
     def has_cached(self, cid: str) -> bool:
         """Does the cache hold commit ``cid``'s record?"""
@@ -529,6 +534,8 @@ class BucketStore(Store):
             remaining = [t for t in tags if t not in moved]
             current = dict(zip(remaining, self.requests.map(lambda t: read_tag(self.backend, t), remaining)))
             parents = explicit_parents if explicit_parents is not None else list(dict.fromkeys(c for c, _ in current.values() if c))
+            if expect is None:  # dated after its parents' moves were read: time order is lineage order
+                created_at = time.time()
             cid, parent_ids, seconds, ids = super().index_commit(components, leaves, keys, known, written, writer, [], message, meta_json,
                                                                  parents, created_at, t0, expect, given_packs)
             text = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
