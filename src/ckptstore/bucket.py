@@ -32,6 +32,7 @@ import json
 import os
 import random
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -45,6 +46,7 @@ from .backends.base import ref_segment
 from .errors import (
     BlobCorruptError,
     BlobMissingError,
+    CatalogCorruptError,
     IntegrityError,
     InvalidArgumentError,
     InvalidNameError,
@@ -313,6 +315,21 @@ class BucketStore(Store):
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
+
+    def _open_catalog(self, create: bool):
+        """The cache's catalog. A damaged cache (the catalog not SQLite or not a ckptstore
+        catalog, or lost beside its record packs) holds only copies of the bucket: it is
+        moved aside and deleted, and a new one is built."""
+        try:
+            return super()._open_catalog(create)
+        except CatalogCorruptError:
+            aside = self.root.with_name(f"{self.root.name}.damaged-{uuid.uuid4().hex[:8]}")
+            try:
+                self.root.replace(aside)
+            except FileNotFoundError:
+                pass  # another process moved it first
+            shutil.rmtree(aside, ignore_errors=True)
+            return super()._open_catalog(create)
 
     def close(self) -> None:
         """Wait for asynchronous commits, then release threads, the cache and the client."""

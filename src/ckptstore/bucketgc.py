@@ -42,7 +42,7 @@ from .gc import REPACK_BELOW, Collector, GCReport, parse_duration
 from .layout import address
 from .packindex import decode_index, index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, check_entry
-from .remote import commit_key, fetch_record
+from .remote import commit_key, fetch_record, read_tag
 
 DEFAULT_GRACE = 86400.0
 SWEEP_ATTEMPTS = 5
@@ -238,10 +238,11 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
     rng = random.Random(seed)
     if commit is None:
         ids = []
-        for name, cid in store.read_refs().items():
-            if cid is None:
-                continue
+        for name in backend.list_refs():
             try:
+                cid = read_tag(backend, name)[0]  # a malformed payload is a damaged tag, not the end of the check
+                if cid is None:
+                    continue
                 store.resolve(cid)
             except CkptStoreError as exc:
                 report.damaged_tags.append(name)

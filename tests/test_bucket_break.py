@@ -1,0 +1,58 @@
+"""Adversarial cases of ``Store("s3://…")``: a damaged local cache, hostile tag payloads."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.bucket import cache_folder
+
+from .conftest import assert_bit_equal
+
+
+@pytest.fixture
+def url(s3_server) -> str:
+    return f"s3://ckpt/brk-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "sqlite-deleted"])
+def test_a_damaged_cache_is_rebuilt_from_the_bucket(url, damage):
+    with ckptstore.Store(url) as s:
+        first = s.commit({"w": torch.arange(10.0)}, tag="latest")
+    folder = cache_folder(url)
+    catalog = folder / "catalog.sqlite"
+    if damage == "garbage":
+        catalog.write_bytes(b"garbage" * 100)
+    elif damage == "truncated":
+        catalog.write_bytes(catalog.read_bytes()[:3000])
+    else:  # the catalog gone, its record packs still in the folder
+        for f in folder.glob("catalog.sqlite*"):
+            f.unlink()
+        assert list(folder.glob("blobs/*/*.pack"))
+    with ckptstore.Store(url) as s:
+        assert_bit_equal(s.checkout("latest")["w"], torch.arange(10.0))
+        second = s.commit({"w": torch.arange(11.0)}, tag="latest")
+        assert second.parents == (first.id,)
+        assert [c.id for c in s.log("latest")] == [second.id, first.id]
+        assert s.fsck().ok
+    assert [p.name for p in folder.parent.iterdir() if p.name.startswith(folder.name)] == [folder.name]  # the damaged copy is gone
+
+
+def test_fsck_reports_a_tag_with_a_malformed_payload(url):
+    from ckptstore.backends import open_backend
+
+    with ckptstore.Store(url) as s:
+        s.commit({"w": torch.arange(10.0)}, tag="good")
+        s.commit({"w": torch.arange(3.0)}, tag="bad")
+    with open_backend(url) as b:
+        b.cas_ref("bad", b'["not", "a", "tag"]', b.read_ref("bad").version)
+    with ckptstore.Store(url) as s:
+        report = s.fsck()
+        assert not report.ok
+        assert report.damaged_tags == ["bad"]
+        assert report.problems == [f"tag 'bad': {url}: tag 'bad' holds a malformed payload"]
+        assert report.commits == 2 and report.damaged_commits == []
+        assert_bit_equal(s.checkout("good")["w"], torch.arange(10.0))
