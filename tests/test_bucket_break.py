@@ -56,3 +56,28 @@ def test_fsck_reports_a_tag_with_a_malformed_payload(url):
         assert report.problems == [f"tag 'bad': {url}: tag 'bad' holds a malformed payload"]
         assert report.commits == 2 and report.damaged_commits == []
         assert_bit_equal(s.checkout("good")["w"], torch.arange(10.0))
+        assert s.tags() == {"good": s.resolve("good")}  # listed without the malformed one
+        with pytest.raises(ckptstore.errors.IntegrityError):
+            s.gc(grace=0)  # which commit it holds is unknown: GC keeps everything rather than guess
+        assert s.delete_tag("bad") == ""  # removed all the same
+        assert s.fsck().ok and s.gc(grace=0).commits_dropped == 1
+
+
+def test_a_tag_that_moved_is_a_successful_commit_even_if_its_reflog_record_fails(url, s3_server):
+    from datetime import timedelta
+
+    from ckptstore.backends import S3Backend
+    from ckptstore.bucket import BucketStore
+
+    fast = {"max_retries": 1, "backoff": {"init_backoff": timedelta(milliseconds=5), "max_backoff": timedelta(milliseconds=10), "base": 2}}
+    s = BucketStore(url, backend=S3Backend(url, retry_config=fast))
+    first = s.commit({"w": torch.arange(4.0)}, tag="latest")
+    s3_server.set_faults([{"method": "PUT", "key": f"/{url[5:]}/reflog/", "action": "500-before", "count": 1000}])
+    try:
+        with pytest.warns(ckptstore.errors.ReflogWarning, match="moved to"):
+            second = s.commit({"w": torch.arange(5.0)}, tag="latest")
+    finally:
+        s3_server.set_faults([])
+    assert s.tags() == {"latest": second.id} and second.parents == (first.id,)
+    assert [m["new_commit"] for m in s.reflog("latest")] == [first.id]  # the lost entry
+    s.close()

@@ -36,6 +36,7 @@ import shutil
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -44,6 +45,7 @@ from typing import Any
 from .backends import Backend, open_backend
 from .backends.base import ref_segment
 from .errors import (
+    BackendError,
     BlobCorruptError,
     BlobMissingError,
     CatalogCorruptError,
@@ -54,6 +56,7 @@ from .errors import (
     ObjectNotFoundError,
     RefBusyError,
     RefConflictError,
+    ReflogWarning,
     RefNotFoundError,
 )
 from .layout import address, digest
@@ -365,6 +368,8 @@ class BucketStore(Store):
         with self._index_lock:
             cat = self.catalog
             seen = {r[0] for r in cat.rows("SELECT id FROM packs", raw=True)}
+            if only is not None and len(only) > REQUESTS:
+                only = None  # a long hint costs more HEADs than one listing
             if only is not None:
                 todo = [p for p in dict.fromkeys(only) if p not in seen]
                 heads = dict(zip(todo, self.requests.map(lambda p: self.backend.head(pack_key(p)), todo)))
@@ -586,7 +591,10 @@ class BucketStore(Store):
 
     def _log_move(self, tag: str, old: str | None, new: str | None, action: str, at: float) -> None:
         move = json.dumps({"action": action, "at": at, "new": new, "old": old, "tag": tag}, sort_keys=True).encode()
-        self.backend.put_new(f"reflog/{ref_segment(tag)}/{time.time_ns():020d}-{uuid.uuid4().hex}", move)
+        try:
+            self.backend.put_new(f"reflog/{ref_segment(tag)}/{time.time_ns():020d}-{uuid.uuid4().hex}", move)
+        except BackendError as exc:  # the tag has moved: the call succeeded, only its history entry is lost
+            warnings.warn(ReflogWarning(f"tag {tag!r} moved to {new}, but its reflog record was not written: {exc}"), stacklevel=3)
 
     def _mirror(self, refs: dict[str, str | None], complete: bool = False) -> None:
         """Copy tag values read from the bucket into the cache's tags table (``None``:
@@ -615,16 +623,29 @@ class BucketStore(Store):
 
     # --- refs ---------------------------------------------------------------------------------
 
-    def read_refs(self) -> dict[str, str | None]:
-        """Every tag on the bucket, ``{name: commit id}`` (``None``: deleted), read now."""
+    def read_refs(self, strict: bool = True) -> dict[str, str | None]:
+        """Every tag on the bucket, ``{name: commit id}`` (``None``: deleted), read now.
+
+        Raises:
+            IntegrityError: a tag's payload is malformed (``strict``; else it is left out).
+        """
         names = self.backend.list_refs()
-        return {n: c for n, (c, _) in zip(names, self.requests.map(lambda n: read_tag(self.backend, n), names))}
+
+        def read(name: str):
+            try:
+                return read_tag(self.backend, name)[0]
+            except IntegrityError:
+                if strict:
+                    raise
+                return ...
+
+        return {n: c for n, c in zip(names, self.requests.map(read, names)) if c is not ...}
 
     def tags(self) -> dict[str, str]:
         """``{tag name: commit id}`` as on the bucket now, sorted by name."""
         if self.marker is None and read_marker(self.backend) is None:
             return {}
-        refs = self.read_refs()
+        refs = self.read_refs(strict=False)  # a malformed tag is left out (fsck reports it; delete_tag removes it)
         self._mirror(refs, complete=True)
         return {n: c for n, c in sorted(refs.items()) if c is not None}
 
@@ -658,13 +679,20 @@ class BucketStore(Store):
         return cid
 
     def delete_tag(self, name: str) -> str:
-        """Delete tag ``name`` (a tombstone by compare-and-swap); returns the commit it named.
+        """Delete tag ``name`` (a tombstone by compare-and-swap); returns the commit it named
+        (``""`` for a tag whose payload was malformed: it is removed all the same).
 
         Raises:
             RefNotFoundError: no such tag.
         """
         self._need_store()
-        old = read_tag(self.backend, name)[0] if type(name) is str and name else None
+        try:
+            old = read_tag(self.backend, name)[0] if type(name) is str and name else None
+        except IntegrityError:  # a malformed payload: replace it with a tombstone, whatever it holds
+            ref = self.backend.read_ref(name)
+            self.backend.cas_ref(name, ref_payload(None, None, "delete", time.time()), ref.version)
+            self._log_move(name, None, None, "delete", time.time())
+            return ""
         if old is None:
             raise RefNotFoundError(f"no tag named {name!r} at {self.url}")
         return self._move(name, None, "delete", old) or old

@@ -167,3 +167,8 @@ class StaleFingerprintWarning(UserWarning):
 class PushFailedWarning(UserWarning):
     """A background push (``Checkpointer(push_to=...)``) failed after its retries; the
     local commit is intact and the next commit's push tries again."""
+
+
+class ReflogWarning(UserWarning):
+    """A tag moved on object storage but its reflog record could not be written after the
+    client's retries: the move stands (the commit is returned), only its history entry is missing."""
