@@ -307,8 +307,19 @@ class BucketStore(Store):
                 compression_level = self.marker.get("compression_level") if compression_level is None else compression_level
             self.uploads = ThreadPoolExecutor(UPLOADS, thread_name_prefix="ckptstore-upload")
             self.requests = ThreadPoolExecutor(REQUESTS, thread_name_prefix="ckptstore-request")
-            super().__init__(cache or cache_folder(self.url), create=True, shard_bytes=shard_bytes, compression_level=compression_level,
-                             pack_bytes=pack_bytes, workers=workers, registry=registry, reuse_hashes=reuse_hashes)
+            folder = Path(cache or cache_folder(self.url))
+            settings = {"create": True, "shard_bytes": shard_bytes, "compression_level": compression_level, "pack_bytes": pack_bytes,
+                        "workers": workers, "registry": registry, "reuse_hashes": reuse_hashes}
+            try:
+                super().__init__(folder, **settings)
+            except CatalogCorruptError:  # a damaged cache holds only copies of the bucket: move it aside, build a new one
+                aside = folder.with_name(f"{folder.name}.damaged-{uuid.uuid4().hex[:8]}")
+                try:
+                    folder.replace(aside)
+                except FileNotFoundError:
+                    pass  # another process moved it first
+                shutil.rmtree(aside, ignore_errors=True)
+                super().__init__(folder, **settings)
         except BaseException:
             self.backend.close()
             raise
@@ -318,21 +329,6 @@ class BucketStore(Store):
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
-
-    def _open_catalog(self, create: bool):
-        """The cache's catalog. A damaged cache (the catalog not SQLite or not a ckptstore
-        catalog, or lost beside its record packs) holds only copies of the bucket: it is
-        moved aside and deleted, and a new one is built."""
-        try:
-            return super()._open_catalog(create)
-        except CatalogCorruptError:
-            aside = self.root.with_name(f"{self.root.name}.damaged-{uuid.uuid4().hex[:8]}")
-            try:
-                self.root.replace(aside)
-            except FileNotFoundError:
-                pass  # another process moved it first
-            shutil.rmtree(aside, ignore_errors=True)
-            return super()._open_catalog(create)
 
     def close(self) -> None:
         """Wait for asynchronous commits, then release threads, the cache and the client."""
