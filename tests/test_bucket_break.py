@@ -81,3 +81,17 @@ def test_a_tag_that_moved_is_a_successful_commit_even_if_its_reflog_record_fails
     assert s.tags() == {"latest": second.id} and second.parents == (first.id,)
     assert [m["new_commit"] for m in s.reflog("latest")] == [first.id]  # the lost entry
     s.close()
+
+
+def test_deleting_the_cache_folder_under_an_open_store_loses_nothing(url):
+    import shutil
+
+    s = ckptstore.Store(url)
+    first = s.commit({"w": torch.arange(10.0)}, tag="latest")
+    shutil.rmtree(cache_folder(url))
+    second = s.commit({"w": torch.arange(11.0)}, tag="latest")
+    assert second.parents == (first.id,)
+    s.close()
+    with ckptstore.Store(url) as again:  # a new cache, built from the bucket
+        assert [c.id for c in again.log("latest")] == [second.id, first.id]
+        assert_bit_equal(again.checkout("latest")["w"], torch.arange(11.0))

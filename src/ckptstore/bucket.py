@@ -480,6 +480,8 @@ class BucketStore(Store):
             return super().commit_manifest(*args, **kwargs)
         if not self._indexed:
             self.refresh_index()
+        for sub in ("blobs", "tmp"):  # the cache folder may have been deleted under us: it holds only copies
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
         info, ids = super().commit_manifest(*args, **kwargs)
         at = self.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (info.id,), raw=True)[0][0]
         return replace(info, created_at=at), ids  # the record is dated when it was built, after its parents were read
