@@ -5,7 +5,7 @@
 swapped for object storage, everything else (adapters, sharding, hashing, the manifest,
 checkout's planning and restoring) shared with the local store:
 
-- **objects**: new blobs go into packs assembled in memory (:class:`BucketPackWriter`),
+- **objects**: new blobs go into packs assembled in memory (:class:`~ckptstore.remote.BucketPackWriter`, shared with push),
   each put whole with a create-only PUT, then its ``.idx``; reads are ranged GETs of
   only the needed blobs, coalesced and in parallel (:class:`BucketReader`), each checked
   against its entry header and rehashed;
@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 import warnings
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -60,22 +60,28 @@ from .errors import (
     RefNotFoundError,
 )
 from .layout import address, digest
-from .packindex import decode_index, encode_index, index_key, pack_key
+from .packindex import decode_index, index_key, pack_key
 from .packs import (
     BLOB_HEADER,
     BLOB_MAGIC,
-    CODEC_RAW,
-    PACK_HEADER,
-    RECORD_MAGIC,
     BlobLoc,
     Entry,
     decode_entry,
-    encode_blob,
-    entry_header,
-    pack_header,
 )
 from .records import recreate
-from .remote import MARKER, PACK_BYTES, UPLOADS, commit_key, ensure_marker, fetch_record, read_marker, read_tag, read_tag_hint, ref_payload
+from .remote import (
+    MARKER,
+    PACK_BYTES,
+    UPLOADS,
+    BucketPackWriter,
+    commit_key,
+    ensure_marker,
+    fetch_record,
+    read_marker,
+    read_tag,
+    read_tag_hint,
+    ref_payload,
+)
 from .remote import resolve as resolve_remote
 from .store import ReusedBlobsGone, Store, check_tag
 
@@ -91,105 +97,6 @@ def cache_folder(url: str) -> Path:
     ``~/.cache``), one per endpoint (``AWS_ENDPOINT_URL``), bucket and prefix."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ckptstore" / digest(f"{os.environ.get('AWS_ENDPOINT_URL', '')}|{url}".encode()).hex()
-
-
-class _MemPack:
-    def __init__(self):
-        self.id = uuid.uuid4().hex
-        self.parts: list = [pack_header()]
-        self.entries: list[Entry] = []
-        self.size = PACK_HEADER.size
-
-
-class BucketPackWriter:
-    """:class:`~ckptstore.packs.PackWriter`'s interface for object storage; thread-safe.
-
-    Entries are appended to a pack held in memory (raw payloads as views of the caller's
-    buffers, which must stay valid until :meth:`finish`); a pack past ``pack_bytes`` is
-    uploaded in the background (create-only PUT of the pack, then of its ``.idx``) while
-    the next one fills. :meth:`finish` uploads the last one and waits: every pack is then
-    durable. Nothing is ever deleted: a commit that does not land leaves unreferenced
-    packs, which GC removes after the grace period.
-
-    Raises:
-        BackendError: an upload failed after the client's retries (from :meth:`finish`).
-    """
-
-    def __init__(self, backend: Backend, level: int, pack_bytes: int, uploads: ThreadPoolExecutor):
-        self.backend, self.level, self.pack_bytes, self._uploads = backend, level, pack_bytes, uploads
-        self._lock = threading.Lock()
-        self._open: _MemPack | None = None
-        self._futures: list[Future] = []
-        self._ids: list[tuple[str, int]] = []
-        self.stored_bytes = 0
-
-    def append(self, raw: memoryview, digest_: bytes | None = None) -> BlobLoc:
-        """Write one blob (``raw`` bytes) and return its location."""
-        digest_ = digest(raw) if digest_ is None else digest_
-        codec, payload = encode_blob(raw, self.level)
-        return self.append_encoded(digest_, len(raw), codec, payload)
-
-    def append_record(self, kind: int, raw: bytes) -> BlobLoc:
-        """Write one record (``kind``, its text's bytes) and return its location."""
-        return self.append_encoded(digest(raw), len(raw), CODEC_RAW, raw, RECORD_MAGIC, kind)
-
-    def append_encoded(self, digest_: bytes, raw_len: int, codec: int, payload, magic: bytes = BLOB_MAGIC, kind: int = 0) -> BlobLoc:
-        """Write an entry already encoded (verified by the caller) as it is."""
-        header = entry_header(digest_, raw_len, codec, len(payload), magic, kind)
-        need = len(header) + len(payload)
-        with self._lock:
-            pack = self._open
-            if pack is None or (pack.entries and pack.size + need > self.pack_bytes):
-                if pack is not None:
-                    self._ship(pack)
-                pack = self._open = _MemPack()
-            loc = BlobLoc(digest_, raw_len, pack.id, pack.size, len(payload), codec)
-            pack.parts += (header, payload)
-            pack.entries.append(Entry(loc, kind, magic))
-            pack.size += need
-            self.stored_bytes += need
-        return loc
-
-    def _ship(self, pack: _MemPack) -> None:
-        self._ids.append((pack.id, pack.size))
-
-        def upload() -> None:
-            self.backend.put_new(pack_key(pack.id), pack.parts)
-            self.backend.put_new(index_key(pack.id), encode_index(pack.entries))
-
-        self._futures.append(self._uploads.submit(upload))
-
-    @property
-    def pack_ids(self) -> list[tuple[str, int]]:
-        """``(pack id, size in bytes)`` of every pack written so far."""
-        with self._lock:
-            return list(self._ids) + ([(self._open.id, self._open.size)] if self._open is not None else [])
-
-    def finish(self) -> None:
-        """Upload the open pack and wait until every pack and ``.idx`` is on the bucket."""
-        with self._lock:
-            if self._open is not None:
-                self._ship(self._open)
-                self._open = None
-            futures, self._futures = self._futures, []
-        for f in futures:
-            f.result()
-
-    def discard(self) -> None:
-        """Nothing to undo: unreferenced packs are GC's (after the grace period)."""
-        self.close()
-
-    def close(self) -> None:
-        with self._lock:
-            futures, self._futures, self._open = self._futures, [], None
-        for f in futures:
-            f.exception()
-
-    def __enter__(self) -> BucketPackWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 class BucketReader:
@@ -829,4 +736,4 @@ class BucketStore(Store):
                                    f"local store first (`ckptstore pull {self.url} REF --store FOLDER`), then export it from there")
 
 
-__all__ = ["BucketPackWriter", "BucketReader", "BucketStore", "cache_folder"]
+__all__ = ["BucketReader", "BucketStore", "cache_folder"]

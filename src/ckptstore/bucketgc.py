@@ -68,8 +68,7 @@ def _state(store, c: Collector) -> _State:
     """Mirror the bucket into the cache and compute liveness (reads every ref, record and ``.idx``)."""
     backend = store.backend
     refs = store.read_refs()
-    store.log()  # caches every commit record, forgets the ones the bucket lost
-    store.tags()
+    store.log()  # mirrors the tags, caches every commit record, forgets the ones the bucket lost
     c.now = time.time()
     retained = c.retained()
     live = {k for cid in retained if store.has_cached(cid) for leaf in store.record(cid).leaves for k in leaf.keys}

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from .backends import Backend
@@ -52,8 +53,21 @@ from .errors import (
     RefNotFoundError,
 )
 from .layout import address, digest
-from .packindex import decode_index, encode_index, index_key, pack_key, scan_pack
-from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, check_entry, entry_header, pack_header
+from .packindex import decode_index, encode_index, index_key, pack_key
+from .packs import (
+    BLOB_HEADER,
+    BLOB_MAGIC,
+    CODEC_RAW,
+    PACK_HEADER,
+    RECORD_MAGIC,
+    BlobLoc,
+    Entry,
+    PackReader,
+    check_entry,
+    encode_blob,
+    entry_header,
+    pack_header,
+)
 from .records import KIND_COMMIT, CommitRecord, commit_id, parse_commit, recreate
 from .transfer import TransferReport, missing_lineage
 
@@ -264,53 +278,109 @@ class RemoteIndex:
 # --- writing packs --------------------------------------------------------------------------
 
 
-class _Packs:
-    """Assembles entries into packs in memory; each full pack uploads in the background
-    (the pack whole, then its ``.idx``; :data:`UPLOADS` at a time) while the next fills.
-    :meth:`wait` uploads the last one and waits for all (raising the first failure)."""
-
-    def __init__(self, backend: Backend, report: TransferReport, pack_bytes: int):
-        self.backend, self.report, self.pack_bytes = backend, report, pack_bytes
-        self._pool = ThreadPoolExecutor(UPLOADS, thread_name_prefix="ckptstore-push")
-        self._futures: list = []
-        self._new()
-
-    def _new(self) -> None:
+class _MemPack:
+    def __init__(self):
         self.id = uuid.uuid4().hex
         self.parts: list = [pack_header()]
-        self.size = len(self.parts[0])
+        self.entries: list[Entry] = []
+        self.size = PACK_HEADER.size
 
-    def add(self, entry) -> str:
-        """Append one whole entry (header and payload, bytes-like); returns its pack id."""
-        if len(self.parts) > 1 and self.size + len(entry) > self.pack_bytes:
-            self.flush()
-        self.parts.append(entry)
-        self.size += len(entry)
-        return self.id
 
-    def flush(self) -> None:
-        if len(self.parts) == 1:
-            return
-        pid, data = self.id, b"".join(self.parts)
-        idx = encode_index(scan_pack(data, pid))
+class BucketPackWriter:
+    """:class:`~ckptstore.packs.PackWriter`'s interface for object storage (a bucket store's
+    commits, and push); thread-safe.
+
+    Entries are appended to a pack held in memory (raw payloads as views of the caller's
+    buffers, which must stay valid until :meth:`finish`); a pack past ``pack_bytes`` is
+    uploaded in the background (create-only PUT of the pack, then of its ``.idx``) while
+    the next one fills. :meth:`finish` uploads the last one and waits: every pack is then
+    durable. Nothing is ever deleted: a commit that does not land leaves unreferenced
+    packs, which GC removes after the grace period.
+
+    Raises:
+        BackendError: an upload failed after the client's retries (from :meth:`finish`).
+    """
+
+    def __init__(self, backend: Backend, level: int, pack_bytes: int, uploads: ThreadPoolExecutor):
+        self.backend, self.level, self.pack_bytes, self._uploads = backend, level, pack_bytes, uploads
+        self._lock = threading.Lock()
+        self._open: _MemPack | None = None
+        self._futures: list[Future] = []
+        self._ids: list[tuple[str, int]] = []
+        self.stored_bytes = 0
+        self.objects_uploaded = 0  # packs and .idx handed to the uploads (durable once finish() returns)
+        self.bytes_uploaded = 0
+
+    def append(self, raw: memoryview, digest_: bytes | None = None) -> BlobLoc:
+        """Write one blob (``raw`` bytes) and return its location."""
+        digest_ = digest(raw) if digest_ is None else digest_
+        codec, payload = encode_blob(raw, self.level)
+        return self.append_encoded(digest_, len(raw), codec, payload)
+
+    def append_record(self, kind: int, raw: bytes) -> BlobLoc:
+        """Write one record (``kind``, its text's bytes) and return its location."""
+        return self.append_encoded(digest(raw), len(raw), CODEC_RAW, raw, RECORD_MAGIC, kind)
+
+    def append_encoded(self, digest_: bytes, raw_len: int, codec: int, payload, magic: bytes = BLOB_MAGIC, kind: int = 0) -> BlobLoc:
+        """Write an entry already encoded (verified by the caller) as it is."""
+        header = entry_header(digest_, raw_len, codec, len(payload), magic, kind)
+        need = len(header) + len(payload)
+        with self._lock:
+            pack = self._open
+            if pack is None or (pack.entries and pack.size + need > self.pack_bytes):
+                if pack is not None:
+                    self._ship(pack)
+                pack = self._open = _MemPack()
+            loc = BlobLoc(digest_, raw_len, pack.id, pack.size, len(payload), codec)
+            pack.parts += (header, payload)
+            pack.entries.append(Entry(loc, kind, magic))
+            pack.size += need
+            self.stored_bytes += need
+        return loc
+
+    def _ship(self, pack: _MemPack) -> None:
+        self._ids.append((pack.id, pack.size))
+        idx = encode_index(pack.entries)
+        self.objects_uploaded += 2
+        self.bytes_uploaded += pack.size + len(idx)
 
         def upload() -> None:
-            self.backend.put_new(pack_key(pid), data)
-            self.backend.put_new(index_key(pid), idx)
+            self.backend.put_new(pack_key(pack.id), pack.parts)
+            self.backend.put_new(index_key(pack.id), idx)
 
-        self._futures.append(self._pool.submit(upload))
-        self.report.objects_written += 2
-        self.report.bytes_written += len(data) + len(idx)
-        self._new()
+        self._futures.append(self._uploads.submit(upload))
 
-    def wait(self) -> None:
-        self.flush()
-        futures, self._futures = self._futures, []
+    @property
+    def pack_ids(self) -> list[tuple[str, int]]:
+        """``(pack id, size in bytes)`` of every pack written so far."""
+        with self._lock:
+            return list(self._ids) + ([(self._open.id, self._open.size)] if self._open is not None else [])
+
+    def finish(self) -> None:
+        """Upload the open pack and wait until every pack and ``.idx`` is on the bucket."""
+        with self._lock:
+            if self._open is not None:
+                self._ship(self._open)
+                self._open = None
+            futures, self._futures = self._futures, []
         for f in futures:
             f.result()
 
+    def discard(self) -> None:
+        """Nothing to undo: unreferenced packs are GC's (after the grace period)."""
+        self.close()
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        with self._lock:
+            futures, self._futures, self._open = self._futures, [], None
+        for f in futures:
+            f.exception()
+
+    def __enter__(self) -> BucketPackWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _diverged(where: str, tag: str, theirs: str, ours: str) -> RefConflictError:
@@ -366,7 +436,8 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
             report.objects_written += bool(n)
             report.bytes_written += n
         index = RemoteIndex(backend).refresh()
-        packs = _Packs(backend, report, pack_bytes)
+        uploads = ThreadPoolExecutor(UPLOADS, thread_name_prefix="ckptstore-push")
+        packs = BucketPackWriter(backend, 0, pack_bytes, uploads)
         reader = PackReader(local.root, sparse=True, locate=local.relocate)
         sent: set[tuple[bytes, int]] = set()
         reused: dict[tuple[bytes, int], str] = {}
@@ -376,7 +447,8 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
             loc = located.get(key)
             if loc is None:
                 raise BlobMissingError(f"{local.root}: commit {c}, blob {address(*key)} is not in the catalog")
-            packs.add(reader.stored(loc, f"{local.root}: commit {c}"))
+            stored = reader.stored(loc, f"{local.root}: commit {c}")  # verified: its header is loc's
+            packs.append_encoded(loc.digest, loc.raw_len, loc.codec, memoryview(stored)[BLOB_HEADER.size :])
             sent.add(key)
             reused.pop(key, None)
             report.blobs_copied += 1
@@ -396,9 +468,9 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
                     else:
                         send(key, located, c)
                 text = rec.text.encode()
-                packs.add(entry_header(digest(text), len(text), CODEC_RAW, len(text), RECORD_MAGIC, KIND_COMMIT) + text)
+                packs.append_record(KIND_COMMIT, text)
                 texts.append((c, text))
-            packs.wait()
+            packs.finish()
             # A GC may have marked a pack we reuse since we listed: write those blobs again (design: "Writers").
             marked = index.read_marks()
             again = [k for k, pid in reused.items() if index.all_marked or pid in marked]
@@ -406,10 +478,13 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
                 located = local.locate(again)
                 for key in again:
                     send(key, located, cid)
-                packs.wait()
+                packs.finish()
         finally:
             packs.close()
+            uploads.shutdown()
             reader.close()
+        report.objects_written += packs.objects_uploaded
+        report.bytes_written += packs.bytes_uploaded
         for c, text in texts:
             if backend.put_new(commit_key(c), text):
                 report.objects_written += 1
@@ -543,4 +618,4 @@ def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> Trans
     return report
 
 
-__all__ = ["MARKER", "PACK_BYTES", "RemoteIndex", "commit_key", "fetch_record", "pull", "push", "read_marker", "read_tag", "resolve"]
+__all__ = ["MARKER", "PACK_BYTES", "BucketPackWriter", "RemoteIndex", "commit_key", "fetch_record", "pull", "push", "read_marker", "read_tag", "resolve"]
