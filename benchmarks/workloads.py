@@ -903,7 +903,9 @@ def stall_save(task: dict) -> list[dict]:
     buffer extended by a small batch every step. Two arms in this one child, in blocks of
     ``stall_steps`` steps, ABBA order (BAAB on odd repetitions): no commits, and
     ``store.commit_async({"rb", "policy", "optim"})`` every ``stall_every`` steps. A step's
-    time includes the commit_async call made in it. After each commit block the outstanding
+    time includes the commit_async call made in it. Commits are called in the middle of each
+    interval of ``stall_every`` steps, so the background work of every commit runs during
+    measured steps (at the end of an interval, a block's last commit would run after it). After each commit block the outstanding
     commits are awaited (``drain_s``, outside the steps), so no commit spills into a
     no-commit block. Before the blocks: warm-up steps, a synchronous first commit and one
     awaited commit_async (its snapshot buffers allocated), as in a run that has been saving."""
@@ -960,7 +962,7 @@ def stall_save(task: dict) -> list[dict]:
         for i in range(s.stall_steps):
             t0 = time.perf_counter()
             step()
-            if arm == "commit" and i % s.stall_every == s.stall_every - 1:
+            if arm == "commit" and i % s.stall_every == s.stall_every // 2 - 1:  # mid-interval: its background work falls inside the block
                 tc = time.perf_counter()
                 fut = store.commit_async(state, tag="latest")
                 calls.append(time.perf_counter() - tc)

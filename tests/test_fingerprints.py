@@ -138,7 +138,7 @@ def test_shared_and_file_backed_tensors_get_no_fingerprint(tmp_path):
     assert plain_token(torch.zeros(4)) is not None
 
 
-def test_async_commit_hashes_changed_columns_at_the_call_and_copies_only_changed_shards(tmp_path):
+def test_async_commit_copies_only_the_shards_that_changed(tmp_path):
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
     import ckptstore.store as store_module
@@ -147,17 +147,30 @@ def test_async_commit_hashes_changed_columns_at_the_call_and_copies_only_changed
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(4096), batch_size=4)
     rb.extend(TensorDict({"obs": torch.randn(4096, 16)}, [4096]))  # 64-byte rows: 64 shards of 64 rows
     store.commit_async(rb, tag="a").result()
-    rb.extend(TensorDict({"obs": torch.full((10, 16), 7.0)}, [10]))  # the ring wraps: rows 0-9, one shard per column
-    expected = rb.storage._storage["obs"].clone()
-    copied = []
     real = store_module._Prehashed
-    store_module._Prehashed = lambda record, shards, reused: copied.append(len(shards) - len(reused)) or real(record, shards, reused)
-    try:
-        future = store.commit_async(rb, tag="b")
-    finally:
-        store_module._Prehashed = real
+
+    def commit_async_counting_copies(tag):
+        copied = []
+        store_module._Prehashed = lambda record, shards, reused, last: copied.append(len(shards) - len(reused)) or real(record, shards, reused, last)
+        try:
+            return store.commit_async(rb, tag=tag), copied
+        finally:
+            store_module._Prehashed = real
+
+    # the storage's write log names rows 0-9 (the ring wraps): the shard holding them is copied in
+    # each column, obs and TorchRL's index, and hashed in the background
+    rb.extend(TensorDict({"obs": torch.full((10, 16), 7.0)}, [10]))
+    expected_b = rb.storage._storage["obs"].clone()
+    future_b, copied = commit_async_counting_copies("b")
+    assert copied == [1, 1]
     rb.storage._storage["obs"][:] = -1  # training goes on: every row changes after the call returns
-    info = future.result()
-    assert copied == [1, 0]  # obs: its one changed shard was copied; the index column holds the same row numbers
-    assert info.shards_new == 1
-    assert_bit_equal(store.checkout("b")["storage", "data", "obs"], expected)
+    assert future_b.result().shards_new == 1  # obs shard 0; the index column holds the same row numbers
+    # a write the log does not see (an in-place op on the column): every obs shard is hashed at the
+    # call and those whose hash changed are copied (all 64); the index column's token is unchanged
+    expected_c = rb.storage._storage["obs"].clone()
+    future_c, copied = commit_async_counting_copies("c")
+    assert copied == [64]
+    rb.storage._storage["obs"][:] = 5
+    assert future_c.result().shards_new == 1  # all 64 obs shards hold the same bytes
+    assert_bit_equal(store.checkout("b")["storage", "data", "obs"], expected_b)
+    assert_bit_equal(store.checkout("c")["storage", "data", "obs"], expected_c)

@@ -367,6 +367,13 @@ def test_unchanged_storage_is_not_rehashed_and_changes_always_are(tmp_path, monk
     assert_bit_equal(store.checkout("a")["storage", "data", "obs"], obs)
     hashed.clear()
     rb.extend(TensorDict({"obs": torch.randn(5, 64)}, [5]))  # a write through TorchRL bumps the storage revision
+    info = store.commit(rb, tag="a")
+    # the storage's write log names rows 0-4: shard 0 of obs and of the index is rehashed, plus one
+    # sampled reused shard of each (obs: 4096 bytes, the index's other shard: 3904)
+    assert sorted(hashed) == [3904, 4096, 4096, 4096] and info.shards_new == 1  # the index rows hold the same values
+    assert_bit_equal(store.checkout("a")["storage", "data", "obs"], obs)
+    hashed.clear()
+    rb.update_(TensorDict({"obs": torch.zeros(1000, 64)}, [1000]))  # a write the log does not see: whole columns again
     store.commit(rb, tag="a")
     assert sum(hashed) == storage_bytes
     fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), batch_size=4)

@@ -12,6 +12,7 @@ import random
 import re
 import sys
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -121,16 +122,20 @@ class ShardPlan:
         return start, min(self.nbytes, start + self.shard_bytes)
 
 
-def sample_unchanged(known: list[bytes], mv: memoryview, plan: ShardPlan, path: str) -> bool:
+def sample_unchanged(known: Sequence[bytes] | Mapping[int, bytes], mv: memoryview, plan: ShardPlan, path: str) -> bool:
     """Rehash a random sample of the shards of ``mv`` (cut by ``plan``) whose hashes a
-    fingerprint says are still ``known``: one shard, and 1 % of them for large tensors.
+    fingerprint says are still ``known`` (all shards in order, or ``{shard index:
+    hash}``): one shard, and 1 % of them for large tensors.
 
     A write torch did not count (through ``.data``, a numpy view, another process)
     that touches a sampled shard, as any write to every element does, is caught:
     returns ``False`` and warns :class:`~ckptstore.errors.StaleFingerprintWarning`
     naming ``path``; the caller then hashes it all.
     """
-    sample = random.sample(range(plan.count), max(1, plan.count // 100))
+    known = known if isinstance(known, Mapping) else dict(enumerate(known))
+    if not known:
+        return True
+    sample = random.sample(sorted(known), max(1, len(known) // 100))
     if all(digest(mv[slice(*plan.bounds(i))]) == known[i] for i in sample):
         return True
     warnings.warn(

@@ -139,14 +139,17 @@ class IOStats:
 
 @dataclass
 class _Prehashed:
-    """A changed tensor leaf of an asynchronous commit, hashed when it was snapshotted:
+    """A changed tensor leaf of an asynchronous commit, split when it was snapshotted:
     its record, each shard's ``(digest, bytes)`` (copies of the shards that changed since
     the last commit, views of the live tensor for the others, only read if their blob
-    must be written again, after a rehash), and the blob ids of the unchanged ones."""
+    must be written again, after a rehash; a copy's digest is ``b""`` until the commit
+    hashes it), the blob ids of the unchanged ones, and the last commit's
+    ``(digest, blob id)`` per shard."""
 
     record: LeafRecord
     shards: list[tuple[bytes, memoryview]]
     reused: dict[int, int]  # shard index -> blob id
+    last: list[tuple[bytes, int]]
 
 
 class ReusedBlobsGone(Exception):
@@ -557,16 +560,20 @@ class Store:
                 if token is not None:
                     phys, _ = physical(value, path)
                     p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
-                    entry = self._cached(comp.owner, path, token, p.count)
-                    if entry is not None and entry[0] == token:
+                    entry = self._cached(comp.owner, path, token)
+                    if entry is not None and entry[0] == token and len(entry[1]) == p.count:
                         if sample_unchanged([d for d, _ in entry[1]], tensor_bytes(phys, path), p, path):
                             leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
                             continue
                         stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
                         self._digest_cache[id(self._keeper(comp.owner, token))][1].pop((path, self.shard_bytes), None)
-                    elif entry is not None and p.count >= 4:
-                        leaves[path] = self._prehash(comp.path, path, value, entry[1])
-                        continue
+                    elif entry is not None:
+                        reuse = self._reusable(entry, token, value, p)
+                        if reuse and not sample_unchanged({i: d for i, (d, _) in reuse.items()}, tensor_bytes(phys, path), p, path):
+                            reuse = None
+                        if reuse is not None or p.count >= 4:
+                            leaves[path] = self._prehash(comp.path, path, value, entry[1], reuse)
+                            continue
                 check_tensor(value, path)
                 buf = buffers.get(path)
                 if buf is None or buf.dtype != value.dtype or buf.shape != value.shape or buf.stride() != value.stride():
@@ -580,27 +587,34 @@ class Store:
         self._snapshots = buffers
         return out
 
-    def _prehash(self, component: str, path: str, value: Any, last: list[tuple[bytes, int]]) -> _Prehashed:
-        """Hash a changed tensor now and copy only the shards whose hash differs from
-        ``last`` (its previous commit's): for a replay buffer extended by a few rows, a
-        copy of a few shards instead of whole columns (hashing runs in threads and is
-        about twice as fast as copying here)."""
+    def _prehash(self, component: str, path: str, value: Any, last: list[tuple[bytes, int]], known: dict[int, tuple[bytes, int]] | None) -> _Prehashed:
+        """Split a changed tensor into the shards an asynchronous commit must copy now and
+        the ones it may read later: for a replay buffer extended by a few rows, a copy of a
+        few shards instead of whole columns. With ``known`` (``{index: (hash, blob id)}``,
+        from :meth:`_reusable`), the other shards hold the rows written since the last
+        commit: they are copied, and hashed by the commit in the background. Without it,
+        every shard is hashed now (in threads; about twice as fast as copying here) and
+        only those whose hash differs from the one at the same index in ``last`` (its
+        previous commit's) are copied."""
         from .shards import dtype_name, physical, plan, tensor_bytes
 
         phys, stride = physical(value, path)
         p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
         mv = tensor_bytes(phys, path)
-        views = [mv[slice(*p.bounds(i))] for i in range(p.count)]
-        digests = self._map(digest, views) if p.nbytes > _INLINE_HASH_BYTES else [digest(v) for v in views]
-        shards, reused = [], {}
-        for i, (d, view) in enumerate(zip(digests, views)):
-            if d == last[i][0]:
+        views = [mv[a : a + p.shard_bytes] for a in range(0, p.nbytes, p.shard_bytes)] or [mv]
+        record = LeafRecord(path, component, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
+        if known is not None:
+            shards = [(known[i][0], view) if i in known else (b"", memoryview(bytearray(view))) for i, view in enumerate(views)]
+            return _Prehashed(record, shards, {i: blob for i, (_, blob) in known.items()}, last)
+        hashed = self._map(digest, views) if p.nbytes > _INLINE_HASH_BYTES else [digest(v) for v in views]
+        reused, shards = {}, []
+        for i, (d, view) in enumerate(zip(hashed, views)):
+            if i < len(last) and d == last[i][0]:
                 reused[i] = last[i][1]
                 shards.append((d, view))
             else:
                 shards.append((d, memoryview(bytearray(view))))
-        record = LeafRecord(path, component, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
-        return _Prehashed(record, shards, reused)
+        return _Prehashed(record, shards, reused, last)
 
     def commit_components(
         self,
@@ -640,7 +654,7 @@ class Store:
             return writer.append(unique[key], key[0])
 
         info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
-        self._remember_digests(views, tokens, ids)
+        self._remember_digests(leaves, views, tokens, ids)
         return info
 
     def commit_manifest(
@@ -755,26 +769,33 @@ class Store:
                         key = (shards[i][0], len(shards[i][1]))
                         prior[key] = blob
                         from_cache.add(key)
+                    unhashed = [(len(recs), i) for i, (d, _) in enumerate(shards) if not d]
+                    if unhashed:
+                        todo.extend(unhashed)
+                        previous[len(recs)] = value.last
                 elif isinstance(value, torch.Tensor):
                     phys, stride = physical(value, path)
                     p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
                     rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
                     mv = tensor_bytes(phys, path)
-                    entry = self._cached(comp.owner, path, token, p.count)
-                    known = entry[1] if entry is not None and entry[0] == token else None
-                    if known and not checked and not sample_unchanged([d for d, _ in known], mv, p, path):
-                        known = None
-                    if entry is not None and known is None:
-                        previous[len(recs)] = entry[1]
+                    entry = self._cached(comp.owner, path, token)
+                    known: dict[int, tuple[bytes, int]] = {}
+                    if entry is not None:
+                        same = entry[0] == token and len(entry[1]) == p.count
+                        known = dict(enumerate(entry[1])) if same else self._reusable(entry, token, value, p) or {}
+                        if known and not checked and not sample_unchanged({i: d for i, (d, _) in known.items()}, mv, p, path):
+                            known = {}
+                        if len(known) < p.count:
+                            previous[len(recs)] = entry[1]
                     for s in range(p.count):
                         shard = mv[slice(*p.bounds(s))]
-                        if known:
+                        if s in known:
                             key = (known[s][0], len(shard))
                             prior[key] = known[s][1]
                             from_cache.add(key)
                         else:
                             todo.append((len(recs), s))
-                        shards.append((known[s][0] if known else b"", shard))
+                        shards.append((known[s][0] if s in known else b"", shard))
                 else:
                     rec = LeafRecord(path, comp.path, "json", None, None, 0, None, jsonvalue.dumps(value, path))
                 recs.append(rec)
@@ -801,28 +822,56 @@ class Store:
             return token[0].ref()
         return owner
 
-    def _cached(self, owner: Any, path: str, token: Any, count: int) -> tuple[Any, list[tuple[bytes, int]]] | None:
-        """``(fingerprint, [(shard hash, blob id)])`` of leaf ``path`` of ``owner`` as this
-        store last committed it, if it had ``count`` shards at the current shard size."""
+    def _cached(self, owner: Any, path: str, token: Any) -> tuple[Any, list[tuple[bytes, int]], ShardPlan] | None:
+        """``(fingerprint, [(shard hash, blob id)], shard plan)`` of leaf ``path`` of
+        ``owner`` as this store last committed it at the current target shard size."""
         if token is None or not self.reuse_hashes:
             return None
         owner = self._keeper(owner, token)
         cached = self._digest_cache.get(id(owner))
         if cached is None or cached[0]() is not owner:
             return None
-        entry = cached[1].get((path, self.shard_bytes))
-        return entry if entry is not None and len(entry[1]) == count else None
+        return cached[1].get((path, self.shard_bytes))
 
-    def _remember_digests(self, views: list, tokens: list, ids: dict[tuple[bytes, int], int]) -> None:
+    @staticmethod
+    def _reusable(entry: tuple, token: Any, value: Any, p: ShardPlan) -> dict[int, tuple[bytes, int]] | None:
+        """The shards of tensor ``value`` (cut by ``p``) that its last commit (``entry``
+        of the digest cache) stored at the same bounds and that no row written since
+        touches, as ``{index: (hash, blob id)}``; ``None`` unless ``token`` is a
+        :class:`~ckptstore.adapters.base.RowToken` that can name the rows (indices
+        along dim 0) written since that commit's token."""
+        import torch
+
+        from .adapters.base import RowToken
+
+        last_token, hashes, last = entry
+        rows = token.changed_rows(last_token) if isinstance(token, RowToken) else None
+        if rows is None or last.shard_bytes != p.shard_bytes or value.dim() == 0 or not value.is_contiguous():
+            return None
+        dirty: set[int] = set()
+        if value.shape[0] and p.nbytes:
+            row = p.nbytes // value.shape[0]
+            rows = rows[: int(torch.searchsorted(rows, value.shape[0]))]  # sorted; rows past the written ones are not in the leaf
+            if p.shard_bytes % row == 0:  # whole rows per shard (the plan's rule for rows up to the target)
+                dirty = set(torch.unique_consecutive(rows // (p.shard_bytes // row)).tolist())
+            else:  # rows cut into several shards
+                first, stop = rows * row // p.shard_bytes, ((rows + 1) * row - 1) // p.shard_bytes + 1
+                dirty = {i for a, b in zip(first.tolist(), stop.tolist()) for i in range(a, b)}
+        same = min(last.count, p.count)  # shards below the last one of either plan are whole in both
+        if last.bounds(same - 1) != p.bounds(same - 1):
+            same -= 1
+        return {i: hashes[i] for i in range(same) if i not in dirty}
+
+    def _remember_digests(self, leaves: list[LeafRecord], views: list, tokens: list, ids: dict[tuple[bytes, int], int]) -> None:
         fresh: dict[int, tuple[Any, dict]] = {}
-        for shards, entry in zip(views, tokens):
+        for rec, shards, entry in zip(leaves, views, tokens):
             if entry is not None:
                 owner, path, token = entry
                 owner = self._keeper(owner, token)
                 if owner is None:  # its storage is gone already
                     continue
                 hashes = [(d, ids[(d, len(mv))]) for d, mv in shards]
-                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][(path, self.shard_bytes)] = (token, hashes)
+                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][(path, self.shard_bytes)] = (token, hashes, ShardPlan(rec.nbytes, rec.shard_bytes))
         live = {k: v for k, v in self._digest_cache.items() if v[0]() is not None}  # entries of freed objects go
         live.update(fresh)
         self._digest_cache = live

@@ -344,7 +344,8 @@ class Adapter:
         object means the tensor's bytes did not change, so its shard hashes are
         reused instead of recomputed. Only return tokens that change whenever the
         bytes can (TorchRL storages: their shared mutation revision plus each
-        tensor's version counter and address).
+        tensor's version counter and address). A :class:`RowToken` also names
+        the rows written in between, so only the shards holding them are hashed.
         """
         return {}
 
@@ -538,6 +539,37 @@ class StorageIdentity:
 
     def __hash__(self) -> int:
         return 0
+
+
+class RowToken:
+    """A change token that can also name the rows written since an earlier token.
+
+    ``key`` is compared like any token (equal keys: the tensor did not change).
+    ``log`` is an object with ``rows_since(seq) -> torch.Tensor | None`` (int64
+    indices along dim 0, ascending, written after its write number ``seq``, or ``None``
+    when it cannot tell), and ``seq`` the log's write number when the token
+    was taken. ``parts`` is the part of ``key`` that must be equal for rows to
+    be compared at all (the tensor's address, shape, strides, dtype).
+    """
+
+    __slots__ = ("key", "log", "parts", "seq")
+
+    def __init__(self, key: tuple, parts: tuple, log: Any, seq: int):
+        self.key, self.parts, self.log, self.seq = key, parts, log, seq
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RowToken) and self.key == other.key
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def changed_rows(self, earlier: Any) -> torch.Tensor | None:
+        """Indices (int64, along dim 0, ascending) of every row written after ``earlier`` was
+        taken, or ``None`` if the rows cannot be told (another tensor, another log,
+        a write the log did not see in between)."""
+        if not isinstance(earlier, RowToken) or earlier.log is not self.log or earlier.parts != self.parts:
+            return None
+        return self.log.rows_since(earlier.seq)
 
 
 def plain_token(t: torch.Tensor) -> tuple | None:

@@ -13,6 +13,8 @@ layouts below are ckptstore's own, versioned independently of TorchRL's
 
 from __future__ import annotations
 
+import threading
+import weakref
 from typing import Any
 
 import torch
@@ -37,7 +39,20 @@ from torchrl.trainers import Trainer
 
 from .. import jsonvalue
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import Adapter, ComponentState, Json, StateDictAdapter, escape, join, plain, register_adapter, same_class, split, unflatten
+from .base import (
+    Adapter,
+    ComponentState,
+    Json,
+    RowToken,
+    StateDictAdapter,
+    escape,
+    join,
+    plain,
+    register_adapter,
+    same_class,
+    split,
+    unflatten,
+)
 from .rng import RNGState, RNGStateAdapter
 from .values import TensorDictAdapter
 
@@ -149,6 +164,122 @@ def _storage_leaves(data: Any, path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+class WriteLog:
+    """Which rows of a TorchRL ``TensorStorage`` (``ndim == 1``) were written, and when.
+
+    Installed as the storage's ``set`` (an instance attribute calling the class's
+    method) by the first commit that fingerprints the storage: every TorchRL write
+    path of rows goes through ``set`` (``extend``, ``add``, ``rb[idx] = ...``,
+    the writers). Each call gets a write number ``seq``, and the rows it writes
+    are stamped with it (one int64 per row of capacity, 8 bytes per row), so a
+    commit hashes only the shards holding rows written since the last commit.
+
+    A write the log does not see makes it forget: before and after each ``set``,
+    and when a token is taken, it compares the storage's mutation revision (TorchRL
+    bumps it on every write through the storage or buffer, in any process) and
+    each column's address and torch version counter with what it recorded after
+    the last logged write; ``set`` itself must bump the revision exactly once. Any
+    difference (``rb.update_``, ``set_at_``, ``empty``, a spawned process's write, an
+    in-place op on a column or a view of it) sets ``valid_from`` past every
+    earlier token, so the next commit hashes whole columns. Writes that change
+    neither (``.data``, numpy views, another process writing a memory map) are
+    what the store's random sample of reused shards is for (see ``Store``).
+
+    A pickled or copied storage gets a log of its own that starts empty. The log
+    never raises into the training loop: any problem only makes it forget.
+    """
+
+    def __init__(self, storage: TensorStorage):
+        self._ref = weakref.ref(storage)
+        self._lock = threading.RLock()
+        self.seq = 0
+        self.valid_from = 1
+        self._stamps: torch.Tensor | None = None  # write number per row, allocated at the first logged write
+        self._state: tuple | None = None  # (revision, ((key, address, version), ...)) after the last logged write
+        self._data: Any = None  # weak reference to the storage's backing TensorDict or tensor
+        self._cols: tuple = ()  # ((key, weak reference to the column), ...)
+        self._since: tuple = (None, None)  # the last rows_since answer, by (its seq, the log's seq): one per commit
+
+    @classmethod
+    def of(cls, storage: TensorStorage) -> WriteLog | None:
+        """The storage's log, installed now if it has none; ``None`` for storages it
+        cannot follow (``ndim > 1``, or another ``set`` already set on the instance)."""
+        current = vars(storage).get("set")
+        if isinstance(current, cls) and current._ref() is storage:
+            return current
+        if current is not None or storage.ndim != 1:
+            return None
+        log = cls(storage)
+        storage.set = log
+        return log
+
+    def __reduce__(self) -> tuple:
+        return WriteLog, (self._ref(),)  # a copy of the storage (not yet filled in when this runs) gets a new log
+
+    def __call__(self, cursor: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
+        storage = self._ref()
+        method = type(storage).set.__get__(storage, type(storage))
+        with self._lock:
+            before = self._observe(storage)
+            ok = False
+            try:
+                result = method(cursor, data, *args, **kwargs)
+                ok = True
+            finally:
+                after = self._observe(storage)
+                self.seq += 1
+                if not (ok and before is not None and after is not None and before == self._state and after[0] == before[0] + 1 and self._stamp(cursor)):
+                    self.valid_from = self.seq
+                self._state = after
+        return result
+
+    def _stamp(self, cursor: Any) -> bool:
+        try:
+            if self._stamps is None:
+                self._stamps = torch.zeros(int(self._ref().max_size), dtype=torch.int64)
+            self._stamps[torch.as_tensor(cursor) if isinstance(cursor, range) else cursor] = self.seq
+        except (TypeError, ValueError, IndexError, RuntimeError):
+            return False
+        return True
+
+    def _observe(self, storage: TensorStorage, refresh: bool = False) -> tuple | None:
+        try:
+            if not storage.initialized:
+                return None
+            data = storage._storage
+            tensors = [ref() for _, ref in self._cols]
+            if refresh or self._data is None or self._data() is not data or any(t is None for t in tensors):
+                leaves = _storage_leaves(data, "storage")
+                self._data = weakref.ref(data)
+                self._cols = tuple((k, weakref.ref(t)) for k, t in leaves.items())
+                tensors = list(leaves.values())
+            return int(storage._mutation_revision), tuple((k, t.data_ptr(), t._version) for (k, _), t in zip(self._cols, tensors))
+        except Exception:  # noqa: BLE001 - a write through the buffer must never fail because of the log
+            return None
+
+    def token_seq(self, storage: TensorStorage) -> int:
+        """The write number for tokens taken now. If anything was written since the
+        last logged write that the log did not see (the columns are listed afresh:
+        one added or replaced is such a write), earlier tokens become incomparable."""
+        with self._lock:
+            now = self._observe(storage, refresh=True)
+            if now is None or now != self._state:
+                self.seq += 1
+                self.valid_from = self.seq
+                self._state = now
+            return self.seq
+
+    def rows_since(self, seq: int) -> torch.Tensor | None:
+        """Indices of the rows written after write number ``seq``, or ``None`` if the
+        log cannot tell (an unseen write since)."""
+        with self._lock:
+            if seq < self.valid_from or self._stamps is None:
+                return None
+            if self._since[0] != (seq, self.seq):
+                self._since = (seq, self.seq), (self._stamps > seq).nonzero().flatten()
+            return self._since[1]
+
+
 def _stored_keys(state: ComponentState) -> dict[str, str]:
     """``{storage key: leaf path}`` (the key is ``""`` for a plain tensor storage)."""
     return {k[len("data/"):] if k != "data" else "": k for k in state.keys("data")}
@@ -194,7 +325,9 @@ class TensorStorageAdapter(Adapter):
         """TorchRL bumps a storage's mutation revision (shared with spawned
         processes) on every write through the storage, and torch bumps a
         tensor's version counter on every in-place op; together they tell
-        whether the written rows changed since the last commit.
+        whether the written rows changed since the last commit. For a storage
+        with ``ndim == 1`` the tokens are :class:`RowToken` s of its
+        :class:`WriteLog` (installed here), which also name the rows written.
 
         Inference tensors (made under ``torch.inference_mode()``) have no
         version counter: they get no token and are always hashed."""
@@ -202,11 +335,17 @@ class TensorStorageAdapter(Adapter):
         if revision is None or not obj.initialized:
             return {}
         rows = obj._len_along_dim0
-        return {
-            ("data" if key == "" else f"data/{key}"): (int(revision), rows, t.data_ptr(), t._version, tuple(t.shape), t.stride(), t.dtype)
-            for key, t in _storage_leaves(obj._storage, "storage").items()
-            if not t.is_inference()
-        }
+        leaves = _storage_leaves(obj._storage, "storage")
+        log = WriteLog.of(obj)
+        seq = None if log is None else log.token_seq(obj)
+        out = {}
+        for key, t in leaves.items():
+            if t.is_inference():
+                continue
+            parts = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            token = (int(revision), rows, t._version, *parts)
+            out["data" if key == "" else f"data/{key}"] = token if log is None else RowToken(token, parts, log, seq)
+        return out
 
     def check(self, obj: Any, state: ComponentState) -> None:
         _expect(obj, TensorStorage, state)
