@@ -257,7 +257,9 @@ class Store:
             parameters and buffers, optimizer moments, TensorDict and dict leaves)
             the storage, address, layout and torch's version counter
             (:func:`ckptstore.adapters.base.plain_token`); for a TorchRL storage its
-            mutation revision too (``Adapter.fingerprints``). Writes torch does not
+            mutation revision too (``Adapter.fingerprints``), and, when it changed, only
+            the shards holding rows written through the storage's ``set`` since are
+            rehashed (:class:`ckptstore.adapters.torchrl.WriteLog`). Writes torch does not
             count (through ``.data``, numpy views, another process's memory) keep the
             fingerprint, so every commit also rehashes a random sample of each such
             tensor's shards (1 %, at least one): a write to every element, like
@@ -519,9 +521,10 @@ class Store:
         """Start a commit and return once the state is snapshotted; the rest runs in the background.
 
         The call copies every tensor that may have changed since this store last
-        committed it (unchanged TorchRL storage tensors, told by their
-        fingerprints, are not copied) into snapshot buffers reused from earlier
-        asynchronous commits, and freezes JSON values. Training may then modify
+        committed it (unchanged tensors, told by their fingerprints, are not copied;
+        of a TorchRL storage column only the shards holding rows written since are)
+        into snapshot buffers reused from earlier asynchronous commits, and freezes
+        JSON values. Training may then modify
         the live objects. Asynchronous commits run one at a time, in call order.
 
         Returns:
