@@ -165,21 +165,30 @@ def _given_stored(written: dict[tuple[bytes, int], BlobLoc], given_packs) -> int
     return sum(loc.stored_len + BLOB_HEADER.size for loc in written.values() if loc.pack in ids) if ids else 0
 
 
+_gc_pause = threading.Lock()
+_gc_paused: list[bool] = []  # one entry per pause in progress, in any thread: whether the collector was enabled before the first
+
+
 @contextmanager
 def paused_gc():
-    """Pause Python's cyclic garbage collector around a commit or checkout.
+    """Pause Python's cyclic garbage collector around a commit, a snapshot or a checkout.
 
     They allocate a few small objects per shard; with the many objects torch
     and TorchRL keep alive, that can trigger a full collection costing a
-    quarter of a second in the middle of a commit. Collection resumes after.
+    quarter of a second in the middle of a commit (in a background commit, holding
+    the GIL the training loop needs). Pauses may overlap across threads; the
+    collector resumes when the last one ends, if it was enabled before the first.
     """
-    enabled = gc.isenabled()
-    gc.disable()
+    with _gc_pause:
+        _gc_paused.append(gc.isenabled() if not _gc_paused else _gc_paused[0])
+        gc.disable()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        with _gc_pause:
+            enabled = _gc_paused.pop()
+            if not _gc_paused and enabled:
+                gc.enable()
 
 
 def check_message(message: Any, metadata: Any) -> dict:
@@ -535,12 +544,17 @@ class Store:
         cannot be stored, as :meth:`commit`.
         """
         t0 = time.perf_counter()
-        components = self._snapshot(self._capture(obj))
+        with paused_gc():
+            components = self._snapshot(self._capture(obj))
         if self._committer is None:
             self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-commit")
-        future = self._committer.submit(self.commit_components, components, tag, message, metadata, parents, t0=t0, reuse_checked=True)
+        future = self._committer.submit(self._commit_paused, components, tag, message, metadata, parents, t0)
         self._pending = future
         return future
+
+    def _commit_paused(self, components, tag, message, metadata, parents, t0) -> CommitInfo:
+        with paused_gc():
+            return self.commit_components(components, tag, message, metadata, parents, t0=t0, reuse_checked=True)
 
     def _snapshot(self, components: list[Captured]) -> list[Captured]:
         """Copies of the leaves that may change after an asynchronous commit returns."""
