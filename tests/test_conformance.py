@@ -251,6 +251,21 @@ def test_commit_async(home):
     assert np.array_equal(s.checkout("bg", partial=["b"])["b"].numpy(), state()["b"].numpy())
 
 
+def test_an_async_commit_not_awaited_lands_before_the_process_exits(home):
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, ckptstore\n"
+        "s = ckptstore.Store(sys.argv[1], create=True) if '://' not in sys.argv[1] else ckptstore.Store(sys.argv[1])\n"
+        "s.commit_async({'w': torch.arange(8 << 20, dtype=torch.float32).reshape(-1, 1024)}, tag='bg')\n"  # 32 MiB, never awaited
+    )
+    done = subprocess.run([sys.executable, "-c", script, home.location], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and not done.stderr.strip(), done.stderr
+    s = home.open(fresh_cache=True)
+    assert_bit_equal(s.checkout("bg")["w"], torch.arange(8 << 20, dtype=torch.float32).reshape(-1, 1024))
+
+
 def test_a_second_process_uploads_only_what_the_store_lacks(home):
     sd = state()
     first = home.open().commit(sd, tag="latest")

@@ -37,7 +37,6 @@ import threading
 import time
 import uuid
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -84,6 +83,7 @@ from .remote import (
 )
 from .remote import resolve as resolve_remote
 from .store import ReusedBlobsGone, Store, check_tag
+from .threads import Pool
 
 #: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
 CAS_SECONDS = 60.0
@@ -212,8 +212,8 @@ class BucketStore(Store):
             if self.marker is not None:
                 shard_bytes = shard_bytes or self.marker.get("shard_bytes")
                 compression_level = self.marker.get("compression_level") if compression_level is None else compression_level
-            self.uploads = ThreadPoolExecutor(UPLOADS, thread_name_prefix="ckptstore-upload")
-            self.requests = ThreadPoolExecutor(REQUESTS, thread_name_prefix="ckptstore-request")
+            self.uploads = Pool(UPLOADS, thread_name_prefix="ckptstore-upload")
+            self.requests = Pool(REQUESTS, thread_name_prefix="ckptstore-request")
             folder = Path(cache or cache_folder(self.url))
             settings = {"create": True, "shard_bytes": shard_bytes, "compression_level": compression_level, "pack_bytes": pack_bytes,
                         "workers": workers, "registry": registry, "reuse_hashes": reuse_hashes}

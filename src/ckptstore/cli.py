@@ -36,7 +36,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Content-addressed, versioned checkpoints for PyTorch and TorchRL training state.",
 )
-console = Console(highlight=False)
+# Piped output (not a terminal, no $COLUMNS) gets room for every column of show/diff/log
+# instead of rich's 80-column default, which drops columns.
+console = Console(highlight=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 200)
 err = Console(stderr=True, highlight=False)
 
 StorePath = Annotated[str | None, typer.Option("--store", "-s", help="Store folder or s3://bucket/prefix (default: the global --store, $CKPTSTORE_PATH, or .).")]

@@ -78,6 +78,7 @@ def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, c
     logging.getLogger("torchrl").setLevel(logging.WARNING)
     store = Store(store_path, shard_bytes=DEMO_SHARD_BYTES)
     scratch = Path(tempfile.mkdtemp(prefix="ckptstore-demo-"))
+    np.random.seed(seed)  # TorchRL's prioritized sampler draws from numpy's global generator (the rng component restores it)
     env, actor, policy, loss, target, optim, rb = build(scratch / "rb", frames, seed)
     collector = Collector(env, policy, frames_per_batch=per_batch, total_frames=frames, auto_register_policy_transforms=False)
     explore = policy[1]

@@ -69,6 +69,7 @@ from .packs import (
     pack_header,
 )
 from .records import KIND_COMMIT, CommitRecord, commit_id, parse_commit, recreate
+from .threads import Pool
 from .transfer import TransferReport, missing_lineage
 
 if TYPE_CHECKING:
@@ -436,7 +437,7 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
             report.objects_written += bool(n)
             report.bytes_written += n
         index = RemoteIndex(backend).refresh()
-        uploads = ThreadPoolExecutor(UPLOADS, thread_name_prefix="ckptstore-push")
+        uploads = Pool(UPLOADS, thread_name_prefix="ckptstore-push")
         packs = BucketPackWriter(backend, 0, pack_bytes, uploads)
         reader = PackReader(local.root, sparse=True, locate=local.relocate)
         sent: set[tuple[bytes, int]] = set()

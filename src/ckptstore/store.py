@@ -72,6 +72,7 @@ from .layout import (
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
 from .records import LeafRecord
 from .recover import RecoverReport, recover
+from .threads import Pool
 
 if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or checkout: catalog-only use never imports torch
     import torch
@@ -453,7 +454,7 @@ class Store:
     @property
     def pool(self) -> ThreadPoolExecutor:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ckptstore")
+            self._pool = Pool(self.workers, thread_name_prefix="ckptstore")
         return self._pool
 
     def close(self) -> None:
@@ -535,6 +536,8 @@ class Store:
         into snapshot buffers reused from earlier asynchronous commits, and freezes
         JSON values. Training may then modify
         the live objects. Asynchronous commits run one at a time, in call order.
+        One still running when the script ends finishes before the interpreter
+        exits (:meth:`close` also waits for it); only its future reports its errors.
 
         Returns:
             A ``concurrent.futures.Future`` resolving to the :class:`CommitInfo`
