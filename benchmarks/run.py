@@ -1,6 +1,6 @@
 """Run the benchmark suite: every workload against ckptstore and its peers, in one run.
 
-    .venv/bin/python -m benchmarks.run                 # full default run (~11-12 min on 2 idle cores, more when busy)
+    .venv/bin/python -m benchmarks.run                 # full default run (7-9 min on 2 idle cores, more when busy)
     .venv/bin/python -m benchmarks.run --w1-mib 1024 --w2-mib 1024   # nominal sizes (the baseline's): ~18 min
     .venv/bin/python -m benchmarks.run --smoke         # tiny sizes, 1 repetition
     .venv/bin/python -m benchmarks.run --workloads w1,w5 --repetitions 3 --w1-mib 256

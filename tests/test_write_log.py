@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 from tensordict import TensorDict
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer
+from torchrl.data import LazyMemmapStorage, LazyTensorStorage, TensorDictReplayBuffer, TensorStorage
 
 import ckptstore
 from ckptstore.adapters.torchrl import WriteLog
@@ -79,62 +79,80 @@ def test_a_write_the_log_does_not_see_makes_it_forget(unseen):
     assert log.rows_since(seq) is None
 
 
-def test_copies_get_a_log_of_their_own_and_the_buffer_still_writes():
+def test_copies_have_no_log_and_write_only_to_themselves():
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
     rb.extend(rows(10, 0))
     log = logged(rb)
-    for twin in (pickle.loads(pickle.dumps(rb.storage)), copy.deepcopy(rb.storage)):
-        mine = vars(twin)["set"]
-        assert isinstance(mine, WriteLog) and mine is not log and WriteLog.of(twin) is mine
-        twin.set(slice(10, 12), rows(2, 1))
+    before = rb.storage._storage["obs"][:10].clone()
+    for twin in (pickle.loads(pickle.dumps(rb.storage)), copy.deepcopy(rb.storage), copy.copy(rb.storage)):
+        assert "set" not in vars(twin) and "__getstate__" not in vars(twin)
+        twin.set(slice(10, 12), rows(2, 1))  # a shallow copy shares the columns, not the length
         assert len(twin) == 12 and len(rb.storage) == 10
         assert_bit_equal(twin._storage["obs"][10:12], rows(2, 1)["obs"])
+        mine = WriteLog.of(twin)  # a commit of the copy installs its own
+        assert mine is not log and WriteLog.of(twin) is mine
+        assert_bit_equal(rb.storage._storage["obs"][:10], before)
     with pytest.raises(RuntimeError):  # the storage's own error comes through the log unchanged
         rb.storage.set(slice(0, 3), TensorDict({"obs": torch.zeros(3, DIM + 1), "reward": torch.zeros(3, 1)}, [3]))
     assert log.rows_since(log.seq - 1) is None  # and the failed write made the log forget
 
 
-def test_a_commit_after_a_few_rows_changed_hashes_only_their_shards(tmp_path, monkeypatch):
-    import ckptstore.layout
-    import ckptstore.store as store_module
-
-    hashed: list[int] = []
-    real = store_module.digest
-
-    def counting(data):
-        if isinstance(data, memoryview):
-            hashed.append(len(data))
-        return real(data)
-
-    monkeypatch.setattr(store_module, "digest", counting)
-    monkeypatch.setattr(ckptstore.layout, "digest", counting)
+def test_columns_that_share_memory_are_never_row_tracked(tmp_path):
+    base = torch.randn(CAPACITY + 1, DIM)
+    storage = TensorStorage(TensorDict({"obs": base[:-1], "next_obs": base[1:]}, [CAPACITY]), max_size=CAPACITY)
+    rb = TensorDictReplayBuffer(storage=storage)
     store = ckptstore.Store(tmp_path / "s", shard_bytes=1024)
+    store.commit(rb, tag="a")
+    log = logged(rb)
+    seq = log.seq
+    rb.storage.set(slice(20, 21), TensorDict({"obs": torch.ones(1, DIM), "next_obs": torch.ones(1, DIM)}, [1]), set_cursor=False)
+    assert log.token_seq(rb.storage) > seq and log.rows_since(seq) is None  # obs row 21 changed too (it is next_obs row 20)
+    info = store.commit(rb, tag="a")
+    got = store.checkout(info.id, partial=["storage/data"])
+    assert_bit_equal(got["storage", "data", "obs"], base[:-1])
+    assert_bit_equal(got["storage", "data", "next_obs"], base[1:])
+
+
+def test_a_replaced_column_with_the_old_ones_address_and_version_is_rehashed(tmp_path):
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
     rb.extend(rows(CAPACITY, 0))
+    store = ckptstore.Store(tmp_path / "s", shard_bytes=1024)
     store.commit(rb, tag="a")
-    rb.extend(rows(20, 1))  # rows 0-19: obs shards 0 and 1 (16 rows each); reward and index: one shard each
-    hashed.clear()
+    td = rb.storage._storage
+    old = td["obs"]
+    new = old.clone()
+    new[7] = 5.0
+    while new._version < old._version:
+        torch.autograd.graph.increment_version(new)
+    td.set("obs", new)  # replaced, not written: neither TorchRL's revision nor the old column's version moves
+    del old
     info = store.commit(rb, tag="a")
-    # rehashed: obs shards 0 and 1 (1024 bytes each), reward's only shard (800), the index's shard 0
-    # (1024); sampled: the index's other shard (576) and one of obs's 11 others (the last is 512)
-    assert sorted(hashed) in ([512, 576, 800, 1024, 1024, 1024], [576, 800, 1024, 1024, 1024, 1024])
-    assert info.shards_new == 3  # the index column's values are the same
-    hashed.clear()
-    fut = store.commit_async(rb, tag="b")  # nothing changed since: every hash reused, one sample per column
-    assert fut.result().shards_new == 0 and len(hashed) == 3  # one sampled shard per column
-    rb.extend(rows(40, 2))  # rows 20-59: obs shards 1, 2, 3
-    hashed.clear()
-    fut = store.commit_async(rb, tag="c")
-    # hashed at the call: a sample of obs's and of the index's reused shards; the shards holding the
-    # written rows (obs 1-3, the index's 0, reward's one) are copied and hashed by the background commit
-    assert len(hashed) == 2
-    rb.extend(rows(50, 3))  # after the call: not in commit c
-    assert fut.result().shards_new == 4 and len(hashed) == 2 + 5
-    fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
-    store.checkout("c", into=fresh)
-    expected = torch.cat([rows(20, 1)["obs"], rows(40, 2)["obs"], rows(CAPACITY, 0)["obs"][60:]])
-    assert_bit_equal(fresh.storage._storage["obs"], expected)
-    store.close()
+    assert info.shards_new == 1  # the shard holding row 7: the column's storage identity is part of its token
+    assert_bit_equal(store.checkout(info.id, partial=["storage/data/obs"])["storage", "data", "obs"], new)
+
+
+def test_a_failed_checkout_into_a_live_buffer_leaves_no_stale_fingerprint(tmp_path):
+    from ckptstore.packs import BLOB_HEADER, pack_path
+
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    rb.extend(rows(CAPACITY, 0))
+    store = ckptstore.Store(tmp_path / "s", shard_bytes=1024, compression_level=0)
+    a = store.commit(rb, tag="a")
+    rb.storage.set([20, CAPACITY - 1], rows(2, 1), set_cursor=False)  # obs shards 1 and 12 differ from commit a
+    store.commit(rb, tag="b")
+    rec = next(r for r in store.manifest(a.id) if r.path == "storage/data/obs")
+    loc = store.locate([rec.keys[-1]])[rec.keys[-1]]
+    path = pack_path(store.root, loc.pack)
+    path.chmod(0o644)
+    data = bytearray(path.read_bytes())
+    data[loc.offset + BLOB_HEADER.size] ^= 0xFF  # commit a's last obs shard is damaged
+    path.write_bytes(bytes(data))
+    with pytest.raises(ckptstore.errors.BlobCorruptError):
+        store.checkout("a", into=rb)  # reads the other shards into the live columns first
+    expected = rb.storage._storage["obs"][:CAPACITY].clone()
+    assert_bit_equal(expected[20], rows(CAPACITY, 0)["obs"][20])  # commit a's row is back
+    info = store.commit(rb, tag="c")
+    assert_bit_equal(store.checkout(info.id, partial=["storage/data/obs"])["storage", "data", "obs"], expected)
 
 
 class LoggedBufferMachine(RuleBasedStateMachine):

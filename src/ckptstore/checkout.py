@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from . import progress
 from .adapters import Adapter, ComponentState, LazyTensor, Registry, join, migrate
@@ -67,16 +68,24 @@ class BlobReader:
                 tasks.append((loc, view[a:b], f"commit {self.cid}, leaf {rec.path}, shard {i}"))
         total = sum(loc.raw_len for loc, _, _ in tasks)
         self.packs.prefetch([loc for loc, _, _ in tasks])
-        with progress.task(f"checkout {self.cid[:12]}", total) as advance:
-            def run(task: tuple) -> None:
-                self.packs.read_into(task[0], task[1], task[2], self.verify)
-                advance(task[0].raw_len)
+        try:
+            with progress.task(f"checkout {self.cid[:12]}", total) as advance:
+                def run(task: tuple) -> None:
+                    self.packs.read_into(task[0], task[1], task[2], self.verify)
+                    advance(task[0].raw_len)
 
-            if total > _INLINE_BYTES:
-                self.store._map(run, tasks)
-            else:
-                for task in tasks:
-                    run(task)
+                if total > _INLINE_BYTES:
+                    self.store._map(run, tasks)
+                else:
+                    for task in tasks:
+                        run(task)
+        finally:
+            # The bytes went in through raw memory, which torch does not count: a live target
+            # (a replay buffer's columns) must not keep the fingerprints of what it held
+            # before, even when a bad blob stopped the read part-way.
+            for _, dest in results:
+                if not dest.is_inference():  # inference tensors have no version counter
+                    increment_version(dest)
         if states:
             done = {id(lazy): dest for lazy, dest in results}
             for state in states:

@@ -583,7 +583,10 @@ class Store:
                     entry = self._cached(comp.owner, path, token)
                     if entry is not None and entry[0] == token and len(entry[1]) == p.count:
                         if sample_unchanged([d for d, _ in entry[1]], tensor_bytes(phys, path), p, path):
-                            leaves[path] = value  # unchanged: its hashes are known, its bytes already stored
+                            # unchanged: its hashes and blob ids are taken now (the cache may change
+                            # before the background commit runs); its bytes are only reread if a GC
+                            # removed the blobs meanwhile, and rehashed then
+                            leaves[path] = self._prehash(comp.path, path, value, entry[1], dict(enumerate(entry[1])))
                             continue
                         stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
                         self._digest_cache[id(self._keeper(comp.owner, token))][1].pop((path, self.shard_bytes), None)

@@ -45,6 +45,7 @@ from .base import (
     Json,
     RowToken,
     StateDictAdapter,
+    StorageIdentity,
     escape,
     join,
     plain,
@@ -170,7 +171,8 @@ class WriteLog:
     Installed as the storage's ``set`` (an instance attribute calling the class's
     method) by the first commit that fingerprints the storage: every TorchRL write
     path of rows goes through ``set`` (``extend``, ``add``, ``rb[idx] = ...``,
-    the writers). Each call gets a write number ``seq``, and the rows it writes
+    the writers). It also installs the storage's ``__getstate__``, which leaves both
+    out: a copied or pickled storage has no log (until a commit of it installs one). Each call gets a write number ``seq``, and the rows it writes
     are stamped with it (one int64 per row of capacity, 8 bytes per row), so a
     commit hashes only the shards holding rows written since the last commit.
 
@@ -184,9 +186,10 @@ class WriteLog:
     earlier token, so the next commit hashes whole columns. Writes that change
     neither (``.data``, numpy views, another process writing a memory map) are
     what the store's random sample of reused shards is for (see ``Store``).
+    Columns that share memory (views of one buffer) are never tracked: a write to
+    rows of one changes other rows of another.
 
-    A pickled or copied storage gets a log of its own that starts empty. The log
-    never raises into the training loop: any problem only makes it forget.
+    The log never raises into the training loop: any problem only makes it forget.
     """
 
     def __init__(self, storage: TensorStorage):
@@ -199,6 +202,7 @@ class WriteLog:
         self._data: Any = None  # weak reference to the storage's backing TensorDict or tensor
         self._cols: tuple = ()  # ((key, weak reference to the column), ...)
         self._since: tuple = (None, None)  # the last rows_since answer, by (its seq, the log's seq): one per commit
+        self._aliased = False  # two columns share memory
 
     @classmethod
     def of(cls, storage: TensorStorage) -> WriteLog | None:
@@ -211,10 +215,17 @@ class WriteLog:
             return None
         log = cls(storage)
         storage.set = log
+        storage.__getstate__ = log._getstate  # found before the class's by copy and pickle
         return log
 
-    def __reduce__(self) -> tuple:
-        return WriteLog, (self._ref(),)  # a copy of the storage (not yet filled in when this runs) gets a new log
+    def _getstate(self) -> dict:
+        storage = self._ref()
+        state = type(storage).__getstate__(storage)
+        if state is vars(storage):
+            state = dict(state)
+        state.pop("set", None)
+        state.pop("__getstate__", None)
+        return state
 
     def __call__(self, cursor: Any, data: Any, *args: Any, **kwargs: Any) -> Any:
         storage = self._ref()
@@ -253,6 +264,7 @@ class WriteLog:
                 self._data = weakref.ref(data)
                 self._cols = tuple((k, weakref.ref(t)) for k, t in leaves.items())
                 tensors = list(leaves.values())
+                self._aliased = len({t.untyped_storage().data_ptr() for t in tensors}) < len(tensors)
             return int(storage._mutation_revision), tuple((k, t.data_ptr(), t._version) for (k, _), t in zip(self._cols, tensors))
         except Exception:  # noqa: BLE001 - a write through the buffer must never fail because of the log
             return None
@@ -263,7 +275,7 @@ class WriteLog:
         one added or replaced is such a write), earlier tokens become incomparable."""
         with self._lock:
             now = self._observe(storage, refresh=True)
-            if now is None or now != self._state:
+            if now is None or now != self._state or self._aliased:
                 self.seq += 1
                 self.valid_from = self.seq
                 self._state = now
@@ -342,7 +354,7 @@ class TensorStorageAdapter(Adapter):
         for key, t in leaves.items():
             if t.is_inference():
                 continue
-            parts = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+            parts = (StorageIdentity(t.untyped_storage()), t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
             token = (int(revision), rows, t._version, *parts)
             out["data" if key == "" else f"data/{key}"] = token if log is None else RowToken(token, parts, log, seq)
         return out
