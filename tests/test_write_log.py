@@ -97,16 +97,23 @@ def test_copies_have_no_log_and_write_only_to_themselves():
     assert log.rows_since(log.seq - 1) is None  # and the failed write made the log forget
 
 
-def test_columns_that_share_memory_are_never_row_tracked(tmp_path):
+@pytest.mark.parametrize("through", ["torch views", "numpy views"])
+def test_columns_that_share_memory_are_never_row_tracked(tmp_path, through):
     base = torch.randn(CAPACITY + 1, DIM)
-    storage = TensorStorage(TensorDict({"obs": base[:-1], "next_obs": base[1:]}, [CAPACITY]), max_size=CAPACITY)
+    if through == "torch views":
+        obs, next_obs = base[:-1], base[1:]
+    else:  # each torch.from_numpy view has a storage of its own, overlapping the other's
+        array = base.numpy()
+        obs, next_obs = torch.from_numpy(array[:-1]), torch.from_numpy(array[1:])
+    storage = TensorStorage(TensorDict({"obs": obs, "next_obs": next_obs}, [CAPACITY]), max_size=CAPACITY)
     rb = TensorDictReplayBuffer(storage=storage)
     store = ckptstore.Store(tmp_path / "s", shard_bytes=1024)
     store.commit(rb, tag="a")
     log = logged(rb)
     seq = log.seq
-    rb.storage.set(slice(20, 21), TensorDict({"obs": torch.ones(1, DIM), "next_obs": torch.ones(1, DIM)}, [1]), set_cursor=False)
-    assert log.token_seq(rb.storage) > seq and log.rows_since(seq) is None  # obs row 21 changed too (it is next_obs row 20)
+    rb.storage.set(slice(15, 16), TensorDict({"obs": torch.ones(1, DIM), "next_obs": torch.ones(1, DIM)}, [1]), set_cursor=False)
+    # obs row 16 changed too (it is next_obs row 15), in obs's next shard (16 rows each)
+    assert log.token_seq(rb.storage) > seq and log.rows_since(seq) is None
     info = store.commit(rb, tag="a")
     got = store.checkout(info.id, partial=["storage/data"])
     assert_bit_equal(got["storage", "data", "obs"], base[:-1])

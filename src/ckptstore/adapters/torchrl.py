@@ -264,7 +264,8 @@ class WriteLog:
                 self._data = weakref.ref(data)
                 self._cols = tuple((k, weakref.ref(t)) for k, t in leaves.items())
                 tensors = list(leaves.values())
-                self._aliased = len({t.untyped_storage().data_ptr() for t in tensors}) < len(tensors)
+                spans = sorted((m.data_ptr(), m.data_ptr() + m.nbytes()) for m in (t.untyped_storage() for t in tensors))
+                self._aliased = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))  # overlapping memory
             return int(storage._mutation_revision), tuple((k, t.data_ptr(), t._version) for (k, _), t in zip(self._cols, tensors))
         except Exception:  # noqa: BLE001 - a write through the buffer must never fail because of the log
             return None
