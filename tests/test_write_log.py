@@ -162,6 +162,33 @@ def test_a_failed_checkout_into_a_live_buffer_leaves_no_stale_fingerprint(tmp_pa
     assert_bit_equal(store.checkout(info.id, partial=["storage/data/obs"])["storage", "data", "obs"], expected)
 
 
+def test_an_async_commit_after_a_gc_that_freed_the_last_commits_blobs(tmp_path):
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    rb.extend(rows(CAPACITY, 0))
+    store = ckptstore.Store(tmp_path / "s", shard_bytes=1024)
+    store.commit(rb, tag="ckpt")
+    store.delete_tag("ckpt")  # an old checkpoint deleted ...
+    store.gc(keep_last=1, grace=0)  # ... and its blobs freed: the hashes kept from that commit go too
+    rb.extend(rows(20, 1))
+    future = store.commit_async(rb, tag="ckpt")
+    expected = rb.storage._storage["obs"].clone()
+    rb.extend(rows(CAPACITY, 2))  # training writes on after the call
+    info = future.result()
+    assert_bit_equal(store.checkout(info.id, partial=["storage/data/obs"])["storage", "data", "obs"], expected)
+
+
+def test_a_first_logged_write_under_inference_mode_does_not_break_the_log():
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    rb.extend(rows(CAPACITY, 0))
+    log = logged(rb)
+    with torch.inference_mode():
+        rb.extend(rows(5, 1))  # the log's row stamps are allocated here
+    seq = log.token_seq(rb.storage)
+    rb.extend(rows(5, 2))  # rows 5-9, outside inference mode
+    log.token_seq(rb.storage)
+    assert log.rows_since(seq).tolist() == [5, 6, 7, 8, 9]
+
+
 class LoggedBufferMachine(RuleBasedStateMachine):
     """Random schedules of every TorchRL write path, writes the log cannot see, and sync
     and async commits; after each commit a fresh buffer checked out from it must equal the

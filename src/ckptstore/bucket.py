@@ -707,8 +707,10 @@ class BucketStore(Store):
         from .bucketgc import DEFAULT_GRACE, collect
 
         self._need_store()
-        return collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within,
-                       grace=DEFAULT_GRACE if grace is None else grace, dry_run=dry_run)
+        report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within,
+                         grace=DEFAULT_GRACE if grace is None else grace, dry_run=dry_run)
+        self.forget_hashes()
+        return report
 
     def fsck(self, deep: bool = False, sample: float = 1.0):
         """Check the bucket: every tag names a commit whose record verifies, every blob of

@@ -307,6 +307,10 @@ class Catalog:
         if version == latest:
             return
         tables = self._tables()
+        if version == 0 and tables:  # or another process created the store between the two reads
+            version = self.user_version
+            if version == latest:
+                return
         if version == 0 and tables:
             raise SchemaVersionError(
                 f"{self.path}: unsupported schema version 0 (a catalog from before schema versioning, tables {sorted(tables)}); "

@@ -1368,7 +1368,15 @@ class Store:
             GCLockedError: another GC is running on this store.
             InvalidArgumentError: a duration, glob or count that does not parse.
         """
-        return collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run)
+        report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run)
+        self.forget_hashes()
+        return report
+
+    def forget_hashes(self) -> None:
+        """Drop the shard hashes and blob ids kept from this store's last commits of live
+        objects (``reuse_hashes``): after a GC they may name freed blobs, which an
+        asynchronous commit could only write again from live memory that has moved on."""
+        self._digest_cache = {}
 
     def fsck(self, deep: bool = False, sample: float = 1.0) -> FsckReport:
         """Check the catalog and the blobs; ``deep`` rereads and rehashes blobs.

@@ -247,7 +247,8 @@ class WriteLog:
     def _stamp(self, cursor: Any) -> bool:
         try:
             if self._stamps is None:
-                self._stamps = torch.zeros(int(self._ref().max_size), dtype=torch.int64)
+                with torch.inference_mode(False):  # a first write under inference mode must not make it an inference tensor
+                    self._stamps = torch.zeros(int(self._ref().max_size), dtype=torch.int64)
             self._stamps[torch.as_tensor(cursor) if isinstance(cursor, range) else cursor] = self.seq
         except (TypeError, ValueError, IndexError, RuntimeError):
             return False
