@@ -905,7 +905,10 @@ def stall_save(task: dict) -> list[dict]:
     ``store.commit_async({"rb", "policy", "optim"})`` every ``stall_every`` steps. A step's
     time includes the commit_async call made in it. Commits are called in the middle of each
     interval of ``stall_every`` steps, so the background work of every commit runs during
-    measured steps (at the end of an interval, a block's last commit would run after it). After each commit block the outstanding
+    measured steps (at the end of an interval, a block's last commit would run after it). Each
+    commit block starts with one awaited, unmeasured commit_async: the rows the other arm wrote
+    (1000 steps' worth by default) are not the next commit's, as they would not be in a run that
+    commits every ``stall_every`` steps. After each commit block the outstanding
     commits are awaited (``drain_s``, outside the steps), so no commit spills into a
     no-commit block. Before the blocks: warm-up steps, a synchronous first commit and one
     awaited commit_async (its snapshot buffers allocated), as in a run that has been saving."""
@@ -959,6 +962,8 @@ def stall_save(task: dict) -> list[dict]:
     def block(arm: str) -> None:
         nonlocal started, completed
         futs = []
+        if arm == "commit":  # as in a run that commits every stall_every steps: not the other arm's steps in one commit
+            _resolve(store.commit_async(state, tag="latest"))
         for i in range(s.stall_steps):
             t0 = time.perf_counter()
             step()
