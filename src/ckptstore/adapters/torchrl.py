@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -266,7 +267,7 @@ class WriteLog:
                 self._cols = tuple((k, weakref.ref(t)) for k, t in leaves.items())
                 tensors = list(leaves.values())
                 spans = sorted((m.data_ptr(), m.data_ptr() + m.nbytes()) for m in (t.untyped_storage() for t in tensors))
-                self._aliased = any(b[0] < a[1] for a, b in zip(spans, spans[1:]))  # overlapping memory
+                self._aliased = any(b[0] < a[1] for a, b in pairwise(spans))  # overlapping memory
             return int(storage._mutation_revision), tuple((k, t.data_ptr(), t._version) for (k, _), t in zip(self._cols, tensors))
         except Exception:  # noqa: BLE001 - a write through the buffer must never fail because of the log
             return None
