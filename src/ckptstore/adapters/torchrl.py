@@ -173,9 +173,10 @@ class WriteLog:
     method) by the first commit that fingerprints the storage: every TorchRL write
     path of rows goes through ``set`` (``extend``, ``add``, ``rb[idx] = ...``,
     the writers). It also installs the storage's ``__getstate__``, which leaves both
-    out: a copied or pickled storage has no log (until a commit of it installs one). Each call gets a write number ``seq``, and the rows it writes
-    are stamped with it (one int64 per row of capacity, 8 bytes per row), so a
-    commit hashes only the shards holding rows written since the last commit.
+    out: a copied or pickled storage has no log (until a commit of it installs one).
+    Each call gets a write number ``seq``, and the rows it writes are stamped with it
+    (one int64 per row of capacity, 8 bytes per row), so a commit hashes only the
+    shards holding rows written since the last commit.
 
     A write the log does not see makes it forget: before and after each ``set``,
     and when a token is taken, it compares the storage's mutation revision (TorchRL
