@@ -189,6 +189,49 @@ def test_a_first_logged_write_under_inference_mode_does_not_break_the_log():
     assert log.rows_since(seq).tolist() == [5, 6, 7, 8, 9]
 
 
+def test_a_commit_after_a_few_rows_changed_hashes_only_their_shards(tmp_path, monkeypatch):
+    import ckptstore.layout
+    import ckptstore.store as store_module
+
+    hashed: list[int] = []
+    real = store_module.digest
+
+    def counting(data):
+        if isinstance(data, memoryview):
+            hashed.append(len(data))
+        return real(data)
+
+    monkeypatch.setattr(store_module, "digest", counting)
+    monkeypatch.setattr(ckptstore.layout, "digest", counting)
+    store = ckptstore.Store(tmp_path / "s", shard_bytes=1024)
+    rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    rb.extend(rows(CAPACITY, 0))
+    store.commit(rb, tag="a")
+    rb.extend(rows(20, 1))  # rows 0-19: obs shards 0 and 1 (16 rows each); reward and index: one shard each
+    hashed.clear()
+    info = store.commit(rb, tag="a")
+    # rehashed: obs shards 0 and 1 (1024 bytes each), reward's only shard (800), the index's shard 0
+    # (1024); sampled: the index's other shard (576) and one of obs's 11 others (the last is 512)
+    assert sorted(hashed) in ([512, 576, 800, 1024, 1024, 1024], [576, 800, 1024, 1024, 1024, 1024])
+    assert info.shards_new == 3  # the index column's values are the same
+    hashed.clear()
+    fut = store.commit_async(rb, tag="b")  # nothing changed since: every hash reused, one sample per column
+    assert fut.result().shards_new == 0 and len(hashed) == 3  # one sampled shard per column
+    rb.extend(rows(40, 2))  # rows 20-59: obs shards 1, 2, 3
+    hashed.clear()
+    fut = store.commit_async(rb, tag="c")
+    # hashed at the call: a sample of obs's and of the index's reused shards; the shards holding the
+    # written rows (obs 1-3, the index's 0, reward's one) are copied and hashed by the background commit
+    assert len(hashed) == 2
+    rb.extend(rows(50, 3))  # after the call: not in commit c
+    assert fut.result().shards_new == 4 and len(hashed) == 2 + 5
+    fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
+    store.checkout("c", into=fresh)
+    expected = torch.cat([rows(20, 1)["obs"], rows(40, 2)["obs"], rows(CAPACITY, 0)["obs"][60:]])
+    assert_bit_equal(fresh.storage._storage["obs"], expected)
+    store.close()
+
+
 class LoggedBufferMachine(RuleBasedStateMachine):
     """Random schedules of every TorchRL write path, writes the log cannot see, and sync
     and async commits; after each commit a fresh buffer checked out from it must equal the
