@@ -307,15 +307,15 @@ class Catalog:
         if version == latest:
             return
         tables = self._tables()
-        if version == 0 and tables:  # or another process created the store between the two reads
-            version = self.user_version
+        if version == 0 and tables:
+            version = self.user_version  # another process may have created the store between the two reads
             if version == latest:
                 return
-        if version == 0 and tables:
-            raise SchemaVersionError(
-                f"{self.path}: unsupported schema version 0 (a catalog from before schema versioning, tables {sorted(tables)}); "
-                "ckptstore cannot migrate it"
-            )
+            if version == 0:
+                raise SchemaVersionError(
+                    f"{self.path}: unsupported schema version 0 (a catalog from before schema versioning, tables {sorted(tables)}); "
+                    "ckptstore cannot migrate it"
+                )
         if version == 0 and not (create and self.writable):
             raise CatalogMissing(f"{self.path} is empty: the store was never initialised")
         if not self.writable:

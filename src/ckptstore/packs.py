@@ -116,8 +116,7 @@ def _writeback_starter() -> Callable[[int], None]:
     return lambda fd: call(fd, 0, 0, 2)  # 2 = SYNC_FILE_RANGE_WRITE; a failure only means no early start
 
 
-start_writeback = _writeback_starter()
-
+_start_writeback = _writeback_starter()
 
 
 def encode_blob(raw: memoryview, level: int) -> tuple[int, bytes | memoryview]:
@@ -236,7 +235,7 @@ class PackWriter:
             for p in ready:
                 os.fdatasync(p.fd)
             if early:
-                start_writeback(pack.fd)
+                _start_writeback(pack.fd)
         except OSError as exc:
             raise StoreWriteError(f"writing a blob to {self.root / 'tmp'} failed: {exc}") from exc
         return BlobLoc(digest, raw_len, pack.id, offset, len(payload), codec)

@@ -549,7 +549,7 @@ class RowToken:
     indices along dim 0, ascending, written after its write number ``seq``, or ``None``
     when it cannot tell), and ``seq`` the log's write number when the token
     was taken. ``parts`` is the part of ``key`` that must be equal for rows to
-    be compared at all (the tensor's address, shape, strides, dtype).
+    be compared at all (the tensor's storage identity, address, shape, strides, dtype).
     """
 
     __slots__ = ("key", "log", "parts", "seq")
