@@ -257,7 +257,9 @@ def _notes(wl: str, op: str, system: str, e: dict) -> str:
                      f"(x{med('stall_ratio_mean'):.3f}), median {fmt_s(med('step_median_s'))} vs {fmt_s(med('base_step_median_s'))} s "
                      f"(x{med('stall_ratio_median'):.3f}), max {fmt_s(med('step_max_s'))} s; {med('commits_started'):.0f} commits, "
                      f"{med('commits_completed_in_window'):.0f} done within the window; commit_async call {fmt_s(med('call_mean_s'))} s, "
-                     f"resolves {fmt_s(med('resolve_mean_s'))} s; per commit the loop lost {fmt_s(med('stall_per_commit_s'))} s")
+                     f"resolves {fmt_s(med('resolve_mean_s'))} s; per commit the loop lost {fmt_s(med('stall_per_commit_s'))} s. "
+                     f"Floor (copy the changed bytes, write and fsync them in a thread): step mean {fmt_s(med('floor_step_mean_s'))} s "
+                     f"(x{med('floor_ratio_mean'):.3f}), call {fmt_s(med('floor_call_mean_s'))} s, per save the loop lost {fmt_s(med('floor_per_save_s'))} s")
     if op == "load_sampler_only":
         notes.append(f"sampler stored {fmt_bytes(med('sampler_stored_bytes'))}")
     if med("store_io_bytes_read") is not None and op.startswith("load"):

@@ -184,10 +184,10 @@ WORKLOADS: dict[str, Workload] = {
     "stall": Workload(
         name="stall",
         title="Stall: CPU training loop (MLP on batches from a {stall_mib:g} MiB LazyTensorStorage buffer, {stall_threads} torch thread(s)), "
-              "commit_async every {stall_every} steps vs no commits",
+              "commit_async every {stall_every} steps vs no commits and vs the floor (the changed bytes copied, written and fsynced in a thread)",
         save_systems=["ckptstore"],
         save_ops=["train_steps"],
-        not_compared="ckptstore only (the baseline is the same loop without commits, in the same child)",
+        not_compared="ckptstore only (its references are the same loop without commits and with the floor's saves, in the same child)",
     ),
     "async": Workload(
         name="async",

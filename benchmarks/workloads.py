@@ -13,11 +13,13 @@ import inspect
 import json
 import logging
 import math
+import os
 import statistics
 import time
 import traceback
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -900,17 +902,21 @@ def w6_load(task: dict):
 
 def stall_save(task: dict) -> list[dict]:
     """A small CPU policy (MLP) trained on batches sampled from a TorchRL replay buffer, the
-    buffer extended by a small batch every step. Two arms in this one child, in blocks of
-    ``stall_steps`` steps, ABBA order (BAAB on odd repetitions): no commits, and
-    ``store.commit_async({"rb", "policy", "optim"})`` every ``stall_every`` steps. A step's
-    time includes the commit_async call made in it. Commits are called in the middle of each
+    buffer extended by a small batch every step. Three arms in this one child, in blocks of
+    ``stall_steps`` steps, ABCCBA order (CBAABC on odd repetitions): no commits; the physical
+    floor of an asynchronous checkpoint every ``stall_every`` steps (the call copies the bytes
+    that changed since the last one, the rows written and the policy's and optimizer's
+    tensors, into buffers reused across calls; a thread writes them to one file and fsyncs
+    it: no hashing, no catalog); and ``store.commit_async({"rb", "policy", "optim"})`` every
+    ``stall_every`` steps. A step's
+    time includes the call made in it. Calls are made in the middle of each
     interval of ``stall_every`` steps, so the background work of every commit runs during
     measured steps (at the end of an interval, a block's last commit would run after it). Each
     commit block starts with one awaited, unmeasured commit_async: the rows the other arm wrote
     (1000 steps' worth by default) are not the next commit's, as they would not be in a run that
-    commits every ``stall_every`` steps. After each commit block the outstanding
-    commits are awaited (``drain_s``, outside the steps), so no commit spills into a
-    no-commit block. Before the blocks: warm-up steps, a synchronous first commit and one
+    commits every ``stall_every`` steps; the floor arm's blocks start the same way. After each
+    commit or floor block the outstanding work is awaited (``drain_s``, outside the steps), so
+    none spills into another block. Before the blocks: warm-up steps, a synchronous first commit and one
     awaited commit_async (its snapshot buffers allocated), as in a run that has been saving."""
     s, out = Sizes(**task["sizes"]), Path(task["out"])
     torch.set_num_threads(max(1, s.stall_threads))
@@ -949,44 +955,92 @@ def stall_save(task: dict) -> list[dict]:
         rb.extend(pool[i_step % len(pool)])
         i_step += 1
 
+    # the floor: what any asynchronous checkpoint of this state must do at least
+    columns = dict(rb.storage._storage.items(include_nested=True, leaves_only=True))  # the storage's column tensors, as TorchRL keeps them
+    dense = [t for t in policy.state_dict().values()] + [t for st in optim.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    floor_bufs = {k: torch.empty_like(v) for k, v in columns.items()}  # worst case: every row changed
+    dense_bufs = [torch.empty_like(t) for t in dense]
+    floor_file = out / "floor.bin"
+    floor_pool = ThreadPoolExecutor(1)
+    floor_mark = [i_step]  # steps written when the floor last copied
+    floor_last = [0]  # bytes the floor's last call copied
+
+    def floor_write(views: list) -> None:
+        with open(floor_file, "wb") as f:
+            for v in views:
+                f.write(memoryview(v.numpy()).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def floor_async() -> Future:
+        first, last = floor_mark[0] * extend_rows, i_step * extend_rows  # rows extended after the initial fill, in ring order
+        floor_mark[0] = i_step
+        start, count = first % n, min(n, last - first)
+        spans = [(start, min(n, start + count))] + ([(0, start + count - n)] if start + count > n else [])
+        views = []
+        for key, col in columns.items():
+            done = 0
+            for a, b in spans:
+                floor_bufs[key][done : done + b - a].copy_(col[a:b])
+                done += b - a
+            views.append(floor_bufs[key][:done])
+        for buf, t in zip(dense_bufs, dense):
+            buf.copy_(t)
+        floor_last[0] = sum(v.nbytes for v in views + dense_bufs)
+        return floor_pool.submit(floor_write, views + dense_bufs)
+
     for _ in range(min(50, s.stall_steps)):
         step()
     store.commit(state, tag="latest")
     step()
     _resolve(store.commit_async(state, tag="latest"))
 
-    times = {"base": [], "commit": []}
-    calls, resolves, drains = [], [], []
-    started = completed = 0
+    times = {"base": [], "floor": [], "commit": []}
+    saved_bytes = {"floor": [], "commit": []}  # per measured save: bytes copied (floor), new blob bytes (commit)
+    calls = {"floor": [], "commit": []}
+    resolves, drains = [], []
+    started = {"floor": 0, "commit": 0}
+    completed = 0
 
     def block(arm: str) -> None:
-        nonlocal started, completed
+        nonlocal completed
+        save = {"floor": floor_async, "commit": lambda: store.commit_async(state, tag="latest")}.get(arm)
         futs = []
-        if arm == "commit":  # as in a run that commits every stall_every steps: not the other arm's steps in one commit
-            _resolve(store.commit_async(state, tag="latest"))
+        if save is not None:  # as in a run that saves every stall_every steps: not the other arms' steps in one save
+            _resolve(save())
         for i in range(s.stall_steps):
             t0 = time.perf_counter()
             step()
-            if arm == "commit" and i % s.stall_every == s.stall_every // 2 - 1:  # mid-interval: its background work falls inside the block
+            if save is not None and i % s.stall_every == s.stall_every // 2 - 1:  # mid-interval: its background work falls inside the block
                 tc = time.perf_counter()
-                fut = store.commit_async(state, tag="latest")
-                calls.append(time.perf_counter() - tc)
-                fut.add_done_callback(lambda f, tc=tc: resolves.append(time.perf_counter() - tc))
+                fut = save()
+                calls[arm].append(time.perf_counter() - tc)
+                if arm == "commit":
+                    fut.add_done_callback(lambda f, tc=tc: resolves.append(time.perf_counter() - tc))
+                else:
+                    saved_bytes["floor"].append(floor_last[0])
                 futs.append(fut)
             times[arm].append(time.perf_counter() - t0)
         if futs:
-            started += len(futs)
-            completed += sum(f.done() for f in futs)
+            started[arm] += len(futs)
             t0 = time.perf_counter()
-            for f in futs:
-                f.result()
+            if arm == "commit":
+                completed += sum(f.done() for f in futs)
+            results = [f.result() for f in futs]
             drains.append(time.perf_counter() - t0)
+            if arm == "commit":
+                saved_bytes["commit"].extend(r.new_bytes for r in results)
 
-    order = ["base", "commit", "commit", "base"] if task.get("rep", 0) % 2 == 0 else ["commit", "base", "base", "commit"]
+    order = ["base", "floor", "commit", "commit", "floor", "base"]
+    order = order if task.get("rep", 0) % 2 == 0 else order[::-1]
     _, m = measure(lambda: [block(arm) for arm in order], logical_bytes=logical, disk_path=out / "store")
     store.close()
+    floor_pool.shutdown()
     window = sum(times["commit"])
-    c, b = times["commit"], times["base"]
+    c, f, b = times["commit"], times["floor"], times["base"]
+    # the arms' difference per save: what one save costs the loop, whatever the cadence
+    # (at one save every T seconds of training, the slowdown is about the per-save loss / T)
+    loss = lambda arm: (sum(times[arm]) - sum(b)) / started[arm] if started[arm] else 0.0
     m.update({
         "wall_s": statistics.fmean(c),
         "step_mean_s": statistics.fmean(c),
@@ -995,20 +1049,24 @@ def stall_save(task: dict) -> list[dict]:
         "base_step_mean_s": statistics.fmean(b),
         "base_step_median_s": statistics.median(b),
         "base_step_max_s": max(b),
+        "floor_step_mean_s": statistics.fmean(f),
         "stall_ratio_mean": statistics.fmean(c) / statistics.fmean(b),
         "stall_ratio_median": statistics.median(c) / statistics.median(b),
-        # the arms' difference per commit: what one commit costs the loop, whatever the cadence
-        # (at one commit every T seconds of training, the slowdown is about stall_per_commit_s / T)
-        "stall_per_commit_s": (sum(c) - sum(b)) / started if started else 0.0,
-        "call_mean_s": statistics.fmean(calls) if calls else 0.0,
+        "floor_ratio_mean": statistics.fmean(f) / statistics.fmean(b),
+        "stall_per_commit_s": loss("commit"),
+        "floor_per_save_s": loss("floor"),
+        "call_mean_s": statistics.fmean(calls["commit"]) if calls["commit"] else 0.0,
+        "floor_call_mean_s": statistics.fmean(calls["floor"]) if calls["floor"] else 0.0,
+        "floor_bytes_per_save": statistics.fmean(saved_bytes["floor"]) if saved_bytes["floor"] else 0.0,
+        "new_bytes_per_commit": statistics.fmean(saved_bytes["commit"]) if saved_bytes["commit"] else 0.0,
         "resolve_mean_s": statistics.fmean(resolves) if resolves else 0.0,
         "drain_s": sum(drains),
         "steps": len(c),
-        "commits_started": started,
+        "commits_started": started["commit"],
         "commits_completed_in_window": completed,
         "stall_threads": s.stall_threads,
         # state checkpointed per second of the commit arm's steps (an effective rate)
-        "throughput_gbps": logical * started / window / 1e9 if window > 0 else 0.0,
+        "throughput_gbps": logical * started["commit"] / window / 1e9 if window > 0 else 0.0,
     })
     return [{"op": "train_steps", "metrics": m}]
 

@@ -23,6 +23,7 @@ A crash before step 4 commits leaves only orphan pack files, which GC removes.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import threading
@@ -944,12 +945,13 @@ class Store:
         with PackWriter(self.root, 0, self.pack_bytes) as writer:
             try:
                 with self.catalog.write():
-                    db = self.catalog.db
                     yield batch
                     if batch:
                         locs = [writer.append_record(kind, text.encode()) for kind, _, _, text in batch]
                         writer.finish()
-                        db["packs"].insert_all({"id": pid, "size": size, "created_at": time.time()} for pid, size in writer.pack_ids)
+                        self.catalog.conn.executemany(
+                            "INSERT INTO packs (id, size, created_at) VALUES (?, ?, ?)", [(pid, size, time.time()) for pid, size in writer.pack_ids]
+                        )
                         self.catalog.conn.executemany(
                             "INSERT INTO records (kind, name, seq, digest, pack, offset, raw_len, stored_len) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                             [(k, n, q, loc.digest, loc.pack, loc.offset, loc.raw_len, loc.stored_len) for (k, n, q, _), loc in zip(batch, locs)],
@@ -967,18 +969,29 @@ class Store:
         ``tags``. ``expect``: the id the record must hash to (IntegrityError otherwise).
         Returns ``(commit id, parent ids, seconds, {address: blob id})``."""
         with self._write() as batch:
-            db = self.catalog.db
             if known:
                 # An id must still hold the same address: GC may have freed it and a new blob taken the id since.
-                rows = self.catalog.chunked("SELECT id, hash, raw_len FROM blobs WHERE id IN ({})", list(set(known.values())), raw=True)
-                held = {i: (h, n) for i, h, n in rows}
-                gone = [k for k, i in known.items() if held.get(i) != k]
+                # The per-shard rows of a commit (thousands for a large buffer, most of them
+                # unchanged shards) go to SQLite as one JSON array in one statement, here and for
+                # the shards table below: executemany and fetchall release and retake the GIL once
+                # per row, and a thread that does that thousands of times starves the others of
+                # it (each waits a switch interval, 5 ms, to get it back), the training loop
+                # beside an asynchronous commit among them. This one returns only the mismatches.
+                reused = list(known.items())
+                bad = self.catalog.rows(
+                    "SELECT j.key FROM json_each(?) j LEFT JOIN blobs b ON b.id = json_extract(j.value, '$[0]') "
+                    "WHERE b.id IS NULL OR b.raw_len != json_extract(j.value, '$[2]') OR lower(hex(b.hash)) != json_extract(j.value, '$[1]')",
+                    (json.dumps([[i, d.hex(), n] for (d, n), i in reused]),), raw=True,
+                )
+                gone = [reused[k][0] for (k,) in bad]
                 if gone:
                     raise ReusedBlobsGone(gone)
-            db["packs"].insert_all(
-                ({"id": pid, "size": size, "created_at": created_at} for pid, size in [*writer.pack_ids, *given_packs]), ignore=True
+            # Plain SQL, not sqlite-utils' tables: these look the schema up (several queries) on every call.
+            run_many = self.catalog.conn.executemany
+            run_many(
+                "INSERT OR IGNORE INTO packs (id, size, created_at) VALUES (?, ?, ?)",
+                [(pid, size, created_at) for pid, size in [*writer.pack_ids, *given_packs]],
             )
-            run_many = self.catalog.conn.executemany  # the bulk rows: sqlite-utils' per-row checks cost more than the inserts
             run_many(
                 "INSERT OR IGNORE INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(loc.digest, loc.raw_len, loc.pack, loc.offset, loc.stored_len, loc.codec, created_at) for loc in written.values()],
@@ -1003,18 +1016,17 @@ class Store:
                     self._move_tag(batch, t, cid, "import", created_at)
                 return cid, parents, seconds, ids
             new_bytes = sum(n for _, n in written)
-            db["commits"].insert({
-                "id": cid, "created_at": created_at, "message": message, "metadata": meta_json,
-                "logical_bytes": sum(r.nbytes for r in leaves if r.kind == "tensor"), "new_bytes": new_bytes,
-                "stored_bytes": writer.stored_bytes + _given_stored(written, given_packs),
-                "shards_total": len(keys), "shards_new": len(written), "seconds": seconds,
-                "record": record,
-            })
+            self.catalog.conn.execute(
+                "INSERT INTO commits (id, created_at, message, metadata, logical_bytes, new_bytes, stored_bytes, shards_total, shards_new, "
+                "seconds, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (cid, created_at, message, meta_json, sum(r.nbytes for r in leaves if r.kind == "tensor"), new_bytes,
+                 writer.stored_bytes + _given_stored(written, given_packs), len(keys), len(written), seconds, record),
+            )
             batch.append((records.KIND_COMMIT, cid, None, record))
-            db["parents"].insert_all({"commit_id": cid, "position": i, "parent_id": p} for i, p in enumerate(parents))
-            db["components"].insert_all(
-                {"commit_id": cid, "path": c.path, "adapter": c.adapter, "version": c.version, "meta": meta}
-                for c, (_, _, _, meta) in zip(components, components_json)
+            run_many("INSERT INTO parents (commit_id, position, parent_id) VALUES (?, ?, ?)", [(cid, i, p) for i, p in enumerate(parents)])
+            run_many(
+                "INSERT INTO components (commit_id, path, adapter, version, meta) VALUES (?, ?, ?, ?, ?)",
+                [(cid, c.path, c.adapter, c.version, meta) for c, (_, _, _, meta) in zip(components, components_json)],
             )
             run_many(
                 "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
@@ -1026,9 +1038,10 @@ class Store:
                 ],
             )
             leaf_ids = {r["path"]: r["id"] for r in self.catalog.rows("SELECT id, path FROM leaves WHERE commit_id = ?", (cid,))}
-            run_many(
-                "INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)",
-                [(leaf_ids[r.path], s, ids[k]) for r, keys_of in zip(leaves, per_leaf) for s, k in enumerate(keys_of)],
+            self.catalog.conn.execute(  # one statement over a JSON array, as the check above
+                "INSERT INTO shards (leaf_id, seq, blob_id) "
+                "SELECT json_extract(l.value, '$[0]'), s.key, s.value FROM json_each(?) l, json_each(l.value, '$[1]') s",
+                (json.dumps([[leaf_ids[r.path], [ids[k] for k in keys_of]] for r, keys_of in zip(leaves, per_leaf) if keys_of]),),
             )
             for t in tags:
                 self._move_tag(batch, t, cid, "commit", created_at)
