@@ -207,4 +207,6 @@ DATA_OF = {"w1": "w1", "w2": "w2", "async": "w1", "w6": "w6"}
 HIGHER_IS_BETTER = {"throughput_gbps"}
 INFO_METRICS = {"logical_bytes", "rss_before", "rss_baseline", "rss_file_growth_before", "sampler_stored_bytes", "resident_before",
                 "commits", "changed_rows", "prealloc_copy_s", "prealloc_copy_tensors_s", "call_over_row_copy", "call_over_tensor_copy",
-                "peak_rss_lifetime", "resident_warm", "steps", "commits_started", "commits_completed_in_window", "stall_threads"}
+                "peak_rss_lifetime", "resident_warm", "steps", "commits_started", "commits_completed_in_window", "stall_threads",
+                # the stall loop's floor arm: the reference, not ckptstore
+                "floor_step_mean_s", "floor_ratio_mean", "floor_per_save_s", "floor_call_mean_s", "floor_bytes_per_save"}

@@ -967,8 +967,7 @@ def stall_save(task: dict) -> list[dict]:
 
     def floor_write(views: list) -> None:
         with open(floor_file, "wb") as f:
-            for v in views:
-                f.write(memoryview(v.numpy()).cast("B"))
+            f.writelines(memoryview(v.numpy()).cast("B") for v in views)
             f.flush()
             os.fsync(f.fileno())
 

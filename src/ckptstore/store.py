@@ -167,6 +167,8 @@ def _given_stored(written: dict[tuple[bytes, int], BlobLoc], given_packs) -> int
     return sum(loc.stored_len + BLOB_HEADER.size for loc in written.values() if loc.pack in ids) if ids else 0
 
 
+_background = threading.local()  # .active: this thread runs an asynchronous commit
+
 _gc_pause = threading.Lock()
 _gc_paused: list[bool] = []  # one entry per pause in progress, in any thread: whether the collector was enabled before the first
 
@@ -557,8 +559,12 @@ class Store:
         return future
 
     def _commit_paused(self, components, tag, message, metadata, parents, t0) -> CommitInfo:
-        with paused_gc():
-            return self.commit_components(components, tag, message, metadata, parents, t0=t0, reuse_checked=True)
+        _background.active = True  # hash and write in this thread only (see _map)
+        try:
+            with paused_gc():
+                return self.commit_components(components, tag, message, metadata, parents, t0=t0, reuse_checked=True)
+        finally:
+            _background.active = False
 
     def _snapshot(self, components: list[Captured]) -> list[Captured]:
         """Copies of the leaves that may change after an asynchronous commit returns."""
@@ -902,8 +908,11 @@ class Store:
 
     def _map(self, fn, items: list) -> list:
         """``[fn(x) for x in items]`` across the thread pool, a few chunks per thread
-        (one task per small item costs more in locking than the work)."""
-        if len(items) <= 1 or self.workers == 1:
+        (one task per small item costs more in locking than the work). In the thread of
+        an asynchronous commit, in that thread alone: the pool's threads would compete
+        with the training loop for the cores (and the GIL) to finish the commit sooner,
+        which nothing waits for."""
+        if len(items) <= 1 or self.workers == 1 or getattr(_background, "active", False):
             return [fn(x) for x in items]
         size = -(-len(items) // (4 * self.workers))
         failed = threading.Event()
@@ -1038,10 +1047,9 @@ class Store:
                 ],
             )
             leaf_ids = {r["path"]: r["id"] for r in self.catalog.rows("SELECT id, path FROM leaves WHERE commit_id = ?", (cid,))}
-            self.catalog.conn.execute(  # one statement over a JSON array, as the check above
-                "INSERT INTO shards (leaf_id, seq, blob_id) "
-                "SELECT json_extract(l.value, '$[0]'), s.key, s.value FROM json_each(?) l, json_each(l.value, '$[1]') s",
-                (json.dumps([[leaf_ids[r.path], [ids[k] for k in keys_of]] for r, keys_of in zip(leaves, per_leaf) if keys_of]),),
+            run_many(  # a leaf's shard rows from one JSON array of blob ids, as the check above
+                "INSERT INTO shards (leaf_id, seq, blob_id) SELECT ?, key, value FROM json_each(?)",
+                [(leaf_ids[r.path], json.dumps([ids[k] for k in keys_of])) for r, keys_of in zip(leaves, per_leaf) if keys_of],
             )
             for t in tags:
                 self._move_tag(batch, t, cid, "commit", created_at)
