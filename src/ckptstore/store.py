@@ -538,7 +538,9 @@ class Store:
         of a TorchRL storage column only the shards holding rows written since are)
         into snapshot buffers reused from earlier asynchronous commits, and freezes
         JSON values. Training may then modify
-        the live objects. Asynchronous commits run one at a time, in call order.
+        the live objects. Asynchronous commits run one at a time, in call order, in
+        one background thread that also does their hashing and writing (not the
+        store's thread pool), so a training loop keeps the other cores.
         One still running when the script ends finishes before the interpreter
         exits (:meth:`close` also waits for it); only its future reports its errors.
 
