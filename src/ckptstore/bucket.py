@@ -86,6 +86,7 @@ from .store import ReusedBlobsGone, Store, check_tag
 from .threads import Pool
 
 #: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
+_jitter = random.Random()  # retry jitter from a private generator: the global one is the user's (RNGState)
 CAS_SECONDS = 60.0
 #: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
 REQUESTS = 16
@@ -482,7 +483,7 @@ class BucketStore(Store):
             if time.monotonic() > deadline:
                 raise RefBusyError(f"{self.url}: tags {', '.join(repr(t) for t in tags if t not in moved)} kept moving for {CAS_SECONDS:.0f} s: "
                                    f"commit {cid} is stored but they do not name it")
-            time.sleep(delay * random.uniform(0.5, 1.5))
+            time.sleep(delay * _jitter.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
         self._mirror({t: cid for t in tags})
         return cid, parent_ids, seconds, ids

@@ -122,6 +122,9 @@ class ShardPlan:
         return start, min(self.nbytes, start + self.shard_bytes)
 
 
+_sampler = random.Random()  # not the global one: a commit must not move the state an RNGState commits and restores
+
+
 def sample_unchanged(known: Sequence[bytes] | Mapping[int, bytes], mv: memoryview, plan: ShardPlan, path: str) -> bool:
     """Rehash a random sample of the shards of ``mv`` (cut by ``plan``) whose hashes a
     fingerprint says are still ``known`` (all shards in order, or ``{shard index:
@@ -135,7 +138,7 @@ def sample_unchanged(known: Sequence[bytes] | Mapping[int, bytes], mv: memoryvie
     known = known if isinstance(known, Mapping) else dict(enumerate(known))
     if not known:
         return True
-    sample = random.sample(sorted(known), max(1, len(known) // 100))
+    sample = _sampler.sample(sorted(known), max(1, len(known) // 100))
     if all(digest(mv[slice(*plan.bounds(i))]) == known[i] for i in sample):
         return True
     warnings.warn(
