@@ -11,7 +11,7 @@ import torch
 import ckptstore
 from ckptstore.adapters import REGISTRY
 from ckptstore.container import check_export
-from ckptstore.errors import BlobCorruptError, ContainerError, GCLockedError, IntegrityError, InvalidArgumentError
+from ckptstore.errors import BlobCorruptError, ContainerError, GCLockedError, IntegrityError, InvalidArgumentError, StoreWriteError
 from ckptstore.gc import gc_lock, parse_duration
 
 from .conftest import assert_bit_equal, row_count
@@ -250,3 +250,53 @@ def test_dry_run_matches_with_a_grace_period_pending(tmp_path):
     assert {f: getattr(dry, f) for f in fields} == {f: getattr(real, f) for f in fields}
     assert real.commits_dropped == 2 and real.bytes_pending > 0
     s.close()
+
+
+def test_an_async_commit_rewrites_a_freed_blob_from_one_read_of_live_memory(tmp_path, monkeypatch):
+    """Found by a breaker: another Store's GC frees the blob an unchanged tensor's kept hash
+    names, so the background commit writes it again from the live tensor. It hashed the live
+    bytes, then wrote them again from live memory: a training write in between was stored
+    under the old hash (a corrupt blob that later commits then reused). Here the write lands
+    exactly there, inside the pack writer's append."""
+    from ckptstore import packs
+
+    s = ckptstore.Store(tmp_path / "s", shard_bytes=4096)
+    live = torch.randn(1024)  # one 4096-byte shard
+    s.commit({"w": live}, tag="a")
+    other = ckptstore.Store(tmp_path / "s")
+    other.delete_tag("a")
+    assert other.gc(grace=0).blobs_deleted >= 1
+    expected = live.clone()
+    append = packs.PackWriter.append
+
+    def append_while_training(self, raw, digest=None):
+        if len(raw) == 4096:
+            live.add_(1.0)  # the training loop writes while the commit writes the shard
+        return append(self, raw, digest)
+
+    monkeypatch.setattr(packs.PackWriter, "append", append_while_training)
+    info = s.commit_async({"w": live}, tag="b").result()
+    monkeypatch.setattr(packs.PackWriter, "append", append)
+    assert info.shards_new == 1
+    assert_bit_equal(ckptstore.Store(tmp_path / "s").checkout("b")["w"], expected)  # the state at the call
+    assert s.fsck(deep=True).ok
+
+    # changed after the call, before the background commit found the blob freed and read the
+    # tensor: a clear error (the content at the call is gone), and the next commit rehashes
+    s.commit({"w": live}, tag="b")  # kept hashes of the tensor as it is now
+    other.delete_tag("b")
+    other.gc(grace=0)
+    finish = packs.PackWriter.finish
+
+    def finish_while_training(self):
+        monkeypatch.setattr(packs.PackWriter, "finish", finish)
+        live.add_(1.0)
+        return finish(self)
+
+    monkeypatch.setattr(packs.PackWriter, "finish", finish_while_training)
+    with pytest.raises(StoreWriteError, match="freed by a GC"):
+        s.commit_async({"w": live}, tag="c").result()
+    assert "c" not in s.tags()
+    s.commit_async({"w": live}, tag="c").result()
+    assert_bit_equal(ckptstore.Store(tmp_path / "s").checkout("c")["w"], live)
+    assert s.fsck(deep=True).ok

@@ -681,9 +681,19 @@ class Store:
                 unique.setdefault((d, len(mv)), mv)
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
-            if key in from_cache and digest(unique[key]) != key[0]:  # a hash taken from the cache no longer fits the bytes
-                raise StoreWriteError(f"a tensor changed while it was being committed (blob {address(*key)}); commit again")
-            return writer.append(unique[key], key[0])
+            data = unique[key]
+            if key in from_cache:
+                # A hash kept from an earlier commit whose blob a GC freed since: the bytes are
+                # live memory. Copied once, so what is hashed is what is written (training may
+                # write between the two); if they moved on, this commit cannot be made.
+                data = bytes(data)
+                if digest(data) != key[0]:
+                    self.forget_hashes()  # the next commit rehashes instead of failing the same way
+                    raise StoreWriteError(
+                        f"blob {address(*key)} this commit reused was freed by a GC (another process or Store) while the commit "
+                        "ran, and its tensor has changed since, so its content at the commit is gone; commit again"
+                    )
+            return writer.append(data, key[0])
 
         info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
         self._remember_digests(leaves, views, tokens, ids)
