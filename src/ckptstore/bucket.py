@@ -85,8 +85,8 @@ from .remote import resolve as resolve_remote
 from .store import ReusedBlobsGone, Store, check_tag
 from .threads import Pool
 
-#: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
 _jitter = random.Random()  # retry jitter from a private generator: the global one is the user's (RNGState)
+#: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
 CAS_SECONDS = 60.0
 #: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
 REQUESTS = 16
