@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import threading
@@ -58,7 +57,7 @@ from .errors import (
     ReflogWarning,
     RefNotFoundError,
 )
-from .layout import address, digest
+from .layout import RANDOM, address, digest
 from .packindex import decode_index, index_key, pack_key
 from .packs import (
     BLOB_HEADER,
@@ -85,7 +84,6 @@ from .remote import resolve as resolve_remote
 from .store import ReusedBlobsGone, Store, check_tag
 from .threads import Pool
 
-_jitter = random.Random()  # retry jitter from a private generator: the global one is the user's (RNGState)
 #: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
 CAS_SECONDS = 60.0
 #: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
@@ -483,7 +481,7 @@ class BucketStore(Store):
             if time.monotonic() > deadline:
                 raise RefBusyError(f"{self.url}: tags {', '.join(repr(t) for t in tags if t not in moved)} kept moving for {CAS_SECONDS:.0f} s: "
                                    f"commit {cid} is stored but they do not name it")
-            time.sleep(delay * _jitter.uniform(0.5, 1.5))
+            time.sleep(delay * RANDOM.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
         self._mirror({t: cid for t in tags})
         return cid, parent_ids, seconds, ids

@@ -39,12 +39,11 @@ from dataclasses import dataclass
 from .errors import BlobCorruptError, CkptStoreError, IntegrityError, ObjectNotFoundError
 from .fsck import FsckReport
 from .gc import REPACK_BELOW, Collector, GCReport, parse_duration
-from .layout import address
+from .layout import RANDOM, address
 from .packindex import decode_index, index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, check_entry
 from .remote import commit_key, fetch_record, read_tag
 
-_jitter = random.Random()  # retry jitter from a private generator: the global one is the user's (RNGState)
 DEFAULT_GRACE = 86400.0
 SWEEP_ATTEMPTS = 5
 #: Seconds: S3 (and moto) give object times in whole seconds, so an object may be this much younger than
@@ -202,7 +201,7 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
             live = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in going))  # records that stay keep their packs
             deletable = [p for p in doomed if not ((_blob_keys(st.entries.get(p, ())) & live) - covered)]
             if store.read_refs() != st.refs:
-                time.sleep(_jitter.uniform(0.01, 0.1))
+                time.sleep(RANDOM.uniform(0.01, 0.1))
                 continue  # a ref moved while we decided: decide again
             for x in victims:
                 if commit_key(x) in st.objects:

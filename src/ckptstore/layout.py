@@ -122,7 +122,9 @@ class ShardPlan:
         return start, min(self.nbytes, start + self.shard_bytes)
 
 
-_sampler = random.Random()  # not the global one: a commit must not move the state an RNGState commits and restores
+#: ckptstore's own random generator (shard samples, retry jitter): drawing from the global one would move
+#: the state an ``RNGState`` commits and restores, and a resumed run would not repeat the original.
+RANDOM = random.Random()
 
 
 def sample_unchanged(known: Sequence[bytes] | Mapping[int, bytes], mv: memoryview, plan: ShardPlan, path: str) -> bool:
@@ -138,7 +140,7 @@ def sample_unchanged(known: Sequence[bytes] | Mapping[int, bytes], mv: memoryvie
     known = known if isinstance(known, Mapping) else dict(enumerate(known))
     if not known:
         return True
-    sample = _sampler.sample(sorted(known), max(1, len(known) // 100))
+    sample = RANDOM.sample(sorted(known), max(1, len(known) // 100))
     if all(digest(mv[slice(*plan.bounds(i))]) == known[i] for i in sample):
         return True
     warnings.warn(

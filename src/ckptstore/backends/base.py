@@ -26,7 +26,6 @@ the ref object format, and :func:`update_ref`, the read-modify-CAS loop.
 from __future__ import annotations
 
 import json
-import random
 import re
 import time
 import uuid
@@ -35,12 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import IntegrityError, InvalidArgumentError, InvalidNameError, RefBusyError, RefConflictError
-from ..layout import digest
+from ..layout import RANDOM, digest
 
 #: A bytes-like object, or a sequence of them written back to back (a pack's parts).
 Data = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
 
-_jitter = random.Random()  # retry jitter from a private generator: the global one is the user's (RNGState)
 REF_FORMAT = 1
 MAX_KEY_BYTES = 900
 MAX_REF_NAME = 255
@@ -348,5 +346,5 @@ def update_ref(
             return data, backend.cas_ref(name, data, None if current is None else current.version)
         except RefConflictError:
             if attempt + 1 < attempts:
-                time.sleep(_jitter.uniform(0, min(max_backoff, backoff * 2**attempt)))
+                time.sleep(RANDOM.uniform(0, min(max_backoff, backoff * 2**attempt)))
     raise RefBusyError(f"ref {name!r} at {backend.url} kept moving: {attempts} attempts to update it all lost a race to other writers")
