@@ -77,11 +77,14 @@ def test_push_to_an_empty_prefix_then_pull_into_a_fresh_store(tmp_path, url):
     assert got[packs[0][:-5] + ".idx"] == 16 + 8 * 48 + 16
     assert {k for k in got if k.startswith("commits/")} == {commit_key(first.id), commit_key(second.id)}
     assert "ckptstore.json" in got and len([k for k in got if k.startswith("reflog/latest/")]) == 1
-    assert len(got) == 1 + 2 + 2 + 1  # marker, pack + idx, 2 records, 1 reflog record (the ref is no object)
+    assert len(got) == 2 + 2 + 2 + 1  # marker and its copy, pack + idx, 2 records, 1 reflog record (the ref is no object)
     assert (report.objects_written, report.bytes_written) == (len(got) + 1, sum(got.values()))  # + the ref
     with open_backend(url) as b:
         assert read_tag(b, "latest")[0] == second.id
-        assert json.loads(b.get("ckptstore.json")) == {"compression_level": 3, "format": "ckptstore", "shard_bytes": SHARD, "version": 1}
+        marker = json.loads(b.get("ckptstore.json"))
+        assert marker.pop("digest") == ckptstore.layout.digest(json.dumps(marker, sort_keys=True).encode()).hex()
+        assert marker == {"compression_level": 3, "format": "ckptstore", "shard_bytes": SHARD, "version": 1}
+        assert b.get("marker/ckptstore.json") == b.get("ckptstore.json")
 
     other = ckptstore.Store(tmp_path / "other")
     pulled = other.pull(url, "latest")

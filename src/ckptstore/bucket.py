@@ -75,13 +75,14 @@ from .remote import (
     commit_key,
     ensure_marker,
     fetch_record,
+    pack_entries,
     read_marker,
     read_tag,
     read_tag_hint,
     ref_payload,
 )
 from .remote import resolve as resolve_remote
-from .store import ReusedBlobsGone, Store, check_tag
+from .store import CommitInfo, ReusedBlobsGone, Store, check_tag
 from .threads import Pool
 
 #: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
@@ -263,8 +264,11 @@ class BucketStore(Store):
         whose pack is gone to another pack that holds them. ``only``: read just these
         packs' indexes, if not seen (a tag's hint; nothing is listed). Returns the packs read.
 
+        A pack whose ``.idx`` is missing or damaged is indexed from the pack itself
+        (:func:`~ckptstore.remote.pack_entries`); one that cannot be read at all is left
+        out (fsck reports it), so a damaged object affects only what needs it.
+
         Raises:
-            BlobCorruptError: an index fails its checks (names it).
             BackendError: the storage failed.
         """
         with self._index_lock:
@@ -280,15 +284,18 @@ class BucketStore(Store):
             else:
                 self._indexed = True
                 listed = {o.key: o for o in self.backend.list("blobs")}
-                packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack") and k[:-5] + ".idx" in listed}
+                packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
                 holding = {r[0] for r in cat.rows("SELECT DISTINCT pack FROM blobs", raw=True)}
                 gone = holding - set(packs)
             todo = list(packs) if gone else [p for p in packs if p not in seen]
 
-            def load(pid: str) -> list[Entry]:
-                return decode_index(self.backend.get(index_key(pid)), pid, packs[pid].size, f"{self.url}: {index_key(pid)}")
+            indexes = None if only is not None else {k for k in listed if k.endswith(".idx")}
 
-            entries = dict(zip(todo, self.requests.map(load, todo)))
+            def load(pid: str) -> list[Entry] | None:
+                return pack_entries(self.backend, pid, packs[pid].size, indexes is None or index_key(pid) in indexes).entries
+
+            entries = {pid: es for pid, es in zip(todo, self.requests.map(load, todo)) if es is not None}
+            todo = list(entries)
             with cat.write():
                 cat.db["packs"].insert_all(
                     ({"id": pid, "size": packs[pid].size, "created_at": packs[pid].mtime} for pid in todo if pid not in seen), ignore=True
@@ -402,12 +409,17 @@ class BucketStore(Store):
 
     # --- commit ------------------------------------------------------------------------------
 
-    def _check_reused(self, known: dict) -> None:
-        """Before a ref CAS: no reused blob may sit in a pack a GC marked or swept."""
-        if not known:
+    def _check_packs(self, known: dict, written: dict) -> None:
+        """After the commit's record is on the bucket and before its ref CAS (invariant 6):
+        no blob it relies on, reused (``known``) or new (``written``), may sit in a pack a
+        GC marked or swept; those are raised as :class:`~ckptstore.store.ReusedBlobsGone`
+        and written again. Checked after the record exists, a pack no mark names now can
+        be marked only by a GC that lists the record at its sweep and so keeps the pack,
+        whatever the grace period and however slow the commit was until now."""
+        where = self.locate(list(known)) if known else {}
+        packs = {loc.pack for loc in where.values()} | {loc.pack for loc in written.values()}
+        if not packs:
             return
-        where = self.locate(list(known))
-        packs = {loc.pack for loc in where.values()}
         marked = self.marked_packs()
         if len(packs) > REQUESTS:  # one listing costs less than many HEADs
             listed = {o.key for o in self.backend.list("blobs")}
@@ -415,7 +427,7 @@ class BucketStore(Store):
         else:
             present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)) is not None, packs)))
         bad = {p for p in packs if p in marked or not present[p]}
-        gone = [k for k in known if k not in where or where[k].pack in bad]
+        gone = [k for k in known if k not in where or where[k].pack in bad] + [k for k, loc in written.items() if loc.pack in bad]
         if gone:
             raise ReusedBlobsGone(gone)
 
@@ -440,7 +452,6 @@ class BucketStore(Store):
         if getattr(self._copying, "on", False):  # a commit of the bucket copied into the cache
             return super().index_commit(components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents,
                                         created_at, t0, expect, given_packs)
-        self._check_reused(known)
         if self.marker is None:
             ensure_marker(self.backend, self)
             self.marker = read_marker(self.backend)
@@ -466,6 +477,7 @@ class BucketStore(Store):
                                                                  parents, created_at, t0, expect, given_packs)
             text = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
             self.backend.put_new(commit_key(cid), text.encode())
+            self._check_packs(known, written)
             packs = self._packs_of(cid)
             for t in remaining:
                 old, version = current[t]
@@ -554,10 +566,13 @@ class BucketStore(Store):
         return {n: c for n, c in sorted(refs.items()) if c is not None}
 
     def tagged(self) -> dict:
-        """``{tag name: CommitInfo}`` as on the bucket now."""
+        """``{tag name: CommitInfo}`` as on the bucket now. A tag whose commit record is
+        missing or damaged is listed all the same, its info saying so (``created_at`` 0,
+        no parents, zero counts): listing tags never depends on the state of the commits."""
         named = self.tags()
         infos = self.infos(list(set(named.values())))
-        return {name: infos[cid] for name, cid in named.items()}
+        unreadable = "(the commit record is missing or damaged: see `ckptstore fsck --deep`)"
+        return {name: infos.get(cid) or CommitInfo(cid, (name,), (), 0.0, unreadable, {}, 0, 0, 0, 0, 0, 0.0) for name, cid in named.items()}
 
     def resolve(self, ref: str) -> str:
         """The commit id ``ref`` names on the bucket (a tag, read now; a commit id or a
@@ -711,13 +726,16 @@ class BucketStore(Store):
         self.forget_hashes()
         return report
 
-    def fsck(self, deep: bool = False, sample: float = 1.0):
-        """Check the bucket: every tag names a commit whose record verifies, every blob of
-        every commit is in a pack the bucket holds; ``deep`` rereads and rehashes them."""
+    def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False):
+        """Check the bucket's own objects (:func:`ckptstore.bucketgc.check`): every tag names
+        a commit whose record verifies, every blob of every commit is in a pack the bucket
+        holds; ``deep`` trusts nothing the cache holds and rereads and rehashes the blobs;
+        ``repair`` (implies ``deep``) rebuilds damaged or missing pack indexes from their
+        packs and rewrites a damaged marker."""
         from .bucketgc import check
 
         self._need_store()
-        return check(self, deep=deep or sample < 1, sample=sample)
+        return check(self, deep=deep or sample < 1, sample=sample, repair=repair)
 
     def verify(self, ref: str):
         from .bucketgc import check

@@ -32,23 +32,26 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 import uuid
 from dataclasses import dataclass
 
-from .errors import BlobCorruptError, CkptStoreError, IntegrityError, ObjectNotFoundError
+from .errors import BlobCorruptError, IntegrityError, InvalidNameError, ObjectNotFoundError
 from .fsck import FsckReport
 from .gc import REPACK_BELOW, Collector, GCReport, parse_duration
 from .layout import RANDOM, address
-from .packindex import decode_index, index_key, pack_key
+from .packindex import encode_index, index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, check_entry
-from .remote import commit_key, fetch_record, read_tag
+from .backends.base import ref_segment
+from .remote import MARKER, commit_key, fetch_record, marker_problem, pack_entries, read_tag, repair_marker
 
 DEFAULT_GRACE = 86400.0
 SWEEP_ATTEMPTS = 5
 #: Seconds: S3 (and moto) give object times in whole seconds, so an object may be this much younger than
 #: its time says; a grace period above 0 waits this much longer, or a just-written pack or mark looks old.
 MTIME_STEP = 1.0
+_CID = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass
@@ -59,43 +62,75 @@ class _State:
     retained: set
     live: set
     packs: dict  # pack id -> ObjectInfo
-    entries: dict  # pack id -> [Entry] (packs with a readable .idx)
+    entries: dict  # pack id -> [Entry] (from its .idx, or from walking the pack where the .idx is missing or damaged)
+    unreadable: dict  # pack id -> why neither its .idx nor the pack itself could be read (never garbage: invariant 4)
+    bad_indexes: dict  # pack id -> why its .idx is missing or damaged (the pack was walked instead)
     objects: dict  # key -> ObjectInfo (everything under blobs/ and commits/)
     needs: dict  # commit id -> blob addresses, for every record on the bucket (a pack stays while a record stays)
+    now: float  # the server's clock when the state was read (invariant 5)
 
 
 def _state(store, c: Collector) -> _State:
-    """Mirror the bucket into the cache and compute liveness (reads every ref, record and ``.idx``)."""
+    """Mirror the bucket into the cache and compute liveness (reads every ref, record and ``.idx``).
+
+    Liveness comes from the records alone (invariant 4): a pack's entries come from its
+    ``.idx`` or, where that is missing or damaged, from the pack itself; a pack that
+    cannot be read at all is kept. Ages use the server's clock (``backend.now()``)."""
     backend = store.backend
     refs = store.read_refs()
     store.log()  # mirrors the tags, caches every commit record, forgets the ones the bucket lost
-    c.now = time.time()
+    now = backend.now()
+    # retention by age compares records' own times; the server's whole-second clock may be a second behind. (Young
+    # records are kept by their objects' times, below, whatever this says.)
+    c.now = now + MTIME_STEP
     retained = c.retained()
     live = {k for cid in retained if store.has_cached(cid) for leaf in store.record(cid).leaves for k in leaf.keys}
     objects = {o.key: o for o in backend.list("blobs")}
     objects.update({o.key: o for o in backend.list("commits")})
     packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in objects.items() if k.endswith(".pack")}
-
-    def load(pid):
-        if index_key(pid) not in objects:
-            return pid, None
-        try:
-            return pid, decode_index(backend.get(index_key(pid)), pid, packs[pid].size, f"{backend.url}: {index_key(pid)}")
-        except (BlobCorruptError, ObjectNotFoundError):
-            return pid, None
-
-    entries = {pid: es for pid, es in store.requests.map(load, list(packs)) if es is not None}
+    found = dict(zip(packs, store.requests.map(lambda pid: pack_entries(backend, pid, packs[pid].size, index_key(pid) in objects), list(packs))))
+    entries = {pid: f.entries for pid, f in found.items() if f.entries is not None}
+    unreadable = {pid: f.pack_problem for pid, f in found.items() if f.entries is None}
+    bad_indexes = {pid: f.index_problem for pid, f in found.items() if f.index_problem is not None}
     ids = [k.rsplit("/", 1)[1] for k in objects if k.startswith("commits/")]
     needs = {cid: {k for leaf in store.record(cid).leaves for k in leaf.keys} for cid in ids if store.has_cached(cid)}
 
     def needed(cid):  # a record written since the cache was brought up to date
         try:
             return cid, {k for leaf in fetch_record(backend, cid).leaves for k in leaf.keys}
-        except CkptStoreError:
-            return cid, set()  # gone, or damaged (fsck reports it)
+        except IntegrityError:
+            return cid, set()  # gone, or damaged (fsck reports it); a failing server raises
 
     needs.update(store.requests.map(needed, [c for c in ids if c not in needs]))
-    return _State(refs, retained, live, packs, entries, objects, needs)
+    return _State(refs, retained, live, packs, entries, unreadable, bad_indexes, objects, needs, now)
+
+
+def repair_index(backend, pid: str, entries) -> None:
+    """Replace pack ``pid``'s missing or damaged ``.idx`` by one encoded from ``entries``
+    (walked from the pack itself). Indexes are derived data: the damaged copy is deleted
+    and the rebuilt one written create-only."""
+    backend.delete(index_key(pid))
+    backend.put_new(index_key(pid), encode_index(entries))
+
+
+def _dead_reflog(store, st: _State, cutoff: float) -> list[list]:
+    """``[key, new, old]`` of every reflog object older than ``cutoff`` (server time) whose
+    commits are both outside the retained set: retention governs the reflog too. A record
+    that cannot be read is kept (fsck reports it)."""
+    backend = store.backend
+    todo = [o.key for o in backend.list("reflog") if o.mtime <= cutoff]
+
+    def load(key):
+        try:
+            m = json.loads(backend.get(key))
+            new, old = m["new"], m["old"]
+            if not all(x is None or type(x) is str for x in (new, old)):
+                return None
+            return [key, new, old]
+        except (ObjectNotFoundError, ValueError, KeyError, TypeError):
+            return None
+
+    return [r for r in store.requests.map(load, todo) if r is not None and r[1] not in st.retained and r[2] not in st.retained]
 
 
 def _blob_keys(entries) -> set:
@@ -122,8 +157,8 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
     backend = store.backend
     t0 = time.perf_counter()
     st = _state(store, c)
-    cutoff = time.time() - grace - (MTIME_STEP if grace > 0 else 0.0)
-    old = lambda key: key in st.objects and st.objects[key].mtime < cutoff
+    cutoff = st.now - grace - (MTIME_STEP if grace > 0 else 0.0)
+    old = lambda key: key in st.objects and st.objects[key].mtime <= cutoff  # both times in the server's whole seconds
     dead_commits = sorted(k.rsplit("/", 1)[1] for k in st.objects if k.startswith("commits/") and old(k)
                           and k.rsplit("/", 1)[1] not in st.retained)
     # live: the retained commits' blobs, and those of every record this mark leaves on the bucket
@@ -131,18 +166,15 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
     live_now = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in dropping))
     dead_packs, repack, orphans = [], [], []
     for pid, info in st.packs.items():
-        if not old(pack_key(pid)):
-            continue
-        es = st.entries.get(pid)
-        if es is None:
-            orphans.append(pack_key(pid))  # no readable .idx: a pack whose writer died, never used
-            continue
-        live = [e for e in es if e.magic == BLOB_MAGIC and (e.loc.digest, e.loc.raw_len) in live_now]
+        if not old(pack_key(pid)) or pid not in st.entries:
+            continue  # young, or unreadable: never garbage on an index's (or a failed read's) word
+        live = [e for e in st.entries[pid] if e.magic == BLOB_MAGIC and (e.loc.digest, e.loc.raw_len) in live_now]
         if not live:
             dead_packs.append(pid)
         elif sum(BLOB_HEADER.size + e.loc.stored_len for e in live) < repack_below * info.size:
             repack.append((pid, live))
     orphans += [k for k in st.objects if k.endswith(".idx") and old(k) and k.rsplit("/", 1)[1][:-4] not in st.packs]
+    reflog = _dead_reflog(store, st, cutoff)
     report.seconds["mark"] = time.perf_counter() - t0
     if dry_run:
         report.dropped = dead_commits
@@ -152,6 +184,11 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
         report.bytes_pending = sum(st.packs[p].size for p in dead_packs) + sum(st.packs[p].size for p, _ in repack)
         return report
     t0 = time.perf_counter()
+    dead = set(dead_packs)
+    for pid in st.bad_indexes:
+        if pid in st.entries and pid not in dead:
+            repair_index(backend, pid, st.entries[pid])
+            report.indexes_repaired += 1
     if repack:
         writer = store.pack_writer()
         with writer:
@@ -164,8 +201,8 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
         report.packs_repacked = len(repack)
         store.refresh_index()
     marked = dead_packs + [p for p, _ in repack]
-    if marked or dead_commits or orphans:
-        mark = {"at": time.time(), "commits": dead_commits, "objects": orphans, "packs": marked}
+    if marked or dead_commits or orphans or reflog:
+        mark = {"at": st.now, "commits": dead_commits, "objects": orphans, "packs": marked, "reflog": reflog}
         backend.put_new(f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json", json.dumps(mark, sort_keys=True).encode())
         report.bytes_pending = sum(st.packs[p].size for p in marked)
     report.seconds["repack"] = time.perf_counter() - t0
@@ -177,7 +214,9 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
 
 def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
     backend = store.backend
-    marks = [o for o in backend.list("gc") if o.mtime + (MTIME_STEP if grace > 0 else 0.0) <= time.time() - grace]
+    marks = backend.list("gc")
+    now = backend.now() if marks else 0.0
+    marks = [o for o in marks if o.mtime + (MTIME_STEP if grace > 0 else 0.0) <= now - grace]
     if not marks:
         return
     for o in marks:
@@ -186,6 +225,7 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
             packs = [p for p in mark["packs"] if type(p) is str]
             commits = [x for x in mark["commits"] if type(x) is str]
             objects = [x for x in mark.get("objects", []) if type(x) is str]
+            reflog = [x for x in mark.get("reflog", []) if type(x) is list and len(x) == 3 and type(x[0]) is str and x[0].startswith("reflog/")]
         except ObjectNotFoundError:
             continue  # another GC swept it
         except (ValueError, KeyError, TypeError):
@@ -199,7 +239,7 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
             victims = [x for x in commits if x not in st.retained]
             going = set(victims)
             live = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in going))  # records that stay keep their packs
-            deletable = [p for p in doomed if not ((_blob_keys(st.entries.get(p, ())) & live) - covered)]
+            deletable = [p for p in doomed if p in st.entries and not ((_blob_keys(st.entries[p]) & live) - covered)]
             if store.read_refs() != st.refs:
                 time.sleep(RANDOM.uniform(0.01, 0.1))
                 continue  # a ref moved while we decided: decide again
@@ -218,6 +258,10 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
                     backend.delete(key)
                     report.bytes_freed += st.objects[key].size
                     report.orphans_removed += 1
+            for key, new_, old_ in reflog:  # a ref move whose commits are all dropped has nothing left to tell
+                if new_ not in st.retained and old_ not in st.retained:
+                    backend.delete(key)
+                    report.reflog_removed += 1
             store.forget(victims)
             backend.delete(o.key)
             break
@@ -226,15 +270,29 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
     store.refresh_index()
 
 
-def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None) -> FsckReport:
-    """Check a :class:`~ckptstore.bucket.BucketStore`: every tag names a commit whose
-    record is on the bucket and hashes to its id; every blob of every commit (or of
-    ``commit``) is listed in the ``.idx`` of a pack the bucket holds; with ``deep``,
-    each (or a ``sample`` fraction, at least one per commit) is read and rehashed.
-    Packs without ``.idx`` are reported as orphans (GC removes them)."""
+def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None,
+          repair: bool = False) -> FsckReport:
+    """Check a :class:`~ckptstore.bucket.BucketStore` against the bucket's own objects.
+
+    Every tag names a commit whose record is on the bucket and hashes to its id; every
+    blob of every commit (or of ``commit``) is in a pack the bucket holds. With ``deep``,
+    nothing the cache holds is trusted: every record is fetched and checked against its
+    id, every pack's ``.idx`` is read and checked (a pack whose index is missing or damaged
+    is walked instead, and reported when a record needs it), the blobs are located
+    through those bucket entries and each (or a ``sample`` fraction, at least one per
+    commit) is read and rehashed in bounded memory (:func:`~ckptstore.packs.check_entry`);
+    the reflog objects and the store marker are checked too. Packs nobody needs without
+    ``.idx`` are reported as orphans (GC removes them). ``repair`` rebuilds every damaged
+    or missing index whose pack can be walked and rewrites a damaged marker
+    (:func:`~ckptstore.remote.repair_marker`), listing what it rewrote in ``repaired``.
+
+    Raises:
+        BackendError: the storage failed (nothing is reported as damage for that).
+    """
     report = FsckReport()
     backend = store.backend
     rng = random.Random(seed)
+    deep = deep or repair
     if commit is None:
         ids = []
         for name in backend.list_refs():
@@ -242,52 +300,141 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
                 cid = read_tag(backend, name)[0]  # a malformed payload is a damaged tag, not the end of the check
                 if cid is None:
                     continue
-                store.resolve(cid)
-            except CkptStoreError as exc:
+                if deep or not store.has_cached(cid):
+                    fetch_record(backend, cid)
+            except IntegrityError as exc:
                 report.damaged_tags.append(name)
                 report.problems.append(f"tag {name!r}: {exc}")
-        for o in backend.list("commits"):
-            cid = o.key.rsplit("/", 1)[1]
-            try:
-                store.resolve(cid)
-                ids.append(cid)
-            except CkptStoreError as exc:
-                report.damaged_commits.append(cid)
-                report.problems.append(f"commit {cid}: {exc}")
+        records = [o.key.rsplit("/", 1)[1] for o in backend.list("commits")]
     else:
-        ids = [commit]
-    store.refresh_index()
+        records = [commit]
+    recs = {}
+
+    def load(cid):
+        try:
+            return cid, fetch_record(backend, cid) if deep or not store.has_cached(cid) else store.record(cid)
+        except IntegrityError as exc:
+            return cid, exc
+
+    for cid, rec in store.requests.map(load, records):
+        if isinstance(rec, IntegrityError):
+            report.damaged_commits.append(cid)
+            report.problems.append(f"commit {cid}: {rec}")
+        else:
+            recs[cid] = rec
     listed = {o.key: o for o in backend.list("blobs")}
-    report.orphan_packs = sorted(k.rsplit("/", 1)[1][:-5] for k in listed if k.endswith(".pack") and k[:-5] + ".idx" not in listed)
-    reader = store.pack_reader()
-    try:
-        for cid in ids:
-            report.commits += 1
-            keys = list(dict.fromkeys(k for leaf in store.record(cid).leaves for k in leaf.keys))
-            where = store.locate(keys)
-            missing = [k for k in keys if k not in where or pack_key(where[k].pack) not in listed]
-            for k in missing:
-                report.missing_blobs.append(address(*k))
-                report.problems.append(f"commit {cid}: blob {address(*k)} is in no pack on {backend.url}")
-            if missing:
-                report.damaged_commits.append(cid)
-            if not deep:
-                continue
-            todo = [k for k in keys if k not in missing]
-            if sample < 1 and todo:
-                todo = rng.sample(todo, max(1, round(len(todo) * sample)))
-            locs = [where[k] for k in todo]
-            reader.prefetch(locs)
-            for loc in locs:
-                try:
-                    reader.read(loc, f"commit {cid}")
-                    report.blobs_checked += 1
-                    report.bytes_checked += loc.raw_len
-                except (BlobCorruptError, IntegrityError, CkptStoreError) as exc:
-                    report.corrupt_blobs.append(loc.address)
-                    report.problems.append(str(exc))
-                    if cid not in report.damaged_commits:
-                        report.damaged_commits.append(cid)
-    finally:
-        reader.close()
+    packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
+    needed = {k for rec in recs.values() for leaf in rec.leaves for k in leaf.keys}
+    if deep:
+        found = dict(zip(packs, store.requests.map(lambda p: pack_entries(backend, p, packs[p].size, index_key(p) in listed), list(packs))))
+    else:
+        store.refresh_index()
+        found = {}
+    where = {}
+    for pid, f in found.items():
+        if f.entries is None:
+            report.damaged_packs.append(pid)
+            report.problems.append(f"pack {pid}: {f.pack_problem}" + (f" (and {f.index_problem})" if f.index_problem else ""))
+            continue
+        blobs = {(e.loc.digest, e.loc.raw_len): e.loc for e in f.entries if e.magic == BLOB_MAGIC}
+        for k, loc in blobs.items():
+            where.setdefault(k, loc)
+        if f.index_problem is None:
+            continue
+        if index_key(pid) not in listed and not (blobs.keys() & needed):
+            report.orphan_packs.append(pid)  # a writer that died before its index: GC removes it
+        elif repair:
+            repair_index(backend, pid, f.entries)
+            report.repaired.append(index_key(pid))
+        else:
+            report.damaged_indexes.append(pid)
+            report.problems.append(f"pack {pid}: {f.index_problem} (its pack is intact: `ckptstore fsck --repair` rebuilds it)")
+    if not deep:
+        report.orphan_packs = sorted(p for p in packs if index_key(p) not in listed)
+        where = {k: loc for k, loc in store.locate(list(needed)).items() if loc.pack in packs}
+    if commit is None and deep:
+        _check_reflog(store, report)
+        _check_marker(store, report, repair)
+    for cid, rec in recs.items():
+        report.commits += 1
+        keys = list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys))
+        missing = [k for k in keys if k not in where]
+        for k in missing:
+            report.missing_blobs.append(address(*k))
+            report.problems.append(f"commit {cid}: blob {address(*k)} is in no pack on {backend.url}")
+        if missing:
+            report.damaged_commits.append(cid)
+        if not deep:
+            continue
+        todo = [k for k in keys if k not in missing]
+        if sample < 1 and todo:
+            todo = rng.sample(todo, max(1, round(len(todo) * sample)))
+        for loc, problem in _reread(store, [where[k] for k in todo], f"commit {cid}"):
+            if problem is None:
+                report.blobs_checked += 1
+                report.bytes_checked += loc.raw_len
+            else:
+                report.corrupt_blobs.append(loc.address)
+                report.problems.append(problem)
+                if cid not in report.damaged_commits:
+                    report.damaged_commits.append(cid)
     return report
+
+
+def _reread(store, locs, where: str):
+    """``(loc, None or the problem)`` for each blob, read from the bucket with one coalesced
+    ranged read per pack and verified in bounded memory (never allocating what a header claims)."""
+    by_pack: dict = {}
+    for loc in locs:
+        by_pack.setdefault(loc.pack, []).append(loc)
+
+    def read(item):
+        pid, group = item
+        try:
+            bufs = store.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in group])
+        except IntegrityError as exc:  # gone since listed, or shorter than its index says
+            return [(loc, f"{where}: blob {loc.address}: {exc}") for loc in group]
+        out = []
+        for loc, buf in zip(group, bufs):
+            try:
+                check_entry(buf, loc, f"{store.backend.url}: {where}, pack {pid}")
+                out.append((loc, None))
+            except BlobCorruptError as exc:
+                out.append((loc, str(exc)))
+        return out
+
+    return [r for rs in store.requests.map(read, list(by_pack.items())) for r in rs]
+
+
+def _check_reflog(store, report: FsckReport) -> None:
+    """Every reflog object is a ref-move record of the tag its key names."""
+    backend = store.backend
+
+    def load(key):
+        try:
+            m = json.loads(backend.get(key))
+            ok = (type(m) is dict and type(m.get("tag")) is str and key.split("/")[1] == ref_segment(m["tag"])
+                  and all(m.get(f) is None or (type(m.get(f)) is str and _CID.fullmatch(m[f])) for f in ("new", "old"))
+                  and type(m.get("at")) in (int, float) and type(m.get("action")) is str)
+        except ObjectNotFoundError:
+            return None  # collected meanwhile
+        except (ValueError, TypeError, InvalidNameError):
+            ok = False
+        return None if ok else key
+
+    for key in store.requests.map(load, [o.key for o in backend.list("reflog")]):
+        if key is not None:
+            report.damaged_reflog.append(key)
+            report.problems.append(f"{key}: not a ref-move record (damaged); only the tag's history loses this entry")
+
+
+def _check_marker(store, report: FsckReport, repair: bool) -> None:
+    problem = marker_problem(store.backend)
+    if problem is None:
+        return
+    if repair:
+        repair_marker(store.backend, store)
+        report.repaired.append(MARKER)
+    else:
+        report.damaged_marker = True
+        report.problems.append(f"{MARKER}: {problem} (`ckptstore fsck --repair` rewrites it)")

@@ -420,6 +420,8 @@ def _print_fsck(report, as_json: bool) -> None:
             console.print(f"damaged commits: {', '.join(c[:12] for c in report.damaged_commits)}")
         if report.damaged_tags:
             console.print(f"damaged tags: {', '.join(report.damaged_tags)}")
+        for key in report.repaired:
+            console.print(f"repaired: {key}")
         console.print(
             f"{'ok' if report.ok else 'NOT OK'}: {report.commits} commits, {report.blobs_checked} blobs rehashed "
             f"({fmt_bytes(report.bytes_checked)}); orphans: {len(report.orphan_packs)} packs, "
@@ -434,11 +436,12 @@ def fsck(
     store: StorePath = None,
     deep: Annotated[bool, typer.Option("--deep", metavar="", help="Reread blobs and check their hashes.")] = False,
     sample: Annotated[float, typer.Option(help="Reread this fraction of the blobs (implies --deep).")] = 1.0,
+    repair: Annotated[bool, typer.Option("--repair", metavar="", help="Object storage: rebuild damaged pack indexes and marker (implies --deep).")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Check the catalog and the blobs; exit 1 when anything is wrong (orphans are reported, not errors)."""
     with open_store(store) as s, bars():
-        report = s.fsck(deep=deep, sample=sample)
+        report = s.fsck(deep=deep, sample=sample, repair=repair)
     _print_fsck(report, as_json)
 
 

@@ -38,6 +38,11 @@ class FsckReport:
     damaged_commits: list[str] = field(default_factory=list)
     damaged_tags: list[str] = field(default_factory=list)
     orphan_packs: list[str] = field(default_factory=list)
+    damaged_packs: list[str] = field(default_factory=list)  # packs that cannot be read or walked
+    damaged_indexes: list[str] = field(default_factory=list)  # object storage: packs whose .idx is damaged, or missing while a record needs them
+    damaged_reflog: list[str] = field(default_factory=list)  # object storage: reflog objects that are not ref-move records
+    damaged_marker: bool = False  # object storage: ckptstore.json fails its check
+    repaired: list[str] = field(default_factory=list)  # what ``repair`` rebuilt (object keys)
     unreferenced_blobs: int = 0
     tmp_files: int = 0
     commits: int = 0

@@ -91,6 +91,8 @@ class GCReport:
     packs_repacked: int = 0
     packs_deleted: int = 0
     orphans_removed: int = 0
+    indexes_repaired: int = 0  # object storage: missing or damaged pack indexes rebuilt from their packs
+    reflog_removed: int = 0  # object storage: ref-move records whose commits were all dropped
     tmp_removed: int = 0
     bytes_freed: int = 0
     bytes_pending: int = 0

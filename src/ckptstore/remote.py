@@ -37,12 +37,14 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from .backends import Backend
 from .backends.base import ref_segment
 from .errors import (
     AmbiguousRefError,
+    BlobCorruptError,
     BlobMissingError,
     IntegrityError,
     InvalidNameError,
@@ -53,7 +55,7 @@ from .errors import (
     RefNotFoundError,
 )
 from .layout import address, digest
-from .packindex import decode_index, encode_index, index_key, pack_key
+from .packindex import decode_index, encode_index, index_key, pack_key, scan_pack
 from .packs import (
     BLOB_HEADER,
     BLOB_MAGIC,
@@ -94,38 +96,111 @@ def commit_key(cid: str) -> str:
 # --- the store marker and refs ------------------------------------------------------------
 
 
-def read_marker(backend: Backend) -> dict | None:
-    """The remote's ``ckptstore.json``, or ``None`` if it has none (an empty prefix).
+#: A copy of the marker, written before it: a damaged ``ckptstore.json`` is restored from it.
+MARKER_COPY = "marker/ckptstore.json"
+
+
+def marker_bytes(shard_bytes: int, compression_level: int) -> bytes:
+    """The marker's bytes: canonical JSON with ``digest``, the XXH3-128 (hex) of the same
+    JSON without it, so one flipped byte is detected instead of read as another setting."""
+    body = {"compression_level": compression_level, "format": "ckptstore", "shard_bytes": shard_bytes, "version": FORMAT_VERSION}
+    body["digest"] = digest(json.dumps(body, sort_keys=True).encode()).hex()
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def parse_marker(raw: bytes, where: str) -> dict:
+    """The settings in marker bytes ``raw``.
 
     Raises:
-        NotAStoreError: it is not a ckptstore marker of a format this library reads.
+        IntegrityError: the bytes are damaged (not JSON, or not matching their digest).
+        NotAStoreError: an intact marker of another format or version (markers written
+            before digests existed have none and are taken as they read).
     """
     try:
-        raw = backend.get(MARKER)
-    except ObjectNotFoundError:
-        return None
-    try:
         marker = json.loads(raw)
-        ok = type(marker) is dict and marker.get("format") == "ckptstore"
     except ValueError:
-        ok = False
-    if not ok:
-        raise NotAStoreError(f"{backend.url}: {MARKER} is not a ckptstore store marker")
+        raise IntegrityError(f"{where} is damaged (not JSON)") from None
+    if type(marker) is dict and "digest" in marker:
+        body = {k: v for k, v in marker.items() if k != "digest"}
+        if digest(json.dumps(body, sort_keys=True).encode()).hex() != marker["digest"]:
+            raise IntegrityError(f"{where} is damaged (its bytes do not match its digest)")
+    if type(marker) is not dict or marker.get("format") != "ckptstore":
+        raise NotAStoreError(f"{where} is not a ckptstore store marker")
     if marker.get("version") != FORMAT_VERSION:
-        raise NotAStoreError(f"{backend.url}: store format version {marker.get('version')!r}; this library reads {FORMAT_VERSION}")
+        raise NotAStoreError(f"{where}: store format version {marker.get('version')!r}; this library reads {FORMAT_VERSION}")
     return marker
 
 
+def _read_one(backend: Backend, key: str) -> dict | None | IntegrityError:
+    try:
+        return parse_marker(backend.get(key), f"{backend.url}: {key}")
+    except ObjectNotFoundError:
+        return None
+    except IntegrityError as exc:
+        return exc
+
+
+def _holds_a_store(backend: Backend) -> bool:
+    return bool(backend.list_refs() or backend.list("commits"))
+
+
+def read_marker(backend: Backend) -> dict | None:
+    """The remote's store settings from ``ckptstore.json`` (or, where that is missing or
+    damaged, from its copy :data:`MARKER_COPY`; where both are, and the prefix holds refs or
+    commit records, the defaults, so that no data becomes unreachable for a damaged
+    marker: fsck reports it and ``fsck --repair`` rewrites it). ``None``: an empty prefix.
+
+    Raises:
+        NotAStoreError: an intact marker of another format, or a damaged one in a prefix
+            that holds no store.
+    """
+    first = _read_one(backend, MARKER)
+    if isinstance(first, dict):
+        return first
+    copy = _read_one(backend, MARKER_COPY)
+    if isinstance(copy, dict):
+        return copy
+    if first is None and copy is None and not _holds_a_store(backend):
+        return None
+    if not _holds_a_store(backend):
+        raise NotAStoreError(f"{backend.url}: {MARKER} is not a ckptstore store marker ({first or copy})")
+    return {"format": "ckptstore", "version": FORMAT_VERSION, "shard_bytes": None, "compression_level": None}
+
+
+def marker_problem(backend: Backend) -> str | None:
+    """What is wrong with the marker and its copy, or ``None`` (a store from before the copy
+    existed, without one, is fine)."""
+    first, copy = _read_one(backend, MARKER), _read_one(backend, MARKER_COPY)
+    if isinstance(first, IntegrityError):
+        return str(first)
+    if first is None and _holds_a_store(backend):
+        return "missing, though the prefix holds a store"
+    if isinstance(copy, IntegrityError):
+        return str(copy)
+    return None
+
+
+def repair_marker(backend: Backend, store) -> None:
+    """Rewrite a missing or damaged marker (and its copy) from the intact one, or from
+    ``store``'s settings where neither is intact."""
+    good = next((m for m in (_read_one(backend, MARKER), _read_one(backend, MARKER_COPY)) if isinstance(m, dict)), None)
+    data = marker_bytes(*(((good or {}).get("shard_bytes") or store.shard_bytes, store.compression_level if good is None
+                            else good.get("compression_level", store.compression_level))))
+    for key in (MARKER_COPY, MARKER):
+        if not isinstance(_read_one(backend, key), dict):
+            backend.delete(key)
+            backend.put_new(key, data)
+
+
 def ensure_marker(backend: Backend, local: Store) -> int:
-    """Write ``ckptstore.json`` (create-only) if the remote has none; returns the bytes written (0 if it had one)."""
-    data = json.dumps(
-        {"compression_level": local.compression_level, "format": "ckptstore", "shard_bytes": local.shard_bytes, "version": FORMAT_VERSION},
-        sort_keys=True,
-    ).encode()
+    """Write ``ckptstore.json`` (and first its copy; create-only) if the remote has none;
+    returns the bytes written (0 if it had one)."""
+    data = marker_bytes(local.shard_bytes, local.compression_level)
+    written = len(data) * backend.put_new(MARKER_COPY, data)
     if backend.put_new(MARKER, data):
-        return len(data)
+        return written + len(data)
     read_marker(backend)  # another writer made it first: it must be ours
-    return 0
+    return written
 
 
 def ref_payload(cid: str | None, previous: str | None, action: str, at: float, packs: list[str] | None = None) -> bytes:
@@ -191,10 +266,49 @@ def fetch_record(backend: Backend, cid: str, why: str = "") -> CommitRecord:
 # --- the remote's pack indexes --------------------------------------------------------------
 
 
+@dataclass
+class PackEntries:
+    """What is known of one pack on the remote: its ``entries`` (``None``: the pack itself
+    cannot be read or walked), and ``index_problem``: why its ``.idx`` could not be used
+    (missing or damaged; ``None`` when it was), in which case ``entries`` come from
+    walking the pack itself."""
+
+    entries: list[Entry] | None
+    index_problem: str | None = None
+    pack_problem: str | None = None
+
+
+def pack_entries(backend: Backend, pid: str, size: int, has_index: bool = True) -> PackEntries:
+    """The entries of pack ``pid`` (``size`` bytes, as listed): from its ``.idx`` when that
+    is present and passes :func:`~ckptstore.packindex.decode_index`, else by reading the
+    whole pack and walking it (:func:`~ckptstore.packindex.scan_pack`; packs are
+    self-describing, so a lost or damaged index never makes data unreachable: invariant 4).
+
+    Never raises for damage (it is reported in the result); raises only:
+        BackendError: the storage failed.
+    """
+    problem = None
+    if has_index:
+        try:
+            return PackEntries(decode_index(backend.get(index_key(pid)), pid, size, f"{backend.url}: {index_key(pid)}"))
+        except ObjectNotFoundError:
+            problem = f"{index_key(pid)} is missing"
+        except BlobCorruptError as exc:
+            problem = str(exc)
+    else:
+        problem = f"{index_key(pid)} is missing"
+    try:
+        return PackEntries(scan_pack(backend.get(pack_key(pid)), pid, f"{backend.url}: {pack_key(pid)}"), problem)
+    except ObjectNotFoundError:
+        return PackEntries(None, problem, f"{pack_key(pid)} is gone")
+    except BlobCorruptError as exc:
+        return PackEntries(None, problem, str(exc))
+
+
 class RemoteIndex:
     """Which blobs the remote holds, and where: read from every ``blobs/<xx>/<id>.idx``.
 
-    A pack without its ``.idx`` (a push in flight, or killed) is not used. Blobs in packs
+    A pack whose ``.idx`` is missing or damaged is walked instead (:func:`pack_entries`). Blobs in packs
     listed by a GC mark (``gc/<run id>.json``, ``{"packs": [pack ids], ...}``) are not
     offered for reuse (:meth:`reusable`); an unreadable mark withholds every pack.
     """
@@ -207,24 +321,19 @@ class RemoteIndex:
         self.all_marked = False
 
     def refresh(self) -> RemoteIndex:
-        """List ``blobs/`` and ``gc/`` and read every index (each checked before use).
+        """List ``blobs/`` and ``gc/`` and learn every pack's entries (:func:`pack_entries`:
+        its ``.idx``, checked, or the pack itself where the index is missing or damaged; a
+        pack that cannot be read is not used).
 
         Raises:
-            BlobCorruptError: an index fails its checks (names it).
             BackendError: the storage failed.
         """
         objects = {o.key: o.size for o in self.backend.list("blobs")}
-        todo = []
-        for key in objects:
-            if key.endswith(".idx"):
-                pid = key.rsplit("/", 1)[1][:-4]
-                pack_size = objects.get(pack_key(pid))
-                if pack_size is not None:
-                    todo.append((pid, key, pack_size))
+        todo = [(k.rsplit("/", 1)[1][:-5], size) for k, size in objects.items() if k.endswith(".pack")]
 
         def load(job):
-            pid, key, pack_size = job
-            return decode_index(self.backend.get(key), pid, pack_size, f"{self.backend.url}: {key}")
+            pid, size = job
+            return pack_entries(self.backend, pid, size, index_key(pid) in objects).entries or []
 
         with ThreadPoolExecutor(self.workers) as pool:
             for entries in pool.map(load, todo):
@@ -434,7 +543,7 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
     if missing:
         if marker is None:
             n = ensure_marker(backend, local)
-            report.objects_written += bool(n)
+            report.objects_written += n // len(marker_bytes(local.shard_bytes, local.compression_level))  # the marker, its copy
             report.bytes_written += n
         index = RemoteIndex(backend).refresh()
         uploads = Pool(UPLOADS, thread_name_prefix="ckptstore-push")

@@ -1411,9 +1411,18 @@ class Store:
         asynchronous commit could only write again from live memory that has moved on."""
         self._digest_cache = {}
 
-    def fsck(self, deep: bool = False, sample: float = 1.0) -> FsckReport:
+    def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
         """Check the catalog and the blobs; ``deep`` rereads and rehashes blobs.
-        ``sample`` < 1 rereads that fraction of them (and implies ``deep``). See :mod:`ckptstore.fsck`."""
+        ``sample`` < 1 rereads that fraction of them (and implies ``deep``). See :mod:`ckptstore.fsck`.
+
+        Raises:
+            InvalidArgumentError: ``repair`` on a local store: its index is the catalog,
+                rebuilt by :meth:`recover` (``repair`` is for stores on object storage,
+                whose pack indexes and marker are objects).
+        """
+        if repair:
+            raise InvalidArgumentError(f"{self.root}: a local store has no pack indexes to repair; its index is the catalog, "
+                                       "rebuilt from the packs by `ckptstore recover`")
         return check(self, deep=deep or sample < 1, sample=sample)
 
     def verify(self, ref: str) -> FsckReport:

@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import IntegrityError, InvalidArgumentError, InvalidNameError, RefBusyError, RefConflictError
+from ..errors import BackendError, IntegrityError, InvalidArgumentError, InvalidNameError, RefBusyError, RefConflictError
 from ..layout import RANDOM, digest
 
 #: A bytes-like object, or a sequence of them written back to back (a pack's parts).
@@ -146,6 +146,28 @@ class Backend(ABC):
     @abstractmethod
     def list_refs(self) -> list[str]:
         """Every ref name, sorted."""
+
+    def now(self) -> float:
+        """The store's clock: seconds since the epoch, as the storage stamps objects.
+
+        Every age on a home (grace periods, marks, orphans) is measured against this, never
+        against ``time.time()`` (ARCHITECTURE.md invariant 5: a machine whose clock is wrong
+        never shortens a grace period). It writes a tiny probe object ``clock/<random>``,
+        reads its modification time and deletes it: three requests. Object stores give
+        whole seconds (S3, moto), so the value may be up to one second behind.
+
+        Raises:
+            BackendError: the storage failed.
+        """
+        key = f"clock/{new_write_id()}"
+        self.put_new(key, b"")
+        try:
+            info = self.head(key)
+        finally:
+            self.delete(key)
+        if info is None:
+            raise BackendError(f"{self.url}: the clock probe {key} vanished before it could be read")
+        return info.mtime
 
     def close(self) -> None:
         """Release clients and descriptors; the backend is unusable afterwards."""
