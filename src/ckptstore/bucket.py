@@ -318,11 +318,14 @@ class BucketStore(Store):
                     conn.execute("DELETE FROM packs WHERE id IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT pack FROM blobs)")
             return len(todo)
 
-    def _cache(self, cids: list[str], lineage: bool = False, packs: list[str] | None = None) -> None:
+    def _cache(self, cids: list[str], lineage: bool = False, packs: list[str] | None = None, lenient: bool = False) -> None:
         """Copy the records of ``cids`` (and, with ``lineage``, of their ancestors) from the
         bucket into the cache, each checked against its id. Ancestors the bucket lacks are
         skipped (a GC dropped them: the lineage ends there). ``packs``: where their blobs
-        are, as a tag says (only those indexes are read, unless blobs are still missing)."""
+        are, as a tag says (only those indexes are read, unless blobs are still missing).
+        ``lenient``: a record whose blobs are in no pack (a commit attempt whose packs a GC
+        swept before it moved a tag) is left out of the cache instead of raising; the
+        commands that need it report it (fsck lists it)."""
         records = {}
         seen: set[str] = set()
         stack = list(dict.fromkeys(cids))
@@ -362,6 +365,10 @@ class BucketStore(Store):
             try:
                 self.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
                                      origin=(c, rec.parents, rec.created_at))
+            except BlobMissingError:
+                if not lenient:
+                    raise
+                continue
             finally:
                 self._copying.on = False
             self._figures(c, keys, rec.parents)
@@ -465,34 +472,44 @@ class BucketStore(Store):
                     [(loc.pack, loc.offset, loc.stored_len, loc.codec, loc.digest, loc.raw_len) for loc in written.values()],
                 )
         deadline = time.monotonic() + CAS_SECONDS
-        moved: dict[str, str | None] = {}
+        before: dict[str, str | None] = {}  # tag -> the commit it named before this call moved it
+        ours: set[str] = set()  # the records this call built (a lost race on one tag rebuilds it on new parents)
         delay = 0.01
         while True:
-            remaining = [t for t in tags if t not in moved]
-            current = dict(zip(remaining, self.requests.map(lambda t: read_tag(self.backend, t), remaining)))
-            parents = explicit_parents if explicit_parents is not None else list(dict.fromkeys(c for c, _ in current.values() if c))
+            # Every tag is re-read each attempt: one moved by an earlier attempt is moved on to this attempt's record,
+            # so that all of them name one commit when the call returns. Our own earlier records are no parents.
+            current = dict(zip(tags, self.requests.map(lambda t: read_tag(self.backend, t), tags)))
+            if explicit_parents is not None:
+                parents = explicit_parents
+            else:
+                parents = list(dict.fromkeys(p for t, (c, _) in current.items() for p in [before.get(t) if c in ours else c] if p))
             if expect is None:  # dated after its parents' moves were read: time order is lineage order
                 created_at = time.time()
             cid, parent_ids, seconds, ids = super().index_commit(components, leaves, keys, known, written, writer, [], message, meta_json,
                                                                  parents, created_at, t0, expect, given_packs)
+            ours.add(cid)
             text = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
             self.backend.put_new(commit_key(cid), text.encode())
             self._check_packs(known, written)
             packs = self._packs_of(cid)
-            for t in remaining:
+            lost = False
+            for t in tags:
                 old, version = current[t]
+                if old == cid:
+                    continue
                 at = time.time()  # the move's time, not the commit's: a retried CAS lands after moves made meanwhile
                 try:
                     self.backend.cas_ref(t, ref_payload(cid, old, "commit", at, packs), version)
                 except RefConflictError:
+                    lost = True
                     break
-                moved[t] = old
+                before.setdefault(t, old)
                 self._log_move(t, old, cid, "commit", at)
-            if len(moved) == len(tags):
+            if not lost:
                 break
             if time.monotonic() > deadline:
-                raise RefBusyError(f"{self.url}: tags {', '.join(repr(t) for t in tags if t not in moved)} kept moving for {CAS_SECONDS:.0f} s: "
-                                   f"commit {cid} is stored but they do not name it")
+                raise RefBusyError(f"{self.url}: tags {', '.join(repr(t) for t in tags)} kept moving for {CAS_SECONDS:.0f} s: "
+                                   f"commit {cid} is stored but they may not all name it")
             time.sleep(delay * RANDOM.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
         self._mirror({t: cid for t in tags})
@@ -668,7 +685,7 @@ class BucketStore(Store):
         self.tags()
         if ref is None:
             ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")]
-            self._cache([c for c in ids if _CID.fullmatch(c)])
+            self._cache([c for c in ids if _CID.fullmatch(c)], lenient=True)
             gone = [c for c in (r[0] for r in self.catalog.rows("SELECT id FROM commits", raw=True)) if c not in set(ids)]
             self.forget(gone)
         else:

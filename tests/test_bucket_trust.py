@@ -1,0 +1,342 @@
+"""The store on object storage loses nothing (issue "object-storage trust"): each test
+reproduces one way it lost or misreported data, against the moto server on loopback.
+
+- GC and a pack whose ``.idx`` is damaged or missing (liveness from records only);
+- GC whose machine clock is an hour off (ages on the server's clock);
+- a commit slower than the grace period (a delaying proxy between client and server);
+- deep fsck from a warm cache (it reads the bucket, not the cache);
+- a damaged marker, damaged reflog objects, reflog retention;
+- a forged 1 TiB entry (bounded memory) and ``tags`` beside a damaged record.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import pytest
+import torch
+
+import ckptstore
+from ckptstore.backends import open_backend
+from ckptstore.packindex import encode_index, index_key, pack_key
+from ckptstore.remote import MARKER, MARKER_COPY, commit_key
+
+from . import bucket_workers
+from .delay_proxy import DelayProxy
+from .test_bucket_store import _assert_state, _committed, _fresh, _raw_put, _sleep_past
+
+
+@pytest.fixture
+def url(s3_server) -> str:
+    return f"s3://ckpt/t-{uuid.uuid4().hex[:12]}"
+
+
+def _flip(url: str, key: str, at: int) -> bytes:
+    """Flip one byte of object ``key`` behind ckptstore's back; returns the intact bytes."""
+    with open_backend(url) as b:
+        good = b.get(key)
+    data = bytearray(good)
+    data[at % len(data)] ^= 0x20
+    _raw_put(url, key, bytes(data))
+    return good
+
+
+def _only(url: str, suffix: str) -> str:
+    with open_backend(url) as b:
+        (key,) = [o.key for o in b.list("blobs") if o.key.endswith(suffix)]
+    return key
+
+
+def _worker(code: str, env: dict | None = None, skew: float = 0.0) -> subprocess.Popen:
+    """A fresh interpreter running ``code`` (``url`` and the helpers of tests.bucket_workers in
+    scope); ``skew`` shifts that machine's wall clock, as a badly set clock would."""
+    prelude = textwrap.dedent(f"""
+        import time
+        _time, _ns = time.time, time.time_ns
+        time.time = lambda: _time() + {skew!r}
+        time.time_ns = lambda: _ns() + {int(skew * 1e9)!r}
+        import json, sys
+        import ckptstore
+        from tests import bucket_workers
+    """)
+    return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code)], env={**os.environ, **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def _done(proc: subprocess.Popen, timeout: float = 120) -> str:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"worker failed ({proc.returncode}):\n{out}\n{err}"
+    return out
+
+
+# --- 1. GC never deletes a live pack for its index's sake ------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_gc_keeps_a_live_pack_whose_index_is_damaged_or_missing_and_rebuilds_the_index(tmp_path, url, damage):
+    """Tag ``a`` holds one tensor in pack P; P's ``.idx`` is flipped or deleted (P intact).
+    A GC whose cache had already indexed P runs twice, a grace period apart: P stays (its
+    blobs are named by a kept record), the index is rebuilt from P byte for byte, and a
+    fresh machine checks ``a`` out exactly. Before: P was taken for an orphan and deleted."""
+    grace = 1.0
+    cid, meta = _committed(url, tmp_path)
+    key = _only(url, ".idx")
+    warm = ckptstore.Store(url, cache=tmp_path / "writer-cache")
+    warm.checkout("latest")  # this machine's cache indexed P
+    if damage == "flip":
+        good = _flip(url, key, 40)
+    else:
+        with open_backend(url) as b:
+            good = b.get(key)
+            b.delete(key)
+    with open_backend(url) as b:
+        _sleep_past(b.head(_only(url, ".pack")).mtime, grace)
+    first = warm.gc(grace=grace, keep_last=1)
+    with open_backend(url) as b:
+        _sleep_past(max([o.mtime for o in b.list("gc")] or [0.0]), grace)
+    second = warm.gc(grace=grace, keep_last=1)
+    assert (first.packs_deleted, second.packs_deleted, first.indexes_repaired + second.indexes_repaired) == (0, 0, 1)
+    with open_backend(url) as b:
+        assert b.get(key) == good and b.head(pack_key(key.rsplit("/", 1)[1][:-4])) is not None
+    _assert_state(_fresh(url, tmp_path).checkout("latest"), meta, "after two GCs")
+    assert _fresh(url, tmp_path).fsck(deep=True).ok
+    warm.close()
+
+
+# --- 2 and 3. the server's clock, and a commit slower than the grace period ---------------------------
+
+
+@pytest.fixture
+def slow_link(s3_server):
+    """A delaying proxy between a client and the moto server: its endpoint, and the proxy to set rules on."""
+    proxy = DelayProxy(s3_server.endpoint).start()
+    yield proxy
+    proxy.stop()
+
+
+_SLOW_COMMIT = """
+    store = ckptstore.Store(sys.argv[1])
+    meta = json.loads(sys.argv[2])
+    print(store.commit(bucket_workers.state(meta), tag="slow", metadata=meta).id)
+"""
+
+
+def _slow_commit(url: str, proxy: DelayProxy, meta: dict, tmp_path) -> subprocess.Popen:
+    code = _SLOW_COMMIT.replace("sys.argv[1]", repr(url)).replace("sys.argv[2]", repr(json.dumps(meta)))
+    return _worker(code, {"AWS_ENDPOINT_URL": proxy.endpoint, "XDG_CACHE_HOME": str(tmp_path / "slow-cache")})
+
+
+def _wait_for_pack(url: str, timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    with open_backend(url) as b:
+        while time.monotonic() < deadline:
+            packs = [o.key for o in b.list("blobs") if o.key.endswith(".pack")]
+            if packs:
+                return packs[0]
+            time.sleep(0.05)
+    raise AssertionError("the slow commit uploaded no pack")
+
+
+@pytest.mark.parametrize("skew", [3600.0, -3600.0])
+def test_a_gc_whose_clock_is_an_hour_off_measures_the_grace_period_on_the_servers_clock(tmp_path, url, slow_link, skew):
+    """A commit whose record PUT is held 8 s (its packs already uploaded) beside a GC
+    process whose clock runs an hour ahead (or behind) of the server, ``grace="600s"``,
+    run twice: nothing of the commit in flight is marked, the commit returns and its tag
+    checks out exactly. Before: the skewed GC marked and then swept the commit's pack."""
+    slow_link.set_rules([{"method": "PUT", "key": "/commits/", "seconds": 8.0}])
+    meta = {"w": 4, "i": 1, "n": 4096, "alt": 1}
+    writer = _slow_commit(url, slow_link, meta, tmp_path)
+    _wait_for_pack(url)
+    _done(_worker(f"""
+        s = ckptstore.Store({url!r})
+        s.gc(grace="600s", keep_last=1)
+        time.sleep(1.0)
+        s.gc(grace="600s", keep_last=1)
+    """, {"XDG_CACHE_HOME": str(tmp_path / "gc-cache")}, skew=skew))
+    with open_backend(url) as b:
+        marks = [json.loads(b.get(o.key)) for o in b.list("gc")]
+    assert [m for m in marks if m["packs"] or m["commits"]] == []
+    cid = _done(writer).strip()
+    s = _fresh(url, tmp_path)
+    assert s.tags() == {"slow": cid}
+    _assert_state(s.checkout("slow"), meta, "the commit made beside a skewed GC")
+
+
+def test_a_commit_slower_than_the_grace_period_keeps_its_own_new_packs(tmp_path, url, slow_link):
+    """A commit that takes 8 s between uploading its pack and writing its record, beside a
+    GC looping with ``grace="2s"`` that marks and then sweeps that pack: the commit finds
+    its pack gone after its record is on the bucket (before its ref move), writes the
+    blobs again, and its tag checks out exactly from a fresh machine. Before: the tag
+    named a commit whose blobs were gone."""
+    slow_link.set_rules([{"method": "PUT", "key": "/commits/", "seconds": 8.0}])
+    meta = {"w": 6, "i": 2, "n": 4096, "alt": 0}
+    writer = _slow_commit(url, slow_link, meta, tmp_path)
+    first = _wait_for_pack(url)
+    gc = ckptstore.Store(url, cache=tmp_path / "gc-cache")
+    deleted = 0
+    while writer.poll() is None:
+        deleted += gc.gc(grace="2s", keep_last=1).packs_deleted
+        if deleted:
+            slow_link.set_rules([])  # the link recovers: the record PUT held now goes on, the rewritten blobs' commit is quick
+        time.sleep(0.2)
+    cid = _done(writer).strip()
+    with open_backend(url) as b:
+        assert b.head(first) is None and deleted >= 1, "the GC did not sweep the slow commit's first pack: the case did not happen"
+    s = _fresh(url, tmp_path)
+    assert s.tags() == {"slow": cid}
+    _assert_state(s.checkout("slow"), meta, "the slow commit")
+    assert s.fsck(deep=True).ok
+    gc.close()
+
+
+# --- 4. deep fsck reads the bucket ---------------------------------------------------------------
+
+
+def test_deep_fsck_from_a_warm_cache_finds_a_damaged_record_on_the_bucket(tmp_path, url):
+    """The cache holds the commit's record intact; the bucket's copy has a flipped byte.
+    Deep fsck from that warm cache reports the commit and its tag, as from a fresh one.
+    Before: it reported clean while every fresh machine failed to check the tag out."""
+    cid, _ = _committed(url, tmp_path)
+    warm = ckptstore.Store(url, cache=tmp_path / "writer-cache")
+    _flip(url, commit_key(cid), 60)
+    for s in (warm, _fresh(url, tmp_path)):
+        report = s.fsck(deep=True)
+        assert (report.damaged_tags, report.damaged_commits) == (["latest"], [cid]), report.problems
+    warm.close()
+
+
+# --- 5 is tests/test_bucket_store.py::test_a_damaged_or_missing_index_affects_only_its_pack_and_is_repaired_from_the_pack
+
+
+# --- 6. the marker and the reflog ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete"])
+def test_a_damaged_marker_loses_nothing_fsck_names_it_and_repair_rewrites_it(tmp_path, url, damage):
+    """One flipped byte of ``ckptstore.json`` (or the object deleted): every machine still
+    opens the store, checks the tag out and commits; deep fsck reports the marker and
+    only it; ``fsck --repair`` rewrites it from its copy, byte for byte. Before: the
+    whole store was ``NotAStoreError`` for everyone."""
+    cid, meta = _committed(url, tmp_path)
+    with open_backend(url) as b:
+        good = b.get(MARKER)
+        assert b.get(MARKER_COPY) == good
+        if damage == "delete":
+            b.delete(MARKER)
+    if damage == "flip":
+        _flip(url, MARKER, 25)
+    s = _fresh(url, tmp_path)
+    _assert_state(s.checkout("latest"), meta, "beside a damaged marker")
+    other = {"w": 1, "i": 3, "n": 256, "alt": 0}
+    s.commit(bucket_workers.state(other), tag="other", metadata=other)
+    assert s.shard_bytes == json.loads(good)["shard_bytes"]  # the copy's settings, not defaults
+    report = s.fsck(deep=True)
+    assert report.damaged_marker and len(report.problems) == 1 and MARKER in report.problems[0], report.problems
+    assert s.fsck(repair=True).repaired == [MARKER]
+    with open_backend(url) as b:
+        assert b.get(MARKER) == good
+    assert _fresh(url, tmp_path).fsck(deep=True).ok
+    s.close()
+
+
+def test_fsck_reports_a_damaged_reflog_object_and_gc_collects_the_reflog_of_dropped_commits(tmp_path, url):
+    """Ten commits move ``latest``: ten reflog objects. One flipped byte in one is
+    reported by deep fsck, naming it. After ``gc(keep_last=2)`` (and its sweep) only the
+    reflog objects naming a kept commit remain (the damaged one, unreadable, stays for
+    fsck). Before: reflog objects were never checked nor collected."""
+    s = ckptstore.Store(url, cache=tmp_path / "cache")
+    ids = []
+    for i in range(10):
+        meta = {"w": 2, "i": i, "n": 256, "alt": i % 2}
+        ids.append(s.commit(bucket_workers.state(meta), tag="latest", metadata=meta).id)
+    with open_backend(url) as b:
+        keys = [o.key for o in b.list("reflog")]
+        moves = {k: json.loads(b.get(k)) for k in keys}
+    assert len(keys) == 10
+    damaged = next(k for k, m in moves.items() if m["new"] == ids[0])
+    _flip(url, damaged, 3)
+    report = s.fsck(deep=True)
+    assert report.damaged_reflog == [damaged] and len(report.problems) == 1 and damaged in report.problems[0]
+    grace = 1.0
+    with open_backend(url) as b:
+        _sleep_past(max(o.mtime for o in b.list("reflog")), grace)
+    s.gc(keep_last=2, grace=grace)
+    with open_backend(url) as b:
+        _sleep_past(max(o.mtime for o in b.list("gc")), grace)
+    report = s.gc(keep_last=2, grace=grace)
+    with open_backend(url) as b:
+        left = sorted(o.key for o in b.list("reflog"))
+    kept = sorted(k for k, m in moves.items() if m["new"] in ids[-2:]) + [damaged]
+    assert left == sorted(kept) and report.reflog_removed == 7
+    assert [c.id for c in s.log("latest")] == ids[::-1][:2]
+    s.close()
+
+
+# --- 7. sizes validated before allocating -----------------------------------------------------------
+
+
+def test_verify_and_deep_fsck_refuse_a_forged_one_tebibyte_entry_without_allocating_it(tmp_path, url):
+    """A forged commit whose manifest and ``.idx`` entry claim a 1 TiB zstd blob (its
+    payload a few bytes): ``verify`` and ``fsck --deep`` report the blob as corrupt, in
+    bounded memory, and the CLI exits 1 with no traceback. Before: a raw MemoryError."""
+    import zstandard
+
+    from ckptstore.layout import digest
+    from ckptstore.packs import CODEC_ZSTD, BlobLoc, Entry, entry_header, pack_header
+    from ckptstore.records import commit_id
+
+    _committed(url, tmp_path)
+    size = 1 << 40
+    payload = zstandard.ZstdCompressor().compress(b"\0" * 4096)
+    dig = digest(b"forged")
+    pid = uuid.uuid4().hex
+    header = entry_header(dig, size, CODEC_ZSTD, len(payload))
+    entry = Entry(BlobLoc(dig, size, pid, 16, len(payload), CODEC_ZSTD), 0, b"CKBL")
+    text = json.dumps([[], 1.0, "", "{}", [["", "dict", 1, json.dumps({"class": "builtins.dict", "ckptstore.keys": True})]],
+                       [["w", "", "tensor", "uint8", [size], None, None, f"{dig.hex()}-{size}"]]], separators=(",", ":"))
+    cid = commit_id(text)
+    with open_backend(url) as b:
+        b.put_new(pack_key(pid), pack_header() + header + payload)
+        b.put_new(index_key(pid), encode_index([entry]))
+        b.put_new(commit_key(cid), text.encode())
+    s = _fresh(url, tmp_path)
+    report = s.verify(cid)
+    assert report.corrupt_blobs == [f"{dig.hex()}-{size}"] and report.damaged_commits == [cid]
+    report = s.fsck(deep=True)
+    assert report.corrupt_blobs == [f"{dig.hex()}-{size}"] and report.damaged_commits == [cid]
+    for cmd in (["verify", cid], ["fsck", "--deep"]):
+        proc = subprocess.run([sys.executable, "-m", "ckptstore.cli", *cmd, "--store", url], capture_output=True, text=True,
+                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cli-cache")}, timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr
+        assert "content hash mismatch" in proc.stdout
+    s.close()
+
+
+# --- 8. listing tags whatever the state of their commits ---------------------------------------------
+
+
+def test_tags_from_a_fresh_cache_lists_a_tag_whose_record_is_damaged(tmp_path, url):
+    """Two tags; one commit record flipped on the bucket. ``Store.tags``, ``tagged`` and the
+    CLI's ``tags`` from a fresh cache list both (the damaged one saying so); checking the
+    damaged one out is the error. Before: a raw KeyError from ``tagged``."""
+    s = ckptstore.Store(url, cache=tmp_path / "cache")
+    a = s.commit({"x": torch.arange(4)}, tag="a").id
+    b = s.commit({"x": torch.arange(5)}, tag="b").id
+    _flip(url, commit_key(a), 50)
+    fresh = _fresh(url, tmp_path)
+    assert fresh.tags() == {"a": a, "b": b}
+    tagged = fresh.tagged()
+    assert sorted(tagged) == ["a", "b"] and tagged["a"].id == a and "damaged" in tagged["a"].message and tagged["b"].id == b
+    with pytest.raises(ckptstore.errors.IntegrityError, match=commit_key(a)):
+        fresh.checkout("a")
+    proc = subprocess.run([sys.executable, "-m", "ckptstore.cli", "tags", "--store", url, "--json"], capture_output=True, text=True,
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cli-cache")}, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"a": a, "b": b}
+    s.close()
