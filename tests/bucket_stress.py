@@ -489,7 +489,7 @@ class Options:
     chance a round has a GC / reader / pusher / slow writer; skew_rate: chance the GC's clock is
     skewed (±(grace + 2..5 s)); skews: which directions ("ahead", "behind"); damage_rate: chance
     damage is injected after a round; damages: 1..damages objects at once; kinds: damage kinds
-    drawn from; gc0_rate: chance of a ``gc(grace=0)`` by the coordinator with damage present;
+    drawn from; gc0_rate: chance of a ``gc(grace=0)`` by the coordinator after a round (damage present or not);
     cli_rate: chance the CLI's ``ckptstore tags`` runs in a damage check; shared_cache: chance
     a process shares a cache folder with others.
     """
@@ -514,6 +514,7 @@ class Options:
     shared_cache: float = 0.5
     straggler_timeout: float = 45.0
     check_reflog_gc: bool = True
+    listing_check: bool = True
 
 
 #: The slow test's settings: more processes, most of them killed.
@@ -724,7 +725,7 @@ class Harness:
             try:
                 self.check(index, "after the round", events)
             except BucketStressFailure as exc:
-                raise self.failure(index, f"{exc.args[0].split(': ', 1)[-1]}; and a worker failed: {self.failed[0]}") from None
+                raise BucketStressFailure(f"{exc}; and a worker failed: {self.failed[0]}", self.stats) from None
             raise self.failure(index, self.failed[0])
         self.check(index, "after the round", events)
         if self.ledger:
@@ -732,7 +733,7 @@ class Harness:
                 self.gc0(index)
                 self.check(index, "after gc(grace=0) with the damage present", [])
             self.repair(index)
-        elif rng.random() < 0.5:
+        elif rng.random() < self.o.gc0_rate:
             self.gc0(index)
         if self.o.check_reflog_gc:
             self.check_reflog_collected(index)
@@ -886,6 +887,10 @@ class Harness:
         if lost:
             self.stats["losses"] += len(lost) - 1
             raise self.failure(index, f"{when}: {len(lost)} tags lost data no damage explains: {lost[:4]}", loss=True)
+        orphaned = sorted(c for c in sv["commits"] if st[c][0] == "lost" and c not in set(refs.values()))
+        if orphaned:
+            raise self.failure(index, f"{when}: {len(orphaned)} commit records on the bucket need blobs that are gone with no damage to "
+                                      f"explain it: {[st[c][1][0] for c in orphaned[:3]]}")
         # 1. every tag from a fresh cache
         try:
             s = self.fresh()
@@ -917,7 +922,7 @@ class Harness:
                     raise self.failure(index, f"{when}: tag {tag} (commit {cid}) needs a damaged object ({st[cid][1][:2]}) yet checked "
                                               f"out: the damage was not where the ledger says")
                 self.stats["tags_checked"] += 1
-            for what in ("tags", "tagged", "log"):
+            for what in ("tags", "tagged", "log") if self.o.listing_check else ():
                 try:
                     getattr(s, what)()
                 except CkptStoreError as exc:
@@ -1370,14 +1375,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-rate", type=float, default=None)
     p.add_argument("--pusher-rate", type=float, default=None)
     p.add_argument("--writers", type=int, default=None)
+    p.add_argument("--shared-cache", type=float, default=None, help="chance a process shares a cache folder (0: every one its own)")
     p.add_argument("--run-time", default=None, help="LOW,HIGH seconds")
-    p.add_argument("--no-reflog-gc-check", action="store_true")
+    p.add_argument("--no-reflog-gc-check", action="store_true", help="do not require a GC to collect the reflog of what it collected")
+    p.add_argument("--no-listing-check", action="store_true", help="do not call tags()/tagged()/log() from a fresh cache in the checks")
     p.add_argument("--dir", default=None)
     a = p.parse_args(argv)
     seed = a.seed if a.seed is not None else seed_from_env()
     opts: dict = dict(SLOW) if a.slow else {}
     opts["kinds"] = tuple(k for k in a.kinds.split(",") if k)
-    for name in ("damage_rate", "damages", "skew_rate", "slow_rate", "gc_rate", "gc0_rate", "kill_rate", "pusher_rate", "writers"):
+    for name in ("damage_rate", "damages", "skew_rate", "slow_rate", "gc_rate", "gc0_rate", "kill_rate", "pusher_rate", "writers",
+                 "shared_cache"):
         if getattr(a, name) is not None:
             opts[name] = getattr(a, name)
     if a.graces:
@@ -1388,6 +1396,8 @@ def main(argv: list[str] | None = None) -> int:
         opts["run_time"] = tuple(float(x) for x in a.run_time.split(","))
     if a.no_reflog_gc_check:
         opts["check_reflog_gc"] = False
+    if a.no_listing_check:
+        opts["listing_check"] = False
     if not opts["kinds"]:
         opts["damage_rate"] = 0.0
     replay = "python -m tests.bucket_stress " + " ".join(argv if "--seed" in argv else [*argv, "--seed", str(seed)])
