@@ -515,6 +515,7 @@ class Options:
     straggler_timeout: float = 45.0
     check_reflog_gc: bool = True
     listing_check: bool = True
+    slow_delay: float | None = None  # fixed delay of the slow writer's record PUTs (default: past mark + sweep of the round's grace)
 
 
 #: The slow test's settings: more processes, most of them killed.
@@ -662,9 +663,12 @@ class Harness:
             roles.append(("gc", extra))
             info["gc"] = extra
             if r.random() < o.slow_rate:
-                small = min(o.graces)
-                extra["grace"] = grace = min(grace, r.choice([g for g in o.graces if g <= max(small, 2.0)]))
-                delay = round(2 * (grace + 1.0) + r.uniform(1.0, 2.5), 2)  # longer than mark + sweep of its new packs
+                if o.slow_delay is None:
+                    small = min(o.graces)
+                    extra["grace"] = grace = min(grace, r.choice([g for g in o.graces if g <= max(small, 2.0)]))
+                    delay = round(2 * (grace + 1.0) + r.uniform(1.0, 2.5), 2)  # longer than mark + sweep of its new packs
+                else:
+                    delay = o.slow_delay
                 roles.append(("slow", {"own_tag": f"s{r.randrange(2)}", "delay": delay}))
                 info["slow_delay"] = delay
                 run_for = max(run_for, delay + 2.5)
@@ -1375,6 +1379,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-rate", type=float, default=None)
     p.add_argument("--pusher-rate", type=float, default=None)
     p.add_argument("--writers", type=int, default=None)
+    p.add_argument("--slow-delay", type=float, default=None, help="seconds the slow writer's record PUTs wait (default: past two graces)")
     p.add_argument("--shared-cache", type=float, default=None, help="chance a process shares a cache folder (0: every one its own)")
     p.add_argument("--run-time", default=None, help="LOW,HIGH seconds")
     p.add_argument("--no-reflog-gc-check", action="store_true", help="do not require a GC to collect the reflog of what it collected")
@@ -1385,7 +1390,7 @@ def main(argv: list[str] | None = None) -> int:
     opts: dict = dict(SLOW) if a.slow else {}
     opts["kinds"] = tuple(k for k in a.kinds.split(",") if k)
     for name in ("damage_rate", "damages", "skew_rate", "slow_rate", "gc_rate", "gc0_rate", "kill_rate", "pusher_rate", "writers",
-                 "shared_cache"):
+                 "shared_cache", "slow_delay"):
         if getattr(a, name) is not None:
             opts[name] = getattr(a, name)
     if a.graces:
