@@ -15,6 +15,7 @@ import ckptstore
 from ckptstore.errors import (
     BlobCorruptError,
     IntegrityError,
+    InvalidArgumentError,
     InvalidNameError,
     PartialPathError,
     RefConflictError,
@@ -238,6 +239,20 @@ def test_fsck_and_checkout_catch_a_flipped_byte(home):
     assert not report.ok and info.id in report.damaged_commits
     with pytest.raises((BlobCorruptError, IntegrityError)):
         home.open(fresh_cache=True).checkout("t")
+
+
+def test_fsck_repair_rebuilds_derived_objects_or_is_refused_naming_recover(home):
+    """``fsck(repair=True)``: on object storage it rereads everything and rebuilds the
+    derived objects (pack indexes, the marker), here none damaged; a local store's index
+    is its catalog, and the refusal names ``recover`` (docs/design.md lists it)."""
+    s = home.open()
+    s.commit(state(), tag="t")
+    if home.kind == "local":
+        with pytest.raises(InvalidArgumentError, match="its index is the catalog, rebuilt from the packs by `ckptstore recover`"):
+            s.fsck(repair=True)
+        return
+    report = s.fsck(repair=True)
+    assert report.ok and report.repaired == [] and (report.blobs_checked, report.bytes_checked) == (8, 2 * ROWS * 64 * 4)
 
 
 def test_commit_async(home):

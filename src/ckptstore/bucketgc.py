@@ -68,6 +68,7 @@ class _State:
     objects: dict  # key -> ObjectInfo (everything under blobs/ and commits/)
     needs: dict  # commit id -> blob addresses, for every record on the bucket (a pack stays while a record stays)
     now: float  # the server's clock when the state was read (invariant 5)
+    blind: list  # commits a tag names whose record cannot be read: what they need is unknown, so no pack goes
 
 
 def _state(store, c: Collector) -> _State:
@@ -99,10 +100,17 @@ def _state(store, c: Collector) -> _State:
         try:
             return cid, {k for leaf in fetch_record(backend, cid).leaves for k in leaf.keys}
         except IntegrityError:
-            return cid, set()  # gone, or damaged (fsck reports it); a failing server raises
+            return cid, None  # gone, or damaged (fsck reports it); a failing server raises
 
-    needs.update(store.requests.map(needed, [c for c in ids if c not in needs]))
-    return _State(refs, retained, live, packs, entries, unreadable, bad_indexes, objects, needs, now)
+    named = {c for c in refs.values() if c}
+    needs.update(store.requests.map(needed, [c for c in set(ids) | named if c not in needs]))
+    # A tag keeps its commit whatever the cache could copy of it; one whose record cannot be read leaves the
+    # blobs it needs unknown: no pack is garbage then (blind).
+    blind = sorted(c for c in named if needs.get(c) is None)
+    needs = {c: keys for c, keys in needs.items() if keys is not None}
+    retained |= named
+    live.update(*(needs[c] for c in named if c in needs))
+    return _State(refs, retained, live, packs, entries, unreadable, bad_indexes, objects, needs, now, blind)
 
 
 def repair_index(backend, pid: str, entries) -> None:
@@ -165,8 +173,11 @@ def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=
     dropping = set(dead_commits)
     live_now = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in dropping))
     dead_packs, repack, orphans = [], [], []
+    if st.blind:
+        report.withheld.append(f"no pack is collected while tags name commits whose record is missing or damaged: "
+                               f"{', '.join(st.blind)} (`ckptstore fsck --deep` lists them)")
     for pid, info in st.packs.items():
-        if not old(pack_key(pid)) or pid not in st.entries:
+        if st.blind or not old(pack_key(pid)) or pid not in st.entries:
             continue  # young, or unreadable: never garbage on an index's (or a failed read's) word
         live = [e for e in st.entries[pid] if e.magic == BLOB_MAGIC and (e.loc.digest, e.loc.raw_len) in live_now]
         if not live:
@@ -239,7 +250,7 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
             victims = [x for x in commits if x not in st.retained]
             going = set(victims)
             live = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in going))  # records that stay keep their packs
-            deletable = [p for p in doomed if p in st.entries and not ((_blob_keys(st.entries[p]) & live) - covered)]
+            deletable = [p for p in doomed if not st.blind and p in st.entries and not ((_blob_keys(st.entries[p]) & live) - covered)]
             if store.read_refs() != st.refs:
                 time.sleep(RANDOM.uniform(0.01, 0.1))
                 continue  # a ref moved while we decided: decide again

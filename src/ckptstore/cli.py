@@ -408,6 +408,8 @@ def gc(
         "pending the grace period"
     )
     console.print("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in report.seconds.items()))
+    for why in report.withheld:
+        console.print(f"[yellow]withheld[/yellow]: {why}")
 
 
 def _print_fsck(report, as_json: bool) -> None:

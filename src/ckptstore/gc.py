@@ -97,6 +97,7 @@ class GCReport:
     bytes_freed: int = 0
     bytes_pending: int = 0
     dropped: list[str] = field(default_factory=list)
+    withheld: list[str] = field(default_factory=list)  # what this run would not collect, and why
     seconds: dict[str, float] = field(default_factory=dict)
 
 
