@@ -453,26 +453,38 @@ def verify(ref: Annotated[str, typer.Argument(help="Tag or commit.")], store: St
 @app.command()
 def recover(
     store: StorePath = None,
-    force: Annotated[bool, typer.Option("--force", metavar="", help="Rebuild even a catalog that opens and passes SQLite's check.")] = False,
+    force: Annotated[bool, typer.Option("--force", metavar="", help="Rebuild even a catalog that opens and passes SQLite's check, and replace it even with a rebuild that lacks what could not be read.")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Rebuild a lost or damaged catalog from the packs alone; run it while nothing else uses the store."""
+    """Rebuild a lost or damaged catalog from the packs alone; run it while nothing else uses the store.
+
+    Exit 1 when it could not restore everything the packs hold (each tag, commit, pack and
+    record is named, with why); an existing catalog is then replaced only with --force."""
     report = Store.recover(store_path(store), force=force)
     if as_json:
-        emit_json(report)
-        return
-    console.print(
-        f"recovered {report.commits} commits, {len(report.tags)} tags, {report.blobs} blobs from {report.packs} packs "
-        f"in {report.seconds:.2f} s"
-    )
-    for t, cid in report.tags.items():
-        console.print(f"  {t} -> {cid}")
-    if report.moved_aside:
-        console.print(f"the damaged catalog was moved to {report.moved_aside}")
-    for what, items in (("incomplete commits (blobs missing)", report.incomplete_commits), ("damaged packs", list(report.damaged_packs))):
-        if items:
-            console.print(f"{what}: {', '.join(items[:10])}")
-    console.print("next: ckptstore fsck --deep")
+        emit_json({**dataclasses.asdict(report), "ok": report.ok})
+    else:
+        console.print(
+            f"recovered {report.commits} commits, {len(report.tags)} tags, {report.blobs} blobs from {report.packs} packs "
+            f"in {report.seconds:.2f} s"
+        )
+        for t, cid in report.tags.items():
+            console.print(f"  {t} -> {cid}")
+        if report.moved_aside:
+            console.print(f"the damaged catalog was moved to {report.moved_aside}")
+        lost = report.lost()
+        if lost:
+            console.print(f"NOT restored ({len(report.dropped_tags)} tags, {len(report.dropped_commits)} commits, {len(report.problems)} unreadable packs or records):", markup=False)
+            for line in lost:
+                console.print(f"  {line}", markup=False, soft_wrap=True)
+        console.print("next: ckptstore fsck --deep")
+    if not report.ok:
+        err.print(
+            f"error: recover could not restore {len(report.dropped_tags)} tag(s) and {len(report.dropped_commits)} commit(s) "
+            f"the packs hold ({len(report.problems)} unreadable pack(s) or record(s)); see the list above",
+            soft_wrap=True, markup=False,
+        )
+        raise SystemExit(1)
 
 
 @app.command("export")

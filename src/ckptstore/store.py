@@ -1427,12 +1427,18 @@ class Store:
         For a store whose ``catalog.sqlite`` was deleted or damaged beyond
         SQLite's repair: every commit whose blobs are present, its lineage, and
         every tag as of its last move come back. Run it while no other process
-        uses the store. A healthy catalog is rebuilt only with ``force``. See
-        :mod:`ckptstore.recover`.
+        uses the store. A healthy catalog is rebuilt only with ``force``. What it
+        could not restore is in the report (``report.ok`` false, ``report.lost()``
+        names each tag, commit, pack and record and why); such a rebuild replaces
+        an existing catalog only with ``force`` (a lost one it replaces always).
+        See :mod:`ckptstore.recover`.
 
         Raises:
             NotAStoreError: no ``blobs/`` folder at ``path``.
             InvalidArgumentError: the catalog is healthy and ``force`` is false.
+            IntegrityError: the rebuild lacks something and would replace an existing
+                catalog without ``force`` (nothing changed).
+            ResourceLimitError: out of file descriptors (nothing changed).
             GCLockedError: a GC is running on the store.
         """
         if str(path).startswith("s3://"):
