@@ -47,7 +47,7 @@ from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, Integ
 from .gc import gc_lock
 from .layout import address
 from .packs import CODEC_RAW, RECORD_MAGIC, PackReader, scan
-from .records import KIND_COMMIT, KIND_REF, CommitRecord, parse_commit, parse_ref
+from .records import KIND_COMMIT, KIND_REF, CommitRecord, commit_id, parse_commit, parse_ref
 
 CATALOG = "catalog.sqlite"
 
@@ -164,7 +164,8 @@ def _inspect(path: Path) -> tuple[str, set[str]]:
         return "damaged", set()
     try:
         healthy = [r[0] for r in cat.rows("PRAGMA quick_check")] == ["ok"]
-        ids = {r[0] for r in cat.rows("SELECT id FROM commits", raw=True) if type(r[0]) is str}
+        # only rows whose record hashes to their id: a damaged row names no commit
+        ids = {cid for cid, text in cat.rows("SELECT id, record FROM commits", raw=True) if type(text) is str and commit_id(text) == cid}
         return ("healthy" if healthy else "damaged"), ids
     except CkptStoreError:
         return "damaged", set()

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, progress, records
-from .catalog import Catalog, CatalogMissing
+from .catalog import Catalog, CatalogMissing, damaged
 from .diff import DiffReport, diff_commits
 from .errors import (
     AdapterError,
@@ -411,6 +411,8 @@ class Store:
             except CatalogMissing:
                 pass
             except (CatalogCorruptError, StoreWriteError) as exc:
+                if "ckptstore recover" in str(exc):
+                    raise
                 raise type(exc)(f"{exc}; if the catalog is lost or damaged, `ckptstore recover --store {self.root}` rebuilds it from the packs") from None
             packs = next(iter(self.root.glob("blobs/*/*.pack")), None)
             if packs is None:
@@ -1131,6 +1133,9 @@ class Store:
         with self.catalog.read():
             named = self.tags()
             infos = self.infos(list(set(named.values())))
+        for name, cid in named.items():
+            if cid not in infos:
+                raise damaged(self.catalog.path, f"tag {name!r} points to commit {cid}, which is not in the catalog")
         return {name: infos[cid] for name, cid in named.items()}
 
     def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
