@@ -46,6 +46,9 @@ class Migration:
     version: int
     description: str
     apply: Callable[[sqlite_utils.Database], None]
+    #: Only adds indexes: a catalog without it reads the same rows (slower), so one that
+    #: cannot be written here is read at its older version instead of being refused.
+    index_only: bool = False
 
 
 def _v1(db: sqlite_utils.Database) -> None:
@@ -176,7 +179,7 @@ def rebuild_record(conn: sqlite3.Connection, cid: str) -> str | None:
 MIGRATIONS: list[Migration] = [
     Migration(1, "initial schema: settings, packs, blobs, commits, parents, components, leaves, shards, tags, reflog", _v1),
     Migration(2, "commit records in the catalog and in packs (records table): manifests verifiable, catalog rebuildable", _v2),
-    Migration(3, "indexes for large stores: tags by commit, ref-move records by tag and seq", _v3),
+    Migration(3, "indexes for large stores: tags by commit, ref-move records by tag and seq", _v3, index_only=True),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -345,6 +348,8 @@ class Catalog:
         if version == 0 and not (create and self.writable):
             raise CatalogMissing(f"{self.path} is empty: the store was never initialised")
         if not self.writable:
+            if version > 0 and all(m.index_only for m in self.migrations if m.version > version):
+                return  # readable as it is, without the newer indexes
             raise SchemaVersionError(f"{self.path}: schema version {version} must be migrated to {latest}, and the catalog cannot be written here")
         if version > 0:
             self.migrated_from = version

@@ -18,7 +18,8 @@ SQLite repairs, the packs still say everything a checkout needs:
    with SQLite's backup API. A rebuild that lost anything (a pack or record it
    could not read, a commit or tag it could not restore) replaces an existing
    catalog only with ``force``; where the catalog is lost (missing or empty) it
-   is installed, and the report names what it lacks (``ok`` is false). Only when SQLite cannot open the old file at all
+   is installed, and the report names what it lacks (``ok`` is false). Only
+   when SQLite cannot open the old file at all
    (it is not a database, or damaged beyond use) is it renamed aside, with its
    ``-wal`` and ``-shm``, to ``catalog.sqlite.damaged-<time>``: the one place
    ckptstore renames catalog files, which is why recovery must run while no
