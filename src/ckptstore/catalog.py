@@ -46,6 +46,9 @@ class Migration:
     version: int
     description: str
     apply: Callable[[sqlite_utils.Database], None]
+    #: Only adds indexes: a catalog without it reads the same rows (slower), so one that
+    #: cannot be written here is read at its older version instead of being refused.
+    index_only: bool = False
 
 
 def _v1(db: sqlite_utils.Database) -> None:
@@ -129,6 +132,14 @@ def _v2(db: sqlite_utils.Database) -> None:
             db.execute("UPDATE commits SET record = ? WHERE id = ?", (text, cid))
 
 
+def _v3(db: sqlite_utils.Database) -> None:
+    # Indexes a store of many commits needs, so that GC costs O(n log n), not O(n^2): deleting a
+    # commit checks the tags' foreign key (one lookup, not a scan of every tag), and "the newest
+    # ref-move record of each tag" is one index probe per record.
+    db.execute("CREATE INDEX IF NOT EXISTS idx_tags_commit_id ON tags (commit_id)")
+    db.execute("CREATE INDEX IF NOT EXISTS idx_records_kind_name_seq ON records (kind, name, seq)")
+
+
 def rebuild_record(conn: sqlite3.Connection, cid: str) -> str | None:
     """The commit record (records.py) as the catalog's rows describe commit ``cid``.
 
@@ -168,6 +179,7 @@ def rebuild_record(conn: sqlite3.Connection, cid: str) -> str | None:
 MIGRATIONS: list[Migration] = [
     Migration(1, "initial schema: settings, packs, blobs, commits, parents, components, leaves, shards, tags, reflog", _v1),
     Migration(2, "commit records in the catalog and in packs (records table): manifests verifiable, catalog rebuildable", _v2),
+    Migration(3, "indexes for large stores: tags by commit, ref-move records by tag and seq", _v3, index_only=True),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -176,13 +188,30 @@ def is_busy(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
 
 
-def translate(path: Path, exc: sqlite3.DatabaseError) -> Exception:
-    """The ckptstore error for an SQLite error that is not a busy lock."""
+#: What reading a damaged catalog can raise besides busy locks: SQLite's errors, and text
+#: columns (or schema text) that are not UTF-8 any more.
+DAMAGE = (sqlite3.DatabaseError, UnicodeDecodeError)
+
+
+def remedy(path: Path) -> str:
+    """What to do about a damaged catalog at ``path``."""
+    return f"`ckptstore recover --force --store {path.parent}` rebuilds it from the packs"
+
+
+def translate(path: Path, exc: BaseException) -> Exception:
+    """The ckptstore error for an SQLite error that is not a busy lock, or undecodable text."""
+    if isinstance(exc, UnicodeDecodeError):
+        return CatalogCorruptError(f"{path}: damaged catalog: text that is not UTF-8 ({exc}); {remedy(path)}")
     if "disk is full" in str(exc) or "I/O error" in str(exc) or "readonly" in str(exc):
         return StoreWriteError(f"{path}: writing the catalog failed: {exc}")
     if "not a database" in str(exc):
-        return CatalogCorruptError(f"{path} is not an SQLite database ({exc})")
-    return CatalogCorruptError(f"{path}: {exc}")
+        return CatalogCorruptError(f"{path} is not an SQLite database ({exc}); {remedy(path)}")
+    return CatalogCorruptError(f"{path}: damaged catalog: {exc}; {remedy(path)}")
+
+
+def damaged(path: Path, what: str) -> CatalogCorruptError:
+    """A catalog row that SQLite returned but that cannot be what ckptstore wrote."""
+    return CatalogCorruptError(f"{path}: damaged catalog: {what}; {remedy(path)}")
 
 
 class CatalogMissing(CkptStoreError):
@@ -231,7 +260,7 @@ class Catalog:
             self.conn = self._connect(create)
             self._db = None
             self._upgrade(create)
-        except sqlite3.DatabaseError as exc:
+        except DAMAGE as exc:
             if getattr(self, "conn", None) is not None:
                 self.conn.close()
             if is_busy(exc):
@@ -319,6 +348,8 @@ class Catalog:
         if version == 0 and not (create and self.writable):
             raise CatalogMissing(f"{self.path} is empty: the store was never initialised")
         if not self.writable:
+            if version > 0 and all(m.index_only for m in self.migrations if m.version > version):
+                return  # readable as it is, without the newer indexes
             raise SchemaVersionError(f"{self.path}: schema version {version} must be migrated to {latest}, and the catalog cannot be written here")
         if version > 0:
             self.migrated_from = version
@@ -354,7 +385,7 @@ class Catalog:
         for attempt in range(BUSY_RETRIES):
             try:
                 return fn()
-            except sqlite3.DatabaseError as exc:
+            except DAMAGE as exc:
                 if not is_busy(exc):
                     raise translate(self.path, exc) from exc
                 if attempt == BUSY_RETRIES - 1:
@@ -380,7 +411,7 @@ class Catalog:
             except BaseException as exc:
                 if self.conn.in_transaction:
                     self.conn.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.DatabaseError):
+                if isinstance(exc, DAMAGE):
                     raise translate(self.path, exc) from exc
                 raise
             try:
@@ -392,17 +423,27 @@ class Catalog:
 
     @contextmanager
     def read(self) -> Iterator[None]:
-        """A read transaction: every query inside sees one snapshot."""
+        """A read transaction: every query inside sees one snapshot.
+
+        Raises CatalogCorruptError for SQLite errors and undecodable text inside it
+        (queries on ``conn`` directly included)."""
         with self.lock:
             if self.conn.in_transaction:  # nested in a write
                 yield
                 return
-            self.conn.execute("BEGIN")
+            self._retry(lambda: self.conn.execute("BEGIN"))
             try:
                 yield
+            except DAMAGE as exc:
+                if is_busy(exc):
+                    raise CatalogBusyError(f"{self.path}: the catalog stayed locked: {exc}") from None
+                raise translate(self.path, exc) from exc
             finally:
                 if self.conn.in_transaction:  # an I/O error may have ended it already: never mask that error
-                    self.conn.execute("ROLLBACK")
+                    try:
+                        self.conn.execute("ROLLBACK")
+                    except sqlite3.DatabaseError:
+                        pass
 
     def rows(self, sql: str, params: Iterable = (), raw: bool = False) -> list:
         """All result rows: ``sqlite3.Row`` objects, or plain tuples with ``raw`` (faster)."""

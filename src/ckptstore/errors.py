@@ -36,6 +36,11 @@ class GCLockedError(CkptStoreError):
     """Another GC holds the store's GC lock; this one did nothing (CLI exit code 3)."""
 
 
+class ResourceLimitError(CkptStoreError):
+    """The process ran out of a resource it does not control (open files: ``ulimit -n``);
+    nothing stored is at fault, so it is never reported as damage."""
+
+
 class InvalidArgumentError(CkptStoreError):
     """An argument that does not parse: a duration, a glob, a fraction."""
 

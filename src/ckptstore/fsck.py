@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from . import progress
 from .catalog import rebuild_record
-from .errors import CkptStoreError, IntegrityError, InvalidArgumentError
+from .errors import CkptStoreError, IntegrityError, InvalidArgumentError, ResourceLimitError
 from .layout import ShardPlan, address, itemsize
 from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, pack_path
 from .records import KIND_COMMIT, KIND_REF, parse_commit
@@ -70,8 +70,13 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         sample: with ``deep``, the fraction of blobs to reread (0 < sample <= 1).
         commit: restrict every check to one commit's blobs and rows.
 
+    Open files stay bounded (:data:`ckptstore.packs.MAX_OPEN_PACKS`) whatever the
+    number of packs.
+
     Raises:
         InvalidArgumentError: ``sample`` outside (0, 1].
+        ResourceLimitError: the process ran out of file descriptors (never reported
+            as damage).
     """
     if not 0 < sample <= 1:
         raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
@@ -169,6 +174,8 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         try:
             if read:
                 reader.read(now, "fsck")
+        except ResourceLimitError:
+            raise
         except CkptStoreError:
             return True
         return False
@@ -194,6 +201,8 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
                     continue
                 try:
                     reader.read(_loc(r), "fsck")
+                except ResourceLimitError:
+                    raise
                 except CkptStoreError:
                     if still_bad(_loc(r), read=True):
                         rep.corrupt_blobs.append(address(bytes(r["hash"]), r["raw_len"]))
@@ -204,6 +213,8 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         for r in rec_rows:
             try:
                 text = bytes(reader.read(_record_loc(r), "fsck", magic=RECORD_MAGIC))
+            except ResourceLimitError:
+                raise
             except CkptStoreError as exc:
                 now = cat.rows("SELECT * FROM records WHERE id = ?", (r["id"],))  # a GC may have dropped or moved it meanwhile
                 if not now:
@@ -211,6 +222,8 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
                 try:
                     r = now[0]
                     text = bytes(reader.read(_record_loc(r), "fsck", magic=RECORD_MAGIC))
+                except ResourceLimitError:
+                    raise
                 except CkptStoreError:
                     rep.problems.append(f"record of {r['name']} in pack {r['pack']}: {exc}")
                     if r["kind"] == KIND_COMMIT:

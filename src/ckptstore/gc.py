@@ -8,17 +8,21 @@ Protocol (``shared/design/ARCHITECTURE.md``, GC section), as built:
    newest commits of each tag's lineage, the whole lineage of tags matching a
    ``keep_tags`` glob, commits younger than ``keep_within`` and, always, commits
    younger than the grace period. Other commits are dropped from the catalog in
-   batches; each batch recomputes the roots inside its own write transaction, so a
-   tag moved meanwhile is honoured.
+   batches; each batch's write transaction first checks that no tag moved since the
+   roots were computed and computes them again if one did, so a tag moved meanwhile
+   is honoured. The roots cost O(n log n) in the commits n, and each batch a few
+   indexed statements, so a GC grows as n log n (``benchmarks/scale.py``).
 3. **Blobs.** Rows no remaining manifest references and created before the grace
-   period are deleted in batches, each in one write transaction. A commit's final
+   period are deleted in batches (one walk in id order), each in one write transaction. A commit's final
    transaction holds the same write lock and re-checks every blob it reuses, so
    the two cannot interleave (invariant 4).
 4. **Packs.** A pack with no live blob is retired; a pack whose live fraction is
    below ``repack_below`` has its live blobs copied (verified) into a new durable
    pack, the rows repointed in one transaction, and is retired. A retired pack
    file is unlinked only once it has been retired for the grace period, so a
-   reader that looked a blob up just before still finds it.
+   reader that looked a blob up just before still finds it. Files are unlinked
+   500 per transaction, and each folder fsynced once at the end (a file a power
+   cut brings back has no row: an orphan, removed by the next GC).
 5. **Leftovers.** Pack files without a catalog row (a crashed commit) and files in
    ``tmp/`` are removed when older than the grace period and not locked by a
    running commit (commits hold a ``flock`` on their packs until they return).
@@ -29,6 +33,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import fnmatch
+import heapq
 import os
 import re
 import time
@@ -43,8 +48,9 @@ from .records import KIND_COMMIT, KIND_REF
 
 DEFAULT_GRACE = 3600.0
 REPACK_BELOW = 0.5
-_BATCH_COMMITS = 50
+_BATCH_COMMITS = 500
 _BATCH_BLOBS = 2000
+_BATCH_PACKS = 500
 # Ref-move records that a newer move of the same tag supersedes (recovery needs only the newest).
 _SUPERSEDED = f"kind = {KIND_REF} AND seq < (SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)"
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -165,57 +171,122 @@ class Collector:
     # --- commits -----------------------------------------------------------------------
 
     def retained(self) -> set[str]:
-        """Commit ids the roots and the retention policy keep (run inside a transaction)."""
-        created = {r["id"]: r["created_at"] for r in self.cat.rows("SELECT id, created_at FROM commits")}
+        """Commit ids the roots and the retention policy keep (run inside a transaction).
+
+        O(n log n) in the number of commits n (plus ``keep_last`` steps per tag): the
+        ``keep_last`` newest commits of a lineage are found by a best-first walk from
+        the tag, newest first, that stops as soon as no older step can hold a newer one.
+        """
+        rows = self.cat.rows("SELECT id, created_at FROM commits ORDER BY created_at, id", raw=True)
+        created = {c: rank for rank, (c, _) in enumerate(rows)}  # newer: higher rank (ties by id)
         parents: dict[str, list[str]] = {}
-        for r in self.cat.rows("SELECT commit_id, parent_id FROM parents ORDER BY position"):
-            parents.setdefault(r["commit_id"], []).append(r["parent_id"])
+        for c, p in self.cat.rows("SELECT commit_id, parent_id FROM parents ORDER BY commit_id, position", raw=True):
+            if p in created:
+                parents.setdefault(c, []).append(p)
+        newest = self._newest_ancestor(created, parents)
+        tags = self.cat.rows("SELECT name, commit_id FROM tags", raw=True)
         keep: set[str] = set()
-        for r in self.cat.rows("SELECT name, commit_id FROM tags"):
-            lineage, frontier = [], [r["commit_id"]]
-            seen: set[str] = set()
-            while frontier:
-                c = frontier.pop()
-                if c in seen or c not in created:
-                    continue
-                seen.add(c)
-                lineage.append(c)
-                frontier += parents.get(c, [])
-            lineage.sort(key=lambda c: -created[c])
-            whole = any(fnmatch.fnmatchcase(r["name"], g) for g in self.keep_tags)
-            keep.add(r["commit_id"])
-            keep.update(lineage if whole else lineage[: self.keep_last])
+        whole: set[str] = set()  # the lineages of keep_tags matches, walked once for all of them
+        for name, cid in tags:
+            keep.add(cid)
+            if cid not in created:
+                continue
+            if any(fnmatch.fnmatchcase(name, g) for g in self.keep_tags):
+                frontier = [cid]
+                while frontier:
+                    c = frontier.pop()
+                    if c not in whole:
+                        whole.add(c)
+                        frontier += parents.get(c, ())
+            else:
+                keep.update(self._newest_of_lineage(cid, created, parents, newest))
+        keep |= whole
         young = self.now - max(self.keep_within, self.grace)
-        keep.update(c for c, t in created.items() if t > young)
+        keep.update(c for c, t in rows if t > young)
         return keep
 
+    @staticmethod
+    def _newest_ancestor(created: dict, parents: dict) -> dict:
+        """``{commit: the highest rank (newest) of it and its ancestors}``. Commits are made
+        after their parents, so that is the commit itself (one pass over the edges); a store
+        with a parent newer than its child (a clock stepped back) gets a full walk."""
+        if all(created[p] <= created[c] for c, ps in parents.items() for p in ps):
+            return created
+        best: dict = {}
+        for root in created:
+            stack = [(root, False)]
+            while stack:
+                c, done = stack.pop()
+                if c in best:
+                    continue
+                if done:
+                    best[c] = max([created[c], *(best[p] for p in parents.get(c, ()))])
+                    continue
+                stack.append((c, True))
+                stack += [(p, False) for p in parents.get(c, ()) if p not in best]
+        return best
+
+    def _newest_of_lineage(self, cid: str, created: dict, parents: dict, newest: dict) -> list[str]:
+        """The ``keep_last`` newest commits of ``cid``'s lineage (itself and its ancestors)."""
+        found: list[tuple[int, str]] = []  # min-heap of the keep_last newest (rank, id) seen
+        heap = [(-newest[cid], cid)]  # to walk, newest ancestor first
+        seen = {cid}
+        while heap:
+            if len(found) == self.keep_last and -heap[0][0] <= found[0][0]:
+                break  # nothing left to walk is newer than the keep_last found
+            _, c = heapq.heappop(heap)
+            if len(found) < self.keep_last:
+                heapq.heappush(found, (created[c], c))
+            elif created[c] > found[0][0]:
+                heapq.heapreplace(found, (created[c], c))
+            for p in parents.get(c, ()):
+                if p not in seen:
+                    seen.add(p)
+                    heapq.heappush(heap, (-newest[p], p))
+        return [c for _, c in found]
+
+    def _tag_state(self) -> tuple:
+        """Changes whenever a tag moves, is created or deleted (what :meth:`retained` depends
+        on besides commits, which only ever get added, young)."""
+        return (*self.cat.rows("SELECT MAX(id) FROM reflog", raw=True)[0],
+                *self.cat.rows("SELECT COUNT(*), MAX(updated_at), TOTAL(updated_at) FROM tags", raw=True)[0])
+
     def drop_commits(self, report: GCReport) -> None:
-        while True:
-            with self.cat.read() if report.dry_run else self.cat.write():
+        """Drop the commits outside :meth:`retained`, ``_BATCH_COMMITS`` per write transaction;
+        each transaction first checks that no tag moved since the roots were computed (else
+        they are computed again)."""
+        if report.dry_run:
+            with self.cat.read():
                 keep = self.retained()
-                ids = [r["id"] for r in self.cat.rows("SELECT id FROM commits ORDER BY created_at")]
-                victims = [c for c in ids if c not in keep and c not in report.dropped]
-                if report.dry_run:
-                    report.dropped += victims
-                    self._doom(
-                        f"SELECT pack, COUNT(*), SUM(stored_len + {BLOB_HEADER.size}) FROM records WHERE "
-                        f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR ({_SUPERSEDED}) GROUP BY pack",
-                        victims,
-                    )
-                    break
-                batch = victims[:_BATCH_COMMITS]
+                victims = [c for (c,) in self.cat.rows("SELECT id FROM commits ORDER BY created_at", raw=True) if c not in keep]
+            report.dropped += victims
+            self._doom(
+                f"SELECT pack, COUNT(*), SUM(stored_len + {BLOB_HEADER.size}) FROM records WHERE "
+                f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR ({_SUPERSEDED}) GROUP BY pack",
+                victims,
+            )
+            report.commits_dropped = len(report.dropped)
+            return
+        victims: list[str] = []
+        state = None
+        while True:
+            with self.cat.write():
+                if state is None or self._tag_state() != state:
+                    state = self._tag_state()
+                    keep = self.retained()
+                    victims = [c for (c,) in self.cat.rows("SELECT id FROM commits ORDER BY created_at", raw=True) if c not in keep]
+                batch, victims = victims[:_BATCH_COMMITS], victims[_BATCH_COMMITS:]
                 self.cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", batch)
                 for table in ("leaves", "components", "parents"):
                     self.cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", batch)
                 self.cat.chunked(f"DELETE FROM records WHERE kind = {KIND_COMMIT} AND name IN ({{}})", batch)
                 self.cat.chunked("DELETE FROM commits WHERE id IN ({})", batch)
                 report.dropped += batch
-            if len(victims) <= _BATCH_COMMITS:
+            if not victims:
                 break
         report.commits_dropped = len(report.dropped)
-        if not report.dry_run:  # of each tag's ref-move records, the newest is what recovery needs
-            with self.cat.write():
-                self.cat.conn.execute(f"DELETE FROM records WHERE {_SUPERSEDED}")
+        with self.cat.write():  # of each tag's ref-move records, the newest is what recovery needs
+            self.cat.conn.execute(f"DELETE FROM records WHERE {_SUPERSEDED}")
 
     # --- blobs ---------------------------------------------------------------------------
 
@@ -230,18 +301,20 @@ class Collector:
             )
             report.blobs_deleted, report.blob_bytes = n, size
             return
+        last = -1  # walk the blob rows once, in id order (a batch never rescans the rows kept before it)
         while True:
             with self.cat.write():
                 rows = self.cat.rows(
-                    "SELECT id, stored_len FROM blobs b WHERE created_at < ? AND NOT EXISTS "
-                    "(SELECT 1 FROM shards s WHERE s.blob_id = b.id) LIMIT ?",
-                    (cutoff, _BATCH_BLOBS),
+                    "SELECT id, stored_len FROM blobs b WHERE id > ? AND created_at < ? AND NOT EXISTS "
+                    "(SELECT 1 FROM shards s WHERE s.blob_id = b.id) ORDER BY id LIMIT ?",
+                    (last, cutoff, _BATCH_BLOBS),
                 )
                 self.cat.chunked("DELETE FROM blobs WHERE id IN ({})", [r["id"] for r in rows])
             report.blobs_deleted += len(rows)
             report.blob_bytes += sum(r["stored_len"] + BLOB_HEADER.size for r in rows)
             if len(rows) < _BATCH_BLOBS:
                 break
+            last = rows[-1]["id"]
 
     # --- packs -----------------------------------------------------------------------------
 
@@ -329,16 +402,28 @@ class Collector:
             return
         with self.cat.write():
             self.cat.chunked(f"UPDATE packs SET retired_at = {self.now!r} WHERE retired_at IS NULL AND id IN ({{}})", [p["id"] for p in empty])
+        due = []
         for p in empty:
             if (p["retired_at"] or self.now) > cutoff:
                 report.bytes_pending += p["size"]
-                continue
-            with self.cat.write():  # rows, then the file, then commit
-                if self.cat.rows("SELECT 1 FROM blobs WHERE pack = ? UNION ALL SELECT 1 FROM records WHERE pack = ? LIMIT 1", (p["id"], p["id"])):
-                    continue
-                self.cat.conn.execute("DELETE FROM packs WHERE id = ?", (p["id"],))
-                report.bytes_freed += _unlink(pack_path(self.store.root, p["id"]))
-            report.packs_deleted += 1
+            else:
+                due.append(p["id"])
+        folders: set[Path] = set()
+        for i in range(0, len(due), _BATCH_PACKS):
+            batch = due[i : i + _BATCH_PACKS]
+            with self.cat.write():  # rows, then the files, then commit
+                used = {r[0] for r in self.cat.chunked("SELECT pack FROM blobs WHERE pack IN ({})", batch, raw=True)}
+                used |= {r[0] for r in self.cat.chunked("SELECT pack FROM records WHERE pack IN ({})", batch, raw=True)}
+                batch = [p for p in batch if p not in used]
+                self.cat.chunked("DELETE FROM packs WHERE id IN ({})", batch)
+                paths = [pack_path(self.store.root, p) for p in batch]
+                report.bytes_freed += sum(_unlink(path, sync=False) for path in paths)
+                folders.update(path.parent for path in paths)
+            report.packs_deleted += len(batch)
+        # The unlinks made durable once per folder, not per pack: a file a power cut brings
+        # back has no row any more, an orphan the next GC removes.
+        for folder in sorted(folders):
+            fsync_dir(folder)
 
     # --- leftovers --------------------------------------------------------------------------
 
@@ -372,11 +457,13 @@ class Collector:
                 report.tmp_removed += 1
 
 
-def _unlink(path: Path) -> int:
+def _unlink(path: Path, sync: bool = True) -> int:
+    """Unlink ``path`` (and, with ``sync``, fsync its folder); its size in bytes, 0 if it was gone."""
     try:
         size = path.stat().st_size
         path.unlink()
-        fsync_dir(path.parent)
+        if sync:
+            fsync_dir(path.parent)
         return size
     except FileNotFoundError:
         return 0

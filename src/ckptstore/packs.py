@@ -42,14 +42,16 @@ import struct
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 import zstandard
 
-from .errors import BlobCorruptError, BlobMissingError, StoreWriteError
+from .errors import BlobCorruptError, BlobMissingError, ResourceLimitError, StoreWriteError
 from .layout import address
 from .layout import digest as xxh3
 
@@ -298,6 +300,19 @@ class PackWriter:
 Locate = Callable[[BlobLoc], "BlobLoc | None"]
 
 
+#: Default bound on the pack files one :class:`PackReader` keeps open (an LRU cache of
+#: descriptors): a store has two packs per commit, so a reader over all of them (fsck,
+#: recover, a checkout of blobs spread over thousands of packs) must not hold one each.
+MAX_OPEN_PACKS = 64
+
+
+class _Handle:
+    __slots__ = ("fd", "size", "users", "evicted")
+
+    def __init__(self, fd: int, size: int):
+        self.fd, self.size, self.users, self.evicted = fd, size, 0, False
+
+
 class PackReader:
     """Reads blobs and records out of pack files, checking everything before use.
 
@@ -305,7 +320,9 @@ class PackReader:
     allocating, the entry header against the expected location (magic, version,
     codec, lengths, digest), decompresses with the raw length as a hard limit,
     and rehashes the raw bytes (invariant 5). File descriptors are cached per
-    pack; ``pread`` makes concurrent reads from threads safe.
+    pack, at most ``max_open`` of them (least recently used closed first; one a
+    read is using is closed when that read ends, so the bound is ``max_open`` plus
+    the reads in flight); ``pread`` makes concurrent reads from threads safe.
 
     Args:
         root: the store folder.
@@ -313,32 +330,73 @@ class PackReader:
         locate: asked for a blob's current location when its pack is gone (a
             GC repacked it and, with a grace period shorter than this read,
             already unlinked the old pack); the read is retried there.
+        max_open: the most pack files kept open between reads (at least 1).
     """
 
-    def __init__(self, root: Path, sparse: bool = False, locate: Locate | None = None):
+    def __init__(self, root: Path, sparse: bool = False, locate: Locate | None = None, max_open: int = MAX_OPEN_PACKS):
         self.root = root
         self.sparse = sparse
         self.locate = locate
-        self._fds: dict[str, tuple[int, int]] = {}
+        self.max_open = max(1, max_open)
+        self._fds: OrderedDict[str, _Handle] = OrderedDict()
         self._lock = threading.Lock()
         self.blobs_read = 0
         self.bytes_read = 0
 
-    def _fd(self, pack: str, where: str) -> tuple[int, int]:
-        """``(fd, size in bytes)`` of pack ``pack``."""
-        with self._lock:
-            got = self._fds.get(pack)
-            if got is None:
-                try:
-                    fd = os.open(pack_path(self.root, pack), os.O_RDONLY)
-                except FileNotFoundError:
-                    raise BlobMissingError(f"{where}: pack file {pack}.pack is missing") from None
-                except OSError as exc:
+    def _open(self, pack: str, where: str) -> int:
+        path = pack_path(self.root, pack)
+        for attempt in range(2):
+            try:
+                return os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise BlobMissingError(f"{where}: pack file {pack}.pack is missing") from None
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE):
                     raise BlobMissingError(f"{where}: pack file {pack}.pack cannot be opened: {exc}") from None
+                if attempt:  # not the pack's fault: never reported as a damaged pack
+                    raise ResourceLimitError(
+                        f"{where}: opening pack file {pack}.pack: {exc.strerror} (this reader holds {len(self._fds)} "
+                        "open packs; raise `ulimit -n`)"
+                    ) from None
+                self._close_idle()  # the process is out of descriptors: give back the ones kept idle
+
+    def _close_idle(self) -> None:
+        for pack, h in list(self._fds.items()):
+            if h.users == 0:
+                del self._fds[pack]
+                os.close(h.fd)
+
+    @contextmanager
+    def _handle(self, pack: str, where: str) -> Iterator[_Handle]:
+        """The open pack ``pack`` (opened, or taken from the cache), held for one read."""
+        with self._lock:
+            h = self._fds.get(pack)
+            if h is None:
+                fd = self._open(pack, where)
                 if self.sparse:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                got = self._fds[pack] = (fd, os.fstat(fd).st_size)
-            return got
+                h = self._fds[pack] = _Handle(fd, os.fstat(fd).st_size)
+                while len(self._fds) > self.max_open:
+                    _, old = self._fds.popitem(last=False)
+                    old.evicted = True
+                    if old.users == 0:
+                        os.close(old.fd)
+            else:
+                self._fds.move_to_end(pack)
+            h.users += 1
+        try:
+            yield h
+        finally:
+            with self._lock:
+                h.users -= 1
+                if h.evicted and h.users == 0:
+                    os.close(h.fd)
+
+    @property
+    def open_packs(self) -> int:
+        """Pack files this reader holds open now."""
+        with self._lock:
+            return len(self._fds)
 
     def prefetch(self, locs: list[BlobLoc]) -> None:
         """Announce the blobs about to be read (nothing to do for files; object storage fetches them together)."""
@@ -368,7 +426,10 @@ class PackReader:
             raise BlobCorruptError(f"{where}: destination holds {len(dest)} bytes, blob {loc.raw_len}")
         if loc.codec not in CODECS:
             raise BlobCorruptError(f"{where}: unknown codec {loc.codec} in the catalog")
-        fd, size = self._fd(loc.pack, where)
+        with self._handle(loc.pack, where) as h:
+            self._read_open(h.fd, h.size, loc, dest, where, verify, magic)
+
+    def _read_open(self, fd: int, size: int, loc: BlobLoc, dest: memoryview, where: str, verify: bool, magic: bytes) -> None:
         if loc.offset < PACK_HEADER.size or not 0 <= loc.stored_len <= loc.raw_len:
             raise BlobCorruptError(f"{where}: invalid location in the catalog (offset {loc.offset}, {loc.stored_len} stored bytes)")
         if loc.offset + BLOB_HEADER.size + loc.stored_len > size:
@@ -400,13 +461,15 @@ class PackReader:
     def stored(self, loc: BlobLoc, where: str) -> bytes:
         """The entry at ``loc`` as stored (header and payload), after verifying it."""
         loc = self.read_into(loc, memoryview(bytearray(loc.raw_len)), where)
-        fd, _ = self._fd(loc.pack, where)
-        return os.pread(fd, BLOB_HEADER.size + loc.stored_len, loc.offset)
+        with self._handle(loc.pack, where) as h:
+            return os.pread(h.fd, BLOB_HEADER.size + loc.stored_len, loc.offset)
 
     def close(self) -> None:
         with self._lock:
-            for fd, _ in self._fds.values():
-                os.close(fd)
+            for h in self._fds.values():
+                h.evicted = True
+                if h.users == 0:
+                    os.close(h.fd)
             self._fds.clear()
 
 
@@ -472,11 +535,16 @@ def scan(path: Path, pack_id: str) -> tuple[list[Entry], str | None]:
     Returns the entries whose headers are well formed and lie inside the file,
     and a description of the first problem that stopped the walk (``None`` if
     the walk reached the end cleanly). Payload hashes are not checked here.
+
+    Raises:
+        ResourceLimitError: the process has no file descriptor left to open it.
     """
     entries: list[Entry] = []
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):  # the process's fault, not the pack's
+            raise ResourceLimitError(f"opening pack file {path}: {exc.strerror} (raise `ulimit -n`)") from None
         return entries, f"cannot open: {exc}"
     try:
         size = os.fstat(fd).st_size

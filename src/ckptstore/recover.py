@@ -12,9 +12,14 @@ SQLite repairs, the packs still say everything a checkout needs:
    also checked against its commit id, and kept only if every blob its
    manifest names was found (otherwise it is reported as incomplete);
 3. each tag is set as of its newest move (highest ``seq``, then time), unless
-   that move deleted it or names a commit that was not kept;
+   that move deleted it or names a commit that was not kept (the tag is then
+   reported as dropped, with the reason: it is never set to an older move);
 4. the new catalog is built in ``tmp/`` by SQLite and copied over the old one
-   with SQLite's backup API. Only when SQLite cannot open the old file at all
+   with SQLite's backup API. A rebuild that lost anything (a pack or record it
+   could not read, a commit or tag it could not restore) replaces an existing
+   catalog only with ``force``; where the catalog is lost (missing or empty) it
+   is installed, and the report names what it lacks (``ok`` is false). Only
+   when SQLite cannot open the old file at all
    (it is not a database, or damaged beyond use) is it renamed aside, with its
    ``-wal`` and ``-shm``, to ``catalog.sqlite.damaged-<time>``: the one place
    ckptstore renames catalog files, which is why recovery must run while no
@@ -39,10 +44,11 @@ from pathlib import Path
 
 from . import jsonvalue
 from .catalog import Catalog, CatalogMissing
-from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, InvalidArgumentError, NotAStoreError
+from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, IntegrityError, InvalidArgumentError, NotAStoreError, ResourceLimitError
 from .gc import gc_lock
+from .layout import address
 from .packs import CODEC_RAW, RECORD_MAGIC, PackReader, scan
-from .records import KIND_COMMIT, KIND_REF, CommitRecord, parse_commit, parse_ref
+from .records import KIND_COMMIT, KIND_REF, CommitRecord, commit_id, parse_commit, parse_ref
 
 CATALOG = "catalog.sqlite"
 
@@ -54,6 +60,10 @@ class RecoverReport:
     ``damaged_packs`` maps a pack id to the problem that stopped its walk;
     ``incomplete_commits`` lists commit records found whose blobs are not all
     present; ``bad_records`` counts records that failed their hash or format.
+    ``dropped_commits`` and ``dropped_tags`` map each commit (id) and tag the packs
+    hold but the rebuilt catalog lacks to the reason; ``problems`` names every
+    pack and record that could not be read. ``ok`` is false when any of these
+    is not empty: the rebuild is not the whole store.
     """
 
     packs: int = 0
@@ -64,8 +74,25 @@ class RecoverReport:
     incomplete_commits: list[str] = field(default_factory=list)
     bad_records: int = 0
     damaged_packs: dict[str, str] = field(default_factory=dict)
+    dropped_commits: dict[str, str] = field(default_factory=dict)
+    dropped_tags: dict[str, str] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    installed: bool = False
     moved_aside: str | None = None
     seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """Every pack and record was read and every commit and tag they hold restored."""
+        return not (self.damaged_packs or self.bad_records or self.dropped_commits or self.dropped_tags or self.problems)
+
+    def lost(self) -> list[str]:
+        """One line per tag, commit, pack and record the rebuild could not restore, and why."""
+        return (
+            [f"tag {t}: {why}" for t, why in self.dropped_tags.items()]
+            + [f"commit {c}: {why}" for c, why in self.dropped_commits.items()]
+            + self.problems
+        )
 
 
 def recover(root: str | os.PathLike, force: bool = False) -> RecoverReport:
@@ -74,18 +101,28 @@ def recover(root: str | os.PathLike, force: bool = False) -> RecoverReport:
     Run it with no other process using the store. It takes the GC lock, so it
     never runs beside a GC. A catalog that opens and passes SQLite's
     ``quick_check`` is rebuilt only with ``force`` (as when ``fsck`` reports rows
-    that disagree with their commit records).
+    that disagree with their commit records). With ``force`` it works whatever
+    bytes the catalog file holds. Open files stay bounded
+    (:data:`ckptstore.packs.MAX_OPEN_PACKS`) whatever the number of packs.
+
+    Returns the report; when ``report.ok`` is false the catalog installed (a lost
+    one's replacement, or with ``force``) lacks what ``report.lost()`` lists.
 
     Raises:
         NotAStoreError: ``root`` has no ``blobs/`` folder of packs.
         InvalidArgumentError: the catalog is healthy and ``force`` is false.
+        IntegrityError: the rebuild lacks commits or tags the packs hold (or could
+            not read a pack or record) and an existing catalog would be replaced:
+            nothing was changed; ``force`` installs it anyway.
+        ResourceLimitError: the process ran out of file descriptors (nothing changed).
         GCLockedError: a GC is running.
     """
     t0 = time.perf_counter()
     root = Path(root)
     if not (root / "blobs").is_dir():
         raise NotAStoreError(f"{root} has no blobs/ folder: nothing to recover from")
-    if not force and _healthy(root / CATALOG):
+    state, old_ids = _inspect(root / CATALOG)
+    if not force and state == "healthy":
         raise InvalidArgumentError(
             f"{root / CATALOG} opens and passes SQLite's check: nothing to recover. Run `ckptstore fsck`; "
             "to rebuild it from the packs anyway (fsck names rows that disagree with their records), pass --force (force=True)"
@@ -97,8 +134,18 @@ def recover(root: str | os.PathLike, force: bool = False) -> RecoverReport:
         try:
             new = Catalog(built, create=True)
             try:
-                _rebuild(root, new, report)
+                kept = _rebuild(root, new, report)
+                for cid in sorted(old_ids - kept):
+                    report.dropped_commits.setdefault(cid, "in the old catalog, but no record of it was found in the packs")
+                if not report.ok and state != "missing" and not force:
+                    lost = report.lost()
+                    raise IntegrityError(
+                        f"{root}: the rebuilt catalog would lack {len(lost)} thing(s) the store holds ({'; '.join(lost[:3])}"
+                        f"{'; ...' if len(lost) > 3 else ''}); the existing catalog was left as it is. "
+                        "`ckptstore recover --force` installs the rebuild anyway and lists everything it lacks"
+                    )
                 _install(root, new, report)
+                report.installed = True
             finally:
                 new.close()
         finally:
@@ -108,21 +155,29 @@ def recover(root: str | os.PathLike, force: bool = False) -> RecoverReport:
     return report
 
 
-def _healthy(path: Path) -> bool:
+def _inspect(path: Path) -> tuple[str, set[str]]:
+    """``("missing" | "damaged" | "healthy", commit ids the catalog lists where it can be read)``."""
     try:
         cat = Catalog(path, create=False)
-    except (CatalogMissing, CkptStoreError):
-        return False
-    try:
-        return [r[0] for r in cat.rows("PRAGMA quick_check")] == ["ok"]
+    except CatalogMissing:
+        return "missing", set()
     except CkptStoreError:
-        return False
+        return "damaged", set()
+    try:
+        healthy = [r[0] for r in cat.rows("PRAGMA quick_check")] == ["ok"]
+        # only rows whose record hashes to their id: a damaged row names no commit
+        ids = {cid for cid, text in cat.rows("SELECT id, record FROM commits", raw=True) if type(text) is str and commit_id(text) == cid}
+        return ("healthy" if healthy else "damaged"), ids
+    except CkptStoreError:
+        return "damaged", set()
     finally:
         cat.close()
 
 
-def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> None:
+def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> set[str]:
+    """Build ``cat`` from the packs; returns the ids of the commits it holds."""
     blobs: dict[tuple[bytes, int], tuple] = {}
+    bad_commit_records: dict[str, str] = {}
     commits: dict[str, CommitRecord] = {}
     refs: list[dict] = []
     rec_rows: list[tuple] = []
@@ -138,46 +193,68 @@ def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> None:
             entries, problem = scan(path, pack_id)
             if problem:
                 report.damaged_packs[pack_id] = problem
+                report.problems.append(f"pack {pack_id}.pack: {problem}: the entries after it were not read")
             packs.append((pack_id, st.st_size, st.st_mtime))
             for e in entries:
                 loc = e.loc
                 if e.magic != RECORD_MAGIC:
                     blobs.setdefault((loc.digest, loc.raw_len), (loc.digest, loc.raw_len, pack_id, loc.offset, loc.stored_len, loc.codec, st.st_mtime))
                     continue
+                what = {KIND_COMMIT: "commit record", KIND_REF: "ref-move record"}.get(e.kind, f"record of unknown kind {e.kind}")
+                where = f"the {what} at offset {loc.offset} of pack {pack_id}.pack"
                 try:
                     if loc.codec != CODEC_RAW:
                         raise CkptStoreError("compressed record")
-                    text = bytes(reader.read(loc, f"pack {pack_id}", magic=RECORD_MAGIC)).decode()
-                except (CkptStoreError, UnicodeDecodeError):
+                    text = bytes(reader.read(loc, where, magic=RECORD_MAGIC)).decode()
+                    if e.kind == KIND_COMMIT:
+                        rec = parse_commit(text, loc.digest.hex())
+                    elif e.kind == KIND_REF:
+                        ref = parse_ref(text)
+                        if ref is None:
+                            raise CkptStoreError(f"{where}: malformed ref-move record")
+                    else:
+                        raise CkptStoreError(f"{where}: unknown record kind")
+                except ResourceLimitError:
+                    raise
+                except (CkptStoreError, UnicodeDecodeError) as exc:
                     report.bad_records += 1
+                    reason = str(exc) if where in str(exc) else f"{where}: {exc}"
+                    if e.kind == KIND_COMMIT:  # a commit record is addressed by its commit id
+                        bad_commit_records.setdefault(loc.digest.hex(), reason)
+                    else:
+                        report.problems.append(f"unreadable record: {reason}")
                     continue
                 if e.kind == KIND_COMMIT:
-                    try:
-                        rec = parse_commit(text, loc.digest.hex())
-                    except CkptStoreError:
-                        report.bad_records += 1
-                        continue
                     commits.setdefault(rec.id, rec)
                     rec_rows.append((KIND_COMMIT, rec.id, None, loc))
-                elif e.kind == KIND_REF and (ref := parse_ref(text)) is not None:
+                else:
                     refs.append(ref)
                     rec_rows.append((KIND_REF, ref["tag"], ref["seq"], loc))
-                else:
-                    report.bad_records += 1
     finally:
         reader.close()
 
     kept = {}
     for cid, rec in commits.items():
-        if all(k in blobs for r in rec.leaves for k in r.keys):
+        missing = [address(*k) for r in rec.leaves for k in r.keys if k not in blobs]
+        if not missing:
             kept[cid] = rec
         else:
             report.incomplete_commits.append(cid)
+            report.dropped_commits[cid] = f"{len(missing)} of its blobs are in no readable pack (e.g. {missing[0]})"
+    for cid, why in bad_commit_records.items():
+        if cid in commits:  # another copy of the record verified: the commit is back, the bad copy is reported
+            report.problems.append(f"unreadable record: {why}")
+        else:
+            report.dropped_commits[cid] = f"its record is damaged ({why})"
     refs.sort(key=lambda r: (r["seq"], r["at"]))
     last: dict[str, dict] = {}
     for r in refs:
         last[r["tag"]] = r
     report.tags = {t: r["new"] for t, r in sorted(last.items()) if r["new"] is not None and r["new"] in kept}
+    for t, r in sorted(last.items()):
+        if r["new"] is not None and r["new"] not in kept:
+            why = report.dropped_commits.get(r["new"], "no record of it was found in the packs")
+            report.dropped_tags[t] = f"its newest move (seq {r['seq']}) names commit {r['new']}, which could not be restored: {why}"
 
     with cat.write():
         db = cat.db
@@ -204,6 +281,7 @@ def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> None:
             [(t, cid, last[t]["at"]) for t, cid in report.tags.items()],
         )
     report.packs, report.blobs, report.commits, report.reflog = len(packs), len(blobs), len(kept), len(refs)
+    return set(kept)
 
 
 def _insert_commit(cat: Catalog, db, rec: CommitRecord, ids: dict) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, progress, records
-from .catalog import Catalog, CatalogMissing
+from .catalog import Catalog, CatalogMissing, damaged
 from .diff import DiffReport, diff_commits
 from .errors import (
     AdapterError,
@@ -411,6 +411,8 @@ class Store:
             except CatalogMissing:
                 pass
             except (CatalogCorruptError, StoreWriteError) as exc:
+                if "ckptstore recover" in str(exc):
+                    raise
                 raise type(exc)(f"{exc}; if the catalog is lost or damaged, `ckptstore recover --store {self.root}` rebuilds it from the packs") from None
             packs = next(iter(self.root.glob("blobs/*/*.pack")), None)
             if packs is None:
@@ -1131,6 +1133,9 @@ class Store:
         with self.catalog.read():
             named = self.tags()
             infos = self.infos(list(set(named.values())))
+        for name, cid in named.items():
+            if cid not in infos:
+                raise damaged(self.catalog.path, f"tag {name!r} points to commit {cid}, which is not in the catalog")
         return {name: infos[cid] for name, cid in named.items()}
 
     def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
@@ -1436,12 +1441,18 @@ class Store:
         For a store whose ``catalog.sqlite`` was deleted or damaged beyond
         SQLite's repair: every commit whose blobs are present, its lineage, and
         every tag as of its last move come back. Run it while no other process
-        uses the store. A healthy catalog is rebuilt only with ``force``. See
-        :mod:`ckptstore.recover`.
+        uses the store. A healthy catalog is rebuilt only with ``force``. What it
+        could not restore is in the report (``report.ok`` false, ``report.lost()``
+        names each tag, commit, pack and record and why); such a rebuild replaces
+        an existing catalog only with ``force`` (a lost one it replaces always).
+        See :mod:`ckptstore.recover`.
 
         Raises:
             NotAStoreError: no ``blobs/`` folder at ``path``.
             InvalidArgumentError: the catalog is healthy and ``force`` is false.
+            IntegrityError: the rebuild lacks something and would replace an existing
+                catalog without ``force`` (nothing changed).
+            ResourceLimitError: out of file descriptors (nothing changed).
             GCLockedError: a GC is running on the store.
         """
         if str(path).startswith("s3://"):
