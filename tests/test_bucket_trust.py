@@ -260,7 +260,7 @@ def test_fsck_reports_a_damaged_reflog_object_and_gc_collects_the_reflog_of_drop
         moves = {k: json.loads(b.get(k)) for k in keys}
     assert len(keys) == 10
     damaged = next(k for k, m in moves.items() if m["new"] == ids[0])
-    _flip(url, damaged, 3)
+    _flip(url, damaged, 0)  # "{" becomes "[": not JSON
     report = s.fsck(deep=True)
     assert report.damaged_reflog == [damaged] and len(report.problems) == 1 and damaged in report.problems[0]
     grace = 1.0

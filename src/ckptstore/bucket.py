@@ -28,6 +28,7 @@ written again. GC is two-phase (:mod:`ckptstore.bucketgc`).
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import re
@@ -318,31 +319,53 @@ class BucketStore(Store):
                     conn.execute("DELETE FROM packs WHERE id IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT pack FROM blobs)")
             return len(todo)
 
-    def _cache(self, cids: list[str], lineage: bool = False, packs: list[str] | None = None, lenient: bool = False) -> None:
+    def _cache(self, cids: list[str], lineage: bool = False, packs: list[str] | None = None, lenient: bool = False,
+               limit: int | None = None) -> None:
         """Copy the records of ``cids`` (and, with ``lineage``, of their ancestors) from the
         bucket into the cache, each checked against its id. Ancestors the bucket lacks are
         skipped (a GC dropped them: the lineage ends there). ``packs``: where their blobs
         are, as a tag says (only those indexes are read, unless blobs are still missing).
         ``lenient``: a record whose blobs are in no pack (a commit attempt whose packs a GC
         swept before it moved a tag) is left out of the cache instead of raising; the
-        commands that need it report it (fsck lists it)."""
-        records = {}
+        commands that need it report it (fsck lists it). ``limit``: with ``lineage``, only
+        the ``limit`` newest commits of the lineage (a best-first walk by time, which is
+        lineage order: a record is dated after its parents), so ``log(limit=k)`` fetches
+        about k records, each generation's in parallel."""
+        records: dict[str, Any] = {}
         seen: set[str] = set()
-        stack = list(dict.fromkeys(cids))
-        while stack:
-            c = stack.pop()
-            if c in seen:
-                continue
-            seen.add(c)
-            if self.has_cached(c):
-                parents = [r[0] for r in self.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)]
-            elif c not in cids and self.backend.head(commit_key(c)) is None:
-                continue
+        heap: list[tuple[float, str]] = []
+        required = set(cids)
+
+        def fetch(c: str):
+            try:
+                return c, fetch_record(self.backend, c)
+            except IntegrityError:
+                if c in required or self.backend.head(commit_key(c)) is not None:
+                    raise  # damaged, or a commit asked for by name
+                return c, None  # an ancestor a GC dropped: the lineage ends there
+
+        def visit(batch: list[str]) -> None:
+            new = [c for c in dict.fromkeys(batch) if c not in seen]
+            seen.update(new)
+            for c in new:
+                if self.has_cached(c):
+                    t = self.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (c,), raw=True)[0][0]
+                    heapq.heappush(heap, (-t, c))
+            for c, rec in self.requests.map(fetch, [c for c in new if not self.has_cached(c)]):
+                if rec is not None:
+                    records[c] = rec
+                    heapq.heappush(heap, (-rec.created_at, c))
+
+        visit(list(cids))
+        taken = 0
+        while heap and lineage and (limit is None or taken < limit):
+            _, c = heapq.heappop(heap)
+            taken += 1
+            if c in records:
+                visit(list(records[c].parents))
             else:
-                records[c] = fetch_record(self.backend, c)
-                parents = records[c].parents
-            if lineage:
-                stack += parents
+                visit([r[0] for r in self.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)])
+        records = dict(sorted(records.items(), key=lambda kv: -kv[1].created_at))
         todo = list(reversed(records))  # parents before children
         if not todo:
             return
@@ -529,14 +552,18 @@ class BucketStore(Store):
         except BackendError as exc:  # the tag has moved: the call succeeded, only its history entry is lost
             warnings.warn(ReflogWarning(f"tag {tag!r} moved to {new}, but its reflog record was not written: {exc}"), stacklevel=3)
 
-    def _mirror(self, refs: dict[str, str | None], complete: bool = False) -> None:
+    def _mirror(self, refs: dict[str, str | None], complete: bool = False, fetch: bool = True) -> None:
         """Copy tag values read from the bucket into the cache's tags table (``None``:
-        deleted); ``complete``: ``refs`` is every tag, others are dropped. A tag whose
-        commit cannot be cached (its record is missing or damaged) is left out: checking
-        it out raises the error, and fsck reports it."""
+        deleted); ``complete``: ``refs`` is every tag, others are dropped. ``fetch``: copy
+        the commits they name into the cache first (else a tag whose commit is not cached
+        is left out). A tag whose commit cannot be cached (its record is missing or
+        damaged) is left out: checking it out raises the error, and fsck reports it."""
         for cid in dict.fromkeys(c for c in refs.values() if c):
             try:
-                self._cache([cid])
+                if fetch:
+                    self._cache([cid])
+                elif not self.has_cached(cid):
+                    raise BlobMissingError(cid)
             except (IntegrityError, BlobMissingError):
                 refs = {n: c for n, c in refs.items() if c != cid}
         with self.catalog.write():
@@ -557,29 +584,60 @@ class BucketStore(Store):
     # --- refs ---------------------------------------------------------------------------------
 
     def read_refs(self, strict: bool = True) -> dict[str, str | None]:
-        """Every tag on the bucket, ``{name: commit id}`` (``None``: deleted), read now.
+        """Every tag on the bucket, ``{name: commit id}`` (``None``: deleted), as of now.
+
+        One listing gives every ref's stamp (its ETag); only refs whose stamp this cache has
+        not seen are read (a GET each), so a call costs O(tags moved since) requests, not
+        O(tags). The stamps seen live in ``refs.json`` in the cache folder (an ETag names
+        one version's bytes, so a stale file costs only reads, never a wrong commit).
 
         Raises:
             IntegrityError: a tag's payload is malformed (``strict``; else it is left out).
         """
-        names = self.backend.list_refs()
+        stamps = self.backend.ref_stamps()
+        seen = self._stamps()
+        todo = [n for n, st in stamps.items() if st is None or n not in seen or seen[n][0] != st]
 
         def read(name: str):
             try:
-                return read_tag(self.backend, name)[0]
+                return read_tag(self.backend, name)
             except IntegrityError:
                 if strict:
                     raise
                 return ...
 
-        return {n: c for n, c in zip(names, self.requests.map(read, names)) if c is not ...}
+        for name, got in zip(todo, self.requests.map(read, todo)):
+            if got is ...:
+                seen.pop(name, None)
+            else:
+                seen[name] = (got[1], got[0])
+        out = {n: seen[n][1] for n in stamps if n in seen}
+        self._save_stamps({n: seen[n] for n in stamps if n in seen})
+        return out
+
+    def _stamps(self) -> dict[str, tuple[str | None, str | None]]:
+        try:
+            data = json.loads((self.root / "refs.json").read_text())
+            return {n: (v[0], v[1]) for n, v in data.items() if type(v) is list and len(v) == 2
+                    and all(x is None or type(x) is str for x in v) and (v[1] is None or _CID.fullmatch(v[1]))}
+        except (OSError, ValueError, AttributeError):
+            return {}  # none yet, or damaged: everything is read again
+
+    def _save_stamps(self, stamps: dict) -> None:
+        tmp = self.root / f"refs.json.{uuid.uuid4().hex}.tmp"
+        try:
+            tmp.write_text(json.dumps({n: list(v) for n, v in stamps.items()}))
+            tmp.replace(self.root / "refs.json")
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a cache that cannot be written only costs reads
 
     def tags(self) -> dict[str, str]:
-        """``{tag name: commit id}`` as on the bucket now, sorted by name."""
+        """``{tag name: commit id}`` as on the bucket now, sorted by name: the refs only
+        (:meth:`read_refs`), never the commits they name."""
         if self.marker is None and read_marker(self.backend) is None:
             return {}
         refs = self.read_refs(strict=False)  # a malformed tag is left out (fsck reports it; delete_tag removes it)
-        self._mirror(refs, complete=True)
+        self._mirror(refs, complete=True, fetch=False)
         return {n: c for n, c in sorted(refs.items()) if c is not None}
 
     def tagged(self) -> dict:
@@ -587,6 +645,7 @@ class BucketStore(Store):
         missing or damaged is listed all the same, its info saying so (``created_at`` 0,
         no parents, zero counts): listing tags never depends on the state of the commits."""
         named = self.tags()
+        self._mirror(named)
         infos = self.infos(list(set(named.values())))
         unreadable = "(the commit record is missing or damaged: see `ckptstore fsck --deep`)"
         return {name: infos.get(cid) or CommitInfo(cid, (name,), (), 0.0, unreadable, {}, 0, 0, 0, 0, 0, 0.0) for name, cid in named.items()}
@@ -681,8 +740,11 @@ class BucketStore(Store):
         return self.infos([cid])[cid]
 
     def log(self, ref: str | None = None, limit: int | None = None):
-        """Lineage of ``ref`` on the bucket (every commit without ``ref``), newest first."""
-        self.tags()
+        """Lineage of ``ref`` on the bucket (every commit without ``ref``), newest first;
+        with ``limit``, about ``limit`` records are fetched (:meth:`_cache`)."""
+        if limit is not None and (type(limit) is not int or limit < 1):
+            return super().log(ref, limit)  # the facade's error for a bad limit
+        refs = self.read_refs(strict=False) if self.marker is not None or read_marker(self.backend) is not None else {}
         if ref is None:
             ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")]
             self._cache([c for c in ids if _CID.fullmatch(c)], lenient=True)
@@ -690,7 +752,8 @@ class BucketStore(Store):
             self.forget(gone)
         else:
             ref = self.resolve(ref)
-            self._cache([ref], lineage=True)
+            self._cache([ref], lineage=True, limit=limit)
+        self._mirror(refs, complete=True, fetch=False)
         return super().log(ref, limit)
 
     def show(self, ref: str) -> dict:
@@ -755,9 +818,19 @@ class BucketStore(Store):
         return check(self, deep=deep or sample < 1, sample=sample, repair=repair)
 
     def verify(self, ref: str):
+        """Reread and rehash every blob of one commit from the bucket (the record too: nothing
+        of the cache is trusted, and the commit is not copied into it first)."""
         from .bucketgc import check
 
-        return check(self, deep=True, commit=self.resolve(ref))
+        self._need_store()
+        cid = ref if type(ref) is str and _CID.fullmatch(ref) else None
+        if cid is None:
+            try:
+                cid = read_tag(self.backend, ref)[0]
+            except InvalidNameError:
+                cid = None
+            cid = cid or resolve_remote(self.backend, ref)[0]
+        return check(self, deep=True, commit=cid)
 
     def push(self, remote, ref, force=False):
         raise InvalidArgumentError(f"push copies from a local store; {self.url} is a store on object storage: "

@@ -147,6 +147,13 @@ class Backend(ABC):
     def list_refs(self) -> list[str]:
         """Every ref name, sorted."""
 
+    def ref_stamps(self) -> dict[str, str | None]:
+        """``{ref name: stamp}`` for every ref, from as few requests as the storage allows;
+        a stamp differs whenever the ref's object does (an ETag from a listing on object
+        storage), so a cache that saw a ref with that stamp may use what it read then.
+        ``None``: no stamp is known without reading the ref (this default: one listing)."""
+        return dict.fromkeys(self.list_refs())
+
     def now(self) -> float:
         """The store's clock: seconds since the epoch, as the storage stamps objects.
 

@@ -297,6 +297,27 @@ class S3Backend(Backend):
             names.append(name)
         return sorted(names)
 
+    def ref_stamps(self) -> dict[str, str | None]:
+        """Every ref's ETag, from the listing of ``refs/`` (one request per 1,000 refs): every
+        write of a ref has a new write id, so its ETag never repeats."""
+        out: dict[str, str | None] = {}
+        try:
+            metas = [meta for chunk in self._obs.list(self._store, "refs", chunk_size=1000) for meta in chunk]
+        except self._failures as exc:
+            raise self._error(exc, "listing refs") from None
+        for meta in metas:
+            segment = meta["path"][len("refs/") :]
+            if "/" in segment:
+                continue
+            name = ref_name(segment)
+            if name is None:  # a hashed long name: only the object knows it
+                got = self._read_ref_object(None, segment)
+                if got is None:
+                    continue
+                name = got[0].name
+            out[name] = meta.get("e_tag") or None
+        return dict(sorted(out.items()))
+
     def _list_raw(self, prefix: str) -> list[str]:
         try:
             return [meta["path"] for chunk in self._obs.list(self._store, prefix, chunk_size=1000) for meta in chunk]
