@@ -340,3 +340,57 @@ def test_tags_from_a_fresh_cache_lists_a_tag_whose_record_is_damaged(tmp_path, u
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == {"a": a, "b": b}
     s.close()
+
+
+# --- listing costs O(what changed), not O(history) (issue "scale trust", item 6) -----------------------
+
+
+def _counting(proxy: DelayProxy, method: str, key: str):
+    """A counter of the requests through ``proxy`` whose method and path match: call it for the count so far."""
+    proxy.set_rules([{"method": method, "key": key, "seconds": 0}])
+    start = proxy.status()["delayed"]
+    return lambda: proxy.status()["delayed"] - start
+
+
+def test_tags_reads_only_refs_and_only_the_refs_that_moved(tmp_path, url, slow_link):
+    """50 tags. A fresh machine's ``tags()`` reads the 50 refs and no record nor index; a
+    second machine-start with that cache reads none (one listing revalidates every ref by
+    its ETag); after 3 tags move, it reads exactly those 3. Before: every call read every
+    ref, and a fresh one every record and index too."""
+    s = ckptstore.Store(url, cache=tmp_path / "writer")
+    first = s.commit({"x": torch.arange(8)}, tag="t0").id
+    for i in range(1, 50):
+        s.tag(f"t{i}", first)
+    env = {"AWS_ENDPOINT_URL": slow_link.endpoint}
+    code = """
+        s = ckptstore.Store({url!r}, cache={cache!r})
+        print(len(s.tags()))
+    """.format(url=url, cache=str(tmp_path / "reader"))
+    for method, key, want in (("GET", "/refs/", 50), ("GET", "/commits/", 0), ("GET", "/blobs/", 0)):
+        (tmp_path / "reader" / "refs.json").unlink(missing_ok=True)
+        count = _counting(slow_link, method, key)
+        assert _done(_worker(code, env)).split() == ["50"]
+        assert count() == want, (method, key)
+    refs = _counting(slow_link, "GET", "/refs/")
+    assert _done(_worker(code, env)).split() == ["50"] and refs() == 0
+    second = s.commit({"x": torch.arange(9)}, tag="t1").id
+    s.tag("t2", second)
+    s.delete_tag("t3")
+    refs = _counting(slow_link, "GET", "/refs/")
+    assert _done(_worker(code, env)).split() == ["49"] and refs() == 3
+    s.close()
+
+
+def test_log_with_a_limit_fetches_about_that_many_records(tmp_path, url, slow_link):
+    """A lineage of 40 commits; a fresh machine's ``log("latest", limit=3)`` returns the 3
+    newest, exactly, and fetches at most 6 records (the 3, the next generation's
+    frontier, and the parents whose blobs tell each one's new bytes). Before: the whole lineage, one record at a time."""
+    s = ckptstore.Store(url, cache=tmp_path / "writer")
+    ids = [s.commit({"x": torch.arange(i + 1)}, tag="latest").id for i in range(40)]
+    records = _counting(slow_link, "GET", "/commits/")
+    out = _done(_worker(f"""
+        s = ckptstore.Store({url!r}, cache={str(tmp_path / "reader")!r})
+        print(" ".join(c.id for c in s.log("latest", limit=3)))
+    """, {"AWS_ENDPOINT_URL": slow_link.endpoint}))
+    assert out.split() == ids[::-1][:3] and 3 <= records() <= 6
+    s.close()
