@@ -352,11 +352,13 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
             where.setdefault(k, loc)
         if f.index_problem is None:
             continue
-        if index_key(pid) not in listed and not (blobs.keys() & needed):
-            report.orphan_packs.append(pid)  # a writer that died before its index: GC removes it
-        elif repair:
+        if repair:
             repair_index(backend, pid, f.entries)
             report.repaired.append(index_key(pid))
+        elif index_key(pid) not in listed:
+            # a writer killed between its pack and its index (the pack is whole: PUTs are atomic), or a deleted index:
+            # nothing is lost, the pack is walked instead; GC removes it when nothing needs it, or rebuilds the index
+            (report.missing_indexes if blobs.keys() & needed else report.orphan_packs).append(pid)
         else:
             report.damaged_indexes.append(pid)
             report.problems.append(f"pack {pid}: {f.index_problem} (its pack is intact: `ckptstore fsck --repair` rebuilds it)")

@@ -39,7 +39,8 @@ class FsckReport:
     damaged_tags: list[str] = field(default_factory=list)
     orphan_packs: list[str] = field(default_factory=list)
     damaged_packs: list[str] = field(default_factory=list)  # packs that cannot be read or walked
-    damaged_indexes: list[str] = field(default_factory=list)  # object storage: packs whose .idx is damaged, or missing while a record needs them
+    damaged_indexes: list[str] = field(default_factory=list)  # object storage: packs whose .idx is damaged (a problem)
+    missing_indexes: list[str] = field(default_factory=list)  # object storage: needed packs without .idx (walked instead; not a problem)
     damaged_reflog: list[str] = field(default_factory=list)  # object storage: reflog objects that are not ref-move records
     damaged_marker: bool = False  # object storage: ckptstore.json fails its check
     repaired: list[str] = field(default_factory=list)  # what ``repair`` rebuilt (object keys)
