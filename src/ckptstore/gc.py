@@ -390,8 +390,7 @@ class Collector:
 
     def repack(self, report: GCReport) -> None:
         """Rewrite the half-dead and the small packs (:meth:`repack_candidates`) into new
-        ones of up to ``pack_bytes``: per batch (``pack_bytes`` of live bytes or
-        ``_BATCH_PACKS`` packs), the live blobs and records are read (verified) and appended
+        ones of up to ``pack_bytes``: per batch (``pack_bytes`` of live bytes), the live blobs and records are read (verified) and appended
         to new packs, which are made durable (fsync, rename, fsync the folders); then one
         transaction indexes them, repoints the rows and retires the old packs. A crash before
         that transaction leaves the old packs indexed and the new ones orphans."""
@@ -409,7 +408,7 @@ class Collector:
         for p in half + small:
             batch.append(p)
             live += p["live"]
-            if live >= self.store.pack_bytes or len(batch) >= _BATCH_PACKS:
+            if live >= self.store.pack_bytes:  # by bytes alone: a batch's last pack is the only one not full
                 self._rewrite(batch, kinds, report)
                 batch, live = [], 0
         if batch:
