@@ -65,8 +65,9 @@ def test_grace_period_keeps_unreferenced_blobs_and_packs(store):
     report = store.gc()  # default grace 1 hour: the old commit is young, nothing goes
     assert (report.commits_dropped, report.blobs_deleted, report.packs_deleted) == (0, 0, 0)
     report = store.gc(grace=0)
-    # the old commit's blob pack and the pack holding its commit record
-    assert (report.commits_dropped, report.blobs_deleted, report.packs_deleted) == (1, 1, 2)
+    # the old commit's blob pack and the pack holding its commit record; the new commit's two
+    # small packs are merged into one
+    assert (report.commits_dropped, report.blobs_deleted, report.packs_deleted, report.packs_consolidated) == (1, 1, 4, 2)
     assert report.bytes_freed > 4000
     assert store.fsck(deep=True).ok
 
@@ -81,8 +82,10 @@ def test_repack_moves_live_blobs_and_frees_dead_ones(tmp_path):
     s.commit({"w": changed}, tag="b")
     s.delete_tag("a")  # the first pack now holds one live blob of ten
     report = s.gc(grace=0)
-    # the repacked pack, and the pack of the dropped commit's record
-    assert report.packs_repacked == 1 and report.packs_deleted == 2 and report.blobs_deleted == 9
+    # the repacked pack, and the pack of the dropped commit's record; b's two small packs and the
+    # delete's record pack are merged with the repacked blob
+    assert (report.packs_repacked, report.packs_consolidated, report.packs_deleted, report.blobs_deleted) == (1, 3, 5, 9)
+    assert len(list((tmp_path / "s" / "blobs").glob("*/*.pack"))) == 1
     assert_bit_equal(s.checkout("b")["w"], changed)
     assert s.fsck(deep=True).ok
     s.close()

@@ -16,9 +16,13 @@ Protocol (``shared/design/ARCHITECTURE.md``, GC section), as built:
    period are deleted in batches (one walk in id order), each in one write transaction. A commit's final
    transaction holds the same write lock and re-checks every blob it reuses, so
    the two cannot interleave (invariant 4).
-4. **Packs.** A pack with no live blob is retired; a pack whose live fraction is
-   below ``repack_below`` has its live blobs copied (verified) into a new durable
-   pack, the rows repointed in one transaction, and is retired. A retired pack
+4. **Packs.** A pack with no live blob is retired. A pack whose live fraction is
+   below ``repack_below`` (half-dead), and every pack smaller than
+   ``small_pack_bytes`` (when there are two or more to rewrite), older than the grace
+   period and held by no running commit (``flock``), has its live blobs and records
+   copied (verified) into new durable packs of up to ``pack_bytes``, the rows repointed
+   in one transaction per batch, and is retired: so the pack count follows the data,
+   not the number of commits (two small packs each). A retired pack
    file is unlinked only once it has been retired for the grace period, so a
    reader that looked a blob up just before still finds it. Files are unlinked
    500 per transaction, and each folder fsynced once at the end (a file a power
@@ -48,6 +52,8 @@ from .records import KIND_COMMIT, KIND_REF
 
 DEFAULT_GRACE = 3600.0
 REPACK_BELOW = 0.5
+#: Packs smaller than this (bytes) are merged into large ones by GC (at most half the store's ``pack_bytes``).
+SMALL_PACK_BYTES = 4 << 20
 _BATCH_COMMITS = 500
 _BATCH_BLOBS = 2000
 _BATCH_PACKS = 500
@@ -94,7 +100,8 @@ class GCReport:
     commits_dropped: int = 0
     blobs_deleted: int = 0
     blob_bytes: int = 0  # stored bytes (headers included) of the deleted blob rows
-    packs_repacked: int = 0
+    packs_repacked: int = 0  # half-dead packs rewritten (live bytes below ``repack_below`` of their size)
+    packs_consolidated: int = 0  # small packs (below ``small_pack_bytes``) merged into large ones
     packs_deleted: int = 0
     orphans_removed: int = 0
     indexes_repaired: int = 0  # object storage: missing or damaged pack indexes rebuilt from their packs
@@ -152,13 +159,18 @@ def _unlocked(path: Path) -> int | None:
 class Collector:
     """One GC run over ``store`` (see the module docstring)."""
 
-    def __init__(self, store, keep_last: int, keep_tags: list[str], keep_within: float | None, grace: float, repack_below: float):
+    def __init__(self, store, keep_last: int, keep_tags: list[str], keep_within: float | None, grace: float, repack_below: float,
+                 small_pack_bytes: int = SMALL_PACK_BYTES):
         if type(keep_last) is not int or keep_last < 0:
             raise InvalidArgumentError(f"invalid keep-last {keep_last!r}: must be a whole number >= 0")
         if not 0 <= repack_below <= 1:
             raise InvalidArgumentError(f"invalid repack threshold {repack_below!r}: must be within [0, 1]")
+        if type(small_pack_bytes) is not int or small_pack_bytes < 0:
+            raise InvalidArgumentError(f"invalid small-pack size {small_pack_bytes!r}: must be a whole number of bytes >= 0")
         self.store = store
         self.cat = store.catalog
+        # a merged pack of up to pack_bytes must not count as small again (or every run rewrites it)
+        self.small_pack_bytes = min(small_pack_bytes, store.pack_bytes // 2)
         self.keep_last = max(keep_last, 1)
         self.keep_tags = [check_glob(g) for g in keep_tags]
         self.keep_within = 0.0 if keep_within is None else parse_duration(keep_within)
@@ -350,43 +362,92 @@ class Collector:
             (BLOB_HEADER.size, BLOB_HEADER.size),
         )
 
-    def repack(self, report: GCReport) -> None:
+    def repack_candidates(self) -> tuple[list[dict], list[dict]]:
+        """``(half-dead, small)`` packs to rewrite: older than the grace period, not retired,
+        with live entries and no process holding them (a commit holds an exclusive
+        ``flock`` on its packs until it returns); half-dead: live bytes below
+        ``repack_below`` of the size; small: below ``small_pack_bytes`` (taken only when
+        there are at least two packs to rewrite: one alone would gain nothing)."""
         cutoff = self.now - self.grace
-        for p in self.pack_stats():
-            if p["retired_at"] is not None or p["n"] == 0 or p["created_at"] > cutoff or p["live"] >= self.repack_below * p["size"]:
+        half, small = [], []
+        for p in sorted(self.pack_stats(), key=lambda r: (r["created_at"], r["id"])):
+            if p["retired_at"] is not None or p["n"] <= 0 or p["created_at"] > cutoff:
                 continue
-            if report.dry_run:  # what it moves out, the real run retires with the pack
+            if p["live"] < self.repack_below * p["size"]:
+                group = half
+            elif p["size"] < self.small_pack_bytes:
+                group = small
+            else:
+                continue
+            fd = _unlocked(pack_path(self.store.root, p["id"]))
+            if fd is None:
+                continue  # held by a running process (or gone): left for a later run
+            os.close(fd)  # nothing locks a pack again once it has its final name
+            group.append(p)
+        if len(half) + len(small) < 2:
+            small = []
+        return half, small
+
+    def repack(self, report: GCReport) -> None:
+        """Rewrite the half-dead and the small packs (:meth:`repack_candidates`) into new
+        ones of up to ``pack_bytes``: per batch (``pack_bytes`` of live bytes), the live blobs and records are read (verified) and appended
+        to new packs, which are made durable (fsync, rename, fsync the folders); then one
+        transaction indexes them, repoints the rows and retires the old packs. A crash before
+        that transaction leaves the old packs indexed and the new ones orphans."""
+        half, small = self.repack_candidates()
+        if report.dry_run:  # what it moves out, the real run retires with the pack
+            for p in half + small:
                 self.doomed[p["id"]] = (self.doomed.get(p["id"], (0, 0))[0] + p["n"], p["size"])
                 self.repacked_now.add(p["id"])
-                report.packs_repacked += 1
-                continue
-            where = f"repacking pack {p['id']}"
-            blobs = self.cat.rows("SELECT * FROM blobs WHERE pack = ?", (p["id"],))
-            recs = self.cat.rows("SELECT * FROM records WHERE pack = ?", (p["id"],))
-            reader = PackReader(self.store.root)
+            report.packs_repacked += len(half)
+            report.packs_consolidated += len(small)
+            return
+        kinds = {p["id"]: "packs_repacked" for p in half} | {p["id"]: "packs_consolidated" for p in small}
+        batch: list[dict] = []
+        live = 0
+        for p in half + small:
+            batch.append(p)
+            live += p["live"]
+            if live >= self.store.pack_bytes:  # by bytes alone: a batch's last pack is the only one not full
+                self._rewrite(batch, kinds, report)
+                batch, live = [], 0
+        if batch:
+            self._rewrite(batch, kinds, report)
+
+    def _rewrite(self, packs: list[dict], kinds: dict, report: GCReport) -> None:
+        """Copy the live entries of ``packs`` into new packs, then repoint and retire (one transaction)."""
+        reader = PackReader(self.store.root)
+        try:
             with PackWriter(self.store.root, self.store.compression_level, self.store.pack_bytes) as writer:
                 moved = []
-                with progress.task(f"repack {p['id'][:12]}", sum(r["raw_len"] for r in blobs)) as advance:
-                    for r in blobs:
-                        loc = BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
-                        moved.append(("blobs", r["id"], writer.append(memoryview(reader.read(loc, where)), loc.digest)))
-                        advance(r["raw_len"])
-                for r in recs:
-                    loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
-                    moved.append(("records", r["id"], writer.append_record(r["kind"], bytes(reader.read(loc, where, magic=RECORD_MAGIC)))))
-                reader.close()
-                writer.finish()
+                for p in packs:
+                    where = f"repacking pack {p['id']}"
+                    blobs = self.cat.rows("SELECT * FROM blobs WHERE pack = ?", (p["id"],))
+                    recs = self.cat.rows("SELECT * FROM records WHERE pack = ?", (p["id"],))
+                    with progress.task(f"repack {p['id'][:12]}", sum(r["raw_len"] for r in blobs)) as advance:
+                        for r in blobs:
+                            loc = BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
+                            moved.append(("blobs", r["id"], p["id"], writer.append(memoryview(reader.read(loc, where)), loc.digest)))
+                            advance(r["raw_len"])
+                    for r in recs:
+                        loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
+                        data = bytes(reader.read(loc, where, magic=RECORD_MAGIC))
+                        moved.append(("records", r["id"], p["id"], writer.append_record(r["kind"], data)))
+                writer.finish()  # durable under their final names before any row points at them
                 with self.cat.write():
                     db = self.cat.db
                     db["packs"].insert_all({"id": pid, "size": size, "created_at": self.now} for pid, size in writer.pack_ids)
-                    for table, row_id, loc in moved:
+                    for table, row_id, old, loc in moved:
                         codec = ", codec = ?" if table == "blobs" else ""
                         self.cat.conn.execute(
                             f"UPDATE {table} SET pack = ?, offset = ?, stored_len = ?{codec} WHERE id = ? AND pack = ?",
-                            (loc.pack, loc.offset, loc.stored_len, *((loc.codec,) if codec else ()), row_id, p["id"]),
+                            (loc.pack, loc.offset, loc.stored_len, *((loc.codec,) if codec else ()), row_id, old),
                         )
-                    self.cat.conn.execute("UPDATE packs SET retired_at = ? WHERE id = ?", (self.now, p["id"]))
-            report.packs_repacked += 1
+                    self.cat.chunked(f"UPDATE packs SET retired_at = {self.now!r} WHERE id IN ({{}})", [p["id"] for p in packs])
+        finally:
+            reader.close()
+        for p in packs:
+            setattr(report, kinds[p["id"]], getattr(report, kinds[p["id"]]) + 1)
 
     def delete_packs(self, report: GCReport) -> None:
         cutoff = self.now - self.grace
@@ -470,9 +531,10 @@ def _unlink(path: Path, sync: bool = True) -> int:
 
 
 def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...] = (), keep_within: str | float | None = None,
-            grace: str | float = DEFAULT_GRACE, dry_run: bool = False, repack_below: float = REPACK_BELOW) -> GCReport:
+            grace: str | float = DEFAULT_GRACE, dry_run: bool = False, repack_below: float = REPACK_BELOW,
+            small_pack_bytes: int = SMALL_PACK_BYTES) -> GCReport:
     """Run one GC over ``store``; see the module docstring and :meth:`Store.gc`."""
-    c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below)
+    c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below, small_pack_bytes)
     report = GCReport(dry_run=dry_run)
     with gc_lock(store.root, read_only_ok=dry_run):
         for phase, step in (("commits", c.drop_commits), ("blobs", c.delete_blobs), ("repack", c.repack),

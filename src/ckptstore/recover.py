@@ -182,6 +182,7 @@ def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> set[str]:
     refs: list[dict] = []
     rec_rows: list[tuple] = []
     packs: list[tuple[str, int, float]] = []
+    seen: set[tuple[int, bytes]] = set()  # (kind, digest) of the records read: a repacked pack not yet unlinked holds copies
     reader = PackReader(root)
     try:
         for path in sorted(root.glob("blobs/*/*.pack")):
@@ -200,6 +201,8 @@ def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> set[str]:
                 if e.magic != RECORD_MAGIC:
                     blobs.setdefault((loc.digest, loc.raw_len), (loc.digest, loc.raw_len, pack_id, loc.offset, loc.stored_len, loc.codec, st.st_mtime))
                     continue
+                if (e.kind, loc.digest) in seen:
+                    continue  # the same record again (its bytes hash to the same digest): one copy is indexed
                 what = {KIND_COMMIT: "commit record", KIND_REF: "ref-move record"}.get(e.kind, f"record of unknown kind {e.kind}")
                 where = f"the {what} at offset {loc.offset} of pack {pack_id}.pack"
                 try:
@@ -224,6 +227,7 @@ def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> set[str]:
                     else:
                         report.problems.append(f"unreadable record: {reason}")
                     continue
+                seen.add((e.kind, loc.digest))
                 if e.kind == KIND_COMMIT:
                     commits.setdefault(rec.id, rec)
                     rec_rows.append((KIND_COMMIT, rec.id, None, loc))

@@ -56,7 +56,7 @@ from .errors import (
     UnsupportedTypeError,
 )
 from .fsck import FsckReport, check
-from .gc import DEFAULT_GRACE, GCReport, collect
+from .gc import DEFAULT_GRACE, SMALL_PACK_BYTES, GCReport, collect
 from .layout import (
     DEFAULT_SHARD_BYTES,
     ShardPlan,
@@ -1392,6 +1392,7 @@ class Store:
         keep_within: str | float | None = None,
         grace: str | float = DEFAULT_GRACE,
         dry_run: bool = False,
+        small_pack_bytes: int = SMALL_PACK_BYTES,
     ) -> GCReport:
         """Drop commits outside the roots, then free unreferenced blobs and packs.
 
@@ -1400,13 +1401,16 @@ class Store:
         commits younger than ``keep_within`` or than the grace period. Blobs no
         kept commit references are deleted once older than ``grace`` (seconds or
         ``"30m"``, ``"1h"``, ``"7d"``; default 1 hour), safely beside running
-        commits. See :mod:`ckptstore.gc`.
+        commits. Packs smaller than ``small_pack_bytes`` (default 4 MiB, at most half of
+        ``pack_bytes``) and older than ``grace`` are merged into large ones, blobs and
+        records alike (0 turns that off). See :mod:`ckptstore.gc`.
 
         Raises:
             GCLockedError: another GC is running on this store.
-            InvalidArgumentError: a duration, glob or count that does not parse.
+            InvalidArgumentError: a duration, glob, count or size that does not parse.
         """
-        report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run)
+        report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run,
+                         small_pack_bytes=small_pack_bytes)
         self.forget_hashes()
         return report
 
