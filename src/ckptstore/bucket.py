@@ -17,13 +17,15 @@ checkout's planning and restoring) shared with the local store:
   records, so dedup lookups and blob lookups cost no round trips. Every row is a copy
   of an immutable object on the bucket (or a mirror of a ref read from it): deleting
   the folder loses nothing. Tags are always read from the bucket before a move, a
-  checkout or a listing.
+  checkout or a listing (a listing reads only the refs whose ETag changed).
 
 The bucket is the truth: a commit exists once ``commits/<xx>/<cid>`` exists and is
 reachable once a ref names it (order: packs, ``.idx``, record, ref CAS, reflog object).
-Before its CAS a commit checks every pack it reuses blobs from against the GC marks
-(``gc/*.json``) and that the pack still exists; a blob in a marked or missing pack is
-written again. GC is two-phase (:mod:`ckptstore.bucketgc`).
+After its record is on the bucket and before its CAS, a commit checks every pack it
+relies on (new and reused) against the GC marks (``gc/*.json``) and that the pack still
+exists; a blob in a marked or missing pack is written again, so a commit slower than the
+grace period loses nothing. GC is two-phase (:mod:`ckptstore.bucketgc`). Tags are read
+from the refs alone, revalidated by one listing of their ETags.
 """
 
 from __future__ import annotations

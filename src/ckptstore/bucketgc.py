@@ -5,27 +5,34 @@ It never deletes in the run that decided to, except with a grace period of 0 (wh
 so delete what a commit in flight has uploaded: for when no writer runs).
 
 1. **Mark.** Read every ref; the roots and the retention policy (as locally:
-   :meth:`ckptstore.gc.Collector.retained`, over the cache mirrored from the bucket)
-   give the retained commits, and their manifests the live blob addresses; so do the
-   manifests of every other record this mark leaves on the bucket (a pack goes only with
-   the last record that needs it). Every ``.idx`` is read. A pack older than the grace
-   period (the server's clock, whose whole seconds count one more: :data:`MTIME_STEP`) is
-   *dead* if none of its blobs is live, *half-dead* if its live bytes are below
-   ``repack_below`` of its size; the live blobs of a half-dead pack are copied (each
-   verified) into a new pack and ``.idx`` first. A commit record older than the grace
-   period and not retained, a pack without ``.idx`` and an ``.idx`` without pack, each
-   older than the grace period, are dead too. The dead objects are written in a mark,
-   ``gc/<run id>.json`` = ``{"packs": [...], "commits": [...], "objects": [...]}``
-   (create-only).
+   :meth:`ckptstore.gc.Collector.retained`, over the cache mirrored from the bucket) and
+   every commit a tag names give the retained commits, and their records the live blob
+   addresses; so do the records of every other commit this mark leaves on the bucket (a
+   pack goes only with the last record that needs it). Liveness comes from records only
+   (invariant 4): a pack's entries come from its ``.idx`` or, where that is missing or
+   damaged, from walking the pack (the run then rebuilds the index); a pack that cannot
+   be read is never garbage, and while a tag names a commit whose record cannot be read
+   no pack is (``GCReport.withheld``). Ages are on the server's clock
+   (:meth:`~ckptstore.backends.Backend.now`, whole seconds: :data:`MTIME_STEP`), never
+   this machine's (invariant 5). A pack older than the grace period is *dead* if none of
+   its blobs is live, *half-dead* if its live bytes are below ``repack_below`` of its
+   size; the live blobs of a half-dead pack are copied (each verified) into a new pack
+   and ``.idx`` first. A commit record older than the grace period and not retained, an
+   ``.idx`` without pack, and a reflog object whose commits are both dropped, each older
+   than the grace period, are dead too. The dead objects are written in a mark,
+   ``gc/<run id>.json`` = ``{"packs", "commits", "objects", "reflog"}`` (create-only).
 2. **Sweep**, of every mark older than the grace period (this run's own mark too
    when the grace period is 0): recompute the retained commits and live addresses from
    the refs and records read now; delete each marked commit record still not retained, and each
    marked pack none of whose live blobs is held only there; re-read the refs and, if
    any moved meanwhile, start the sweep of that mark again; then delete the mark.
 
-Writers read the marks before their ref CAS and write again any blob they would reuse
-from a marked or missing pack (:meth:`ckptstore.bucket.BucketStore.index_commit`), so
-a sweep a grace period after its mark removes nothing a commit landing meanwhile needs.
+Writers check the marks after their record is on the bucket and before their ref CAS,
+and write again any blob they rely on (new or reused) in a marked or missing pack
+(:meth:`ckptstore.bucket.BucketStore.index_commit`, invariant 6), so a sweep a grace
+period after its mark removes nothing a commit landing meanwhile needs.
+
+:func:`check` is fsck: it reads the bucket's own objects, never trusting the cache.
 """
 
 from __future__ import annotations
