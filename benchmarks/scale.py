@@ -3,6 +3,7 @@
     .venv/bin/python -m benchmarks.scale                    # 100, 1 000, 5 000 commits (~3 min)
     .venv/bin/python -m benchmarks.scale --sizes 100,1000,5000,20000
     .venv/bin/python -m benchmarks.scale --gc-only 100000   # the GC target: all but 10 of 100 000 droppable
+    .venv/bin/python -m benchmarks.scale --bucket 50,200,1000  # a bucket store on moto (measure_bucket)
 
 Each size builds one store of tiny commits (:func:`build`: a 64-element int64 tensor in
 8-element shards, one element rewritten per commit, so each commit writes one blob and
@@ -157,12 +158,12 @@ def gc_only(n: int, workdir: Path, keep: int = 10) -> tuple[float, float, int]:
     return t_build, t_gc, left
 
 
-def table(sizes: list[int], results: dict[int, dict[str, float]]) -> str:
+def table(sizes: list[int], results: dict[int, dict[str, float]], ops: tuple[str, ...] = (*OPS, "fd")) -> str:
     """Markdown: seconds per operation and size, and the growth exponent between sizes."""
     head = "| operation | " + " | ".join(f"{n:,} commits" for n in sizes) + " | " + " | ".join(
         f"k {a:,}→{b:,}" for a, b in zip(sizes, sizes[1:])) + " |"
     lines = [head, "|" + "---|" * (1 + 2 * len(sizes) - 1)]
-    for op in (*OPS, "fd"):
+    for op in ops:
         cells = [f"{results[n][op]:.0f}" if op == "fd" else f"{results[n][op]:.3f}" for n in sizes]
         ks = []
         for a, b in zip(sizes, sizes[1:]):
@@ -172,14 +173,56 @@ def table(sizes: list[int], results: dict[int, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
+BUCKET_OPS = ("commit", "tags (fresh)", "tags (warm)", "log (fresh)", "log limit 10 (fresh)", "fsck", "fsck --deep", "gc")
+
+
+def measure_bucket(n: int, workdir: Path) -> dict[str, float]:
+    """The same tiny commits on a bucket store (moto on loopback): ``n`` commits to
+    ``latest`` (no other tag), then each operation; "fresh" ones from an empty cache (a
+    machine that never saw the store), "warm" from the writer's cache."""
+    import torch
+
+    url = f"s3://bench/scale-{n}-{time.time_ns()}"
+    x = torch.zeros(64, dtype=torch.int64)
+    out: dict[str, float] = {}
+    with ckptstore.Store(url, cache=workdir / f"w{n}") as s:
+        t0 = time.perf_counter()
+        for i in range(n):
+            x[i % 64] = i
+            s.commit({"x": x, "step": i}, tag="latest")
+        out["commit"] = (time.perf_counter() - t0) / n
+        fresh = lambda k: ckptstore.Store(url, cache=workdir / f"f{n}-{k}")  # noqa: E731
+        out["tags (fresh)"] = _timed(lambda: fresh("t").tags())
+        out["tags (warm)"] = _timed(s.tags)
+        out["log (fresh)"] = _timed(lambda: fresh("l").log("latest"))
+        out["log limit 10 (fresh)"] = _timed(lambda: fresh("k").log("latest", limit=10))
+        out["fsck"] = _timed(s.fsck)
+        out["fsck --deep"] = _timed(lambda: s.fsck(deep=True))
+        out["gc"] = _timed(lambda: s.gc(keep_last=1, grace=0))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="100,1000,5000", help="commit counts, comma-separated")
     ap.add_argument("--gc-only", type=int, help="only the GC of this many commits, all but 10 droppable")
     ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--bucket", default=None, help="commit counts of a bucket store on moto (e.g. 50,200,1000) instead")
     args = ap.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="ckptstore-scale-", dir=args.workdir))
     try:
+        if args.bucket:
+            import sys
+
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.s3server
+            from tests.s3server import MotoServer
+
+            sizes = [int(v) for v in args.bucket.split(",")]
+            with MotoServer(buckets=["bench"], serialize=True) as server:
+                os.environ.update(server.env)
+                results = {n: measure_bucket(n, workdir) for n in sizes}
+            print(table(sizes, results, BUCKET_OPS))
+            return
         if args.gc_only:
             t_build, t_gc, left = gc_only(args.gc_only, workdir)
             print(f"{args.gc_only:,} commits: built in {t_build:.1f} s; gc (keep_last=10) {t_gc:.2f} s; {left} commits left")

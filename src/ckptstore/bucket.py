@@ -90,6 +90,8 @@ from .threads import Pool
 
 #: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
 CAS_SECONDS = 60.0
+#: Seconds: a cached commit the bucket's listing lacks is forgotten only once this old (its record may be in flight).
+FORGET_AFTER = 3600.0
 #: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
 REQUESTS = 16
 _CID = re.compile(r"[0-9a-f]{32}")
@@ -750,11 +752,15 @@ class BucketStore(Store):
         if ref is None:
             ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")]
             self._cache([c for c in ids if _CID.fullmatch(c)], lenient=True)
-            gone = [c for c in (r[0] for r in self.catalog.rows("SELECT id FROM commits", raw=True)) if c not in set(ids)]
-            self.forget(gone)
-        else:
-            ref = self.resolve(ref)
-            self._cache([ref], lineage=True, limit=limit)
+            # A commit is indexed in the cache just before its record is put: in a cache folder shared with a writer,
+            # only a commit older than FORGET_AFTER that the listing lacks is one the bucket lost.
+            rows = self.catalog.rows("SELECT id FROM commits WHERE created_at < ?", (time.time() - FORGET_AFTER,), raw=True)
+            listed = set(ids)
+            self.forget([r[0] for r in rows if r[0] not in listed])
+            self._mirror(refs, complete=True, fetch=False)
+            return [c for c in super().log(None) if c.id in listed][:limit]  # (a younger one the bucket lost is not listed either)
+        ref = self.resolve(ref)
+        self._cache([ref], lineage=True, limit=limit)
         self._mirror(refs, complete=True, fetch=False)
         return super().log(ref, limit)
 

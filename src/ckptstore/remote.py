@@ -96,6 +96,7 @@ def commit_key(cid: str) -> str:
 # --- the store marker and refs ------------------------------------------------------------
 
 
+_MARKER_KEYS = {"compression_level", "digest", "format", "shard_bytes", "version"}
 #: A copy of the marker, written before it: a damaged ``ckptstore.json`` is restored from it.
 MARKER_COPY = "marker/ckptstore.json"
 
@@ -120,9 +121,9 @@ def parse_marker(raw: bytes, where: str) -> dict:
         marker = json.loads(raw)
     except ValueError:
         raise IntegrityError(f"{where} is damaged (not JSON)") from None
-    if type(marker) is dict and "digest" in marker:
+    if type(marker) is dict and (set(marker) - _MARKER_KEYS or "digest" in marker):  # a flipped key name is damage too
         body = {k: v for k, v in marker.items() if k != "digest"}
-        if digest(json.dumps(body, sort_keys=True).encode()).hex() != marker["digest"]:
+        if set(marker) - _MARKER_KEYS or digest(json.dumps(body, sort_keys=True).encode()).hex() != marker["digest"]:
             raise IntegrityError(f"{where} is damaged (its bytes do not match its digest)")
     if type(marker) is not dict or marker.get("format") != "ckptstore":
         raise NotAStoreError(f"{where} is not a ckptstore store marker")
