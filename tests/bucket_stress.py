@@ -1085,6 +1085,15 @@ class Harness:
         bucket, prefix = parse_s3_url(self.url)
         obstore.put(S3Store(bucket, prefix=prefix), key, data)
 
+    def _raw_delete(self, key: str) -> None:
+        import obstore
+        from obstore.store import S3Store
+
+        from ckptstore.backends.s3 import parse_s3_url
+
+        bucket, prefix = parse_s3_url(self.url)
+        obstore.delete(S3Store(bucket, prefix=prefix), key)
+
     def inject(self, rnd: Round) -> None:
         from ckptstore.packindex import index_key, pack_key
         from ckptstore.packs import BLOB_HEADER, BLOB_MAGIC
@@ -1160,7 +1169,7 @@ class Harness:
                 cid = sv["refs"][tag]
                 d = Damage(kind, f"refs/{tag}", ref.data, None, tag=tag, cid=cid)
                 if kind == "ref-del":
-                    b.delete(f"refs/{tag}")
+                    self._raw_delete(f"refs/{tag}")  # behind the backend's back: refs are no objects to it
                 else:
                     payload = b'{"commit": 12' if kind == "ref-garbage" else ref_payload(uuid.UUID(int=r.getrandbits(128)).hex, None, "commit", 0.0)
                     d.written = payload
