@@ -826,6 +826,20 @@ class Harness:
             self.needs[cid] = {k for leaf in rec.leaves for k in leaf.keys}
         return self.needs[cid]
 
+    def _lineage(self, heads: set) -> set:
+        """Every commit whose record the bucket holds on the lineage of ``heads`` (themselves included)."""
+        from ckptstore.remote import fetch_record
+
+        seen, stack = set(), list(heads)
+        while stack:
+            c = stack.pop()
+            if c in seen:
+                continue
+            seen.add(c)
+            with contextlib.suppress(CkptStoreError):
+                stack += fetch_record(self.backend, c).parents
+        return seen
+
     def survey(self) -> dict:
         """Tags, commits, blob locations and what each commit's status is under the ledger."""
         from ckptstore.layout import address
@@ -890,7 +904,10 @@ class Harness:
         if lost:
             self.stats["losses"] += len(lost) - 1
             raise self.failure(index, f"{when}: {len(lost)} tags lost data no damage explains: {lost[:4]}", loss=True)
-        orphaned = sorted(c for c in sv["commits"] if st[c][0] == "lost" and c not in set(refs.values()))
+        # A record no tag reaches whose blobs are gone is what a commit killed between its record and its ref move leaves
+        # when a GC swept its packs meanwhile (it never returned: nothing is lost); in a tag's lineage it is a loss.
+        reach = self._lineage({c for t, c in refs.items() if t not in sv["bad_tags"]})
+        orphaned = sorted(c for c in sv["commits"] if st[c][0] == "lost" and c not in set(refs.values()) and c in reach)
         if orphaned:
             raise self.failure(index, f"{when}: {len(orphaned)} commit records on the bucket need blobs that are gone with no damage to "
                                       f"explain it: {[st[c][1][0] for c in orphaned[:3]]}")

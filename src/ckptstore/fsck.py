@@ -38,6 +38,7 @@ class FsckReport:
     damaged_commits: list[str] = field(default_factory=list)
     damaged_tags: list[str] = field(default_factory=list)
     orphan_packs: list[str] = field(default_factory=list)
+    orphan_commits: list[str] = field(default_factory=list)  # object storage: records no tag reaches whose blobs are gone (GC drops them)
     damaged_packs: list[str] = field(default_factory=list)  # packs that cannot be read or walked
     damaged_indexes: list[str] = field(default_factory=list)  # object storage: packs whose .idx is damaged (a problem)
     missing_indexes: list[str] = field(default_factory=list)  # object storage: needed packs without .idx (walked instead; not a problem)
