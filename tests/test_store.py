@@ -217,3 +217,23 @@ def test_gc_dry_run_on_a_store_that_cannot_be_written(tmp_path):
                 s.gc(grace=0)
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def test_blobs_folder_fsynced_only_when_a_pack_folder_is_new_to_this_process(tmp_path, monkeypatch):
+    """A pack renamed into a blobs/<xx> folder whose name this process has seen made
+    durable needs only that folder fsynced; blobs/ is fsynced once per new folder."""
+    from pathlib import Path
+
+    import ckptstore.packs as packs
+
+    synced: list[str] = []
+    real = packs.fsync_dir
+    monkeypatch.setattr(packs, "fsync_dir", lambda path: (synced.append(Path(path).name), real(path)))
+    store = ckptstore.Store(tmp_path / "s")
+    for i in range(40):  # 80 packs (blobs and record of each commit) in 256 possible folders: some share one
+        store.commit({"x": torch.full((4,), float(i))}, tag="a")
+    folders = [p.name for p in (tmp_path / "s" / "blobs").iterdir()]
+    packs_made = sum(1 for _ in (tmp_path / "s" / "blobs").glob("*/*.pack"))
+    assert packs_made == 80 and len(folders) < packs_made
+    assert synced == ["blobs"] * len(folders)
+    assert store.fsck().ok

@@ -154,6 +154,25 @@ class _Prehashed:
     last: list[tuple[bytes, int]]
 
 
+def _storage_identity() -> type:
+    from .adapters.base import StorageIdentity  # lazily: the adapters import torch
+
+    return StorageIdentity
+
+
+def _flat_bytes(t: Any, path: str) -> memoryview:
+    """:func:`ckptstore.shards.tensor_bytes` of a CPU tensor in memory order: the
+    short way (through numpy) where it applies, else that function."""
+    from .shards import tensor_bytes
+
+    if t.is_contiguous() and t.numel():
+        try:
+            return memoryview(t.detach().numpy()).cast("B")
+        except (TypeError, RuntimeError, ValueError):  # no numpy dtype (bfloat16...), conjugate or negative bit, a subclass
+            pass
+    return tensor_bytes(t, path)
+
+
 class _Same:
     """What the digest cache keeps of a tensor leaf beside its shard hashes, so that a
     commit of it unchanged skips its per-shard work: its manifest record, its layout
@@ -851,7 +870,7 @@ class Store:
                         # Unchanged since the last commit (equal fingerprint, same layout): its record,
                         # hashes and blob ids are taken whole, once a sample of its shards rehashes to them.
                         rec, hashes = kept.record, entry[1]
-                        mv = tensor_bytes(value if rec.stride is None else physical(value, path)[0], path)
+                        mv = _flat_bytes(value if rec.stride is None else physical(value, path)[0], path)
                         step = rec.shard_bytes
                         ok = checked or sample_unchanged([hashes[0][0]] if len(hashes) == 1 else [d for d, _ in hashes], mv, entry[2], path)
                         if ok:
@@ -904,9 +923,7 @@ class Store:
         """What a digest-cache entry lives as long as: the tensor's storage for a plain
         token (a dict owner cannot be weakly referenced, and a new dict each commit
         must still find the hashes), else the object the adapter fingerprinted."""
-        from .adapters.base import StorageIdentity
-
-        if type(token) is tuple and token and isinstance(token[0], StorageIdentity):
+        if type(token) is tuple and token and type(token[0]) is _storage_identity():
             return token[0].ref()
         return owner
 
@@ -1056,7 +1073,14 @@ class Store:
                 # it (each waits a switch interval, 5 ms, to get it back), the training loop
                 # beside an asynchronous commit among them. This one returns only the mismatches.
                 reused = list(known.items())
-                bad = self.catalog.rows(
+                # First one cheap statement: the addresses the ids hold now, in the ids' order, as one text;
+                # only if it differs, the one that names the ids that changed.
+                (now,), = self.catalog.rows(
+                    "SELECT group_concat(lower(hex(b.hash)) || '-' || b.raw_len, ' ') FROM json_each(?) j LEFT JOIN blobs b ON b.id = j.value",
+                    (json.dumps([i for _, i in reused]),), raw=True,
+                )
+                same = now == " ".join([address(d, n) for (d, n), _ in reused])
+                bad = [] if same else self.catalog.rows(
                     "SELECT j.key FROM json_each(?) j LEFT JOIN blobs b ON b.id = json_extract(j.value, '$[0]') "
                     "WHERE b.id IS NULL OR b.raw_len != json_extract(j.value, '$[2]') OR lower(hex(b.hash)) != json_extract(j.value, '$[1]')",
                     (json.dumps([[i, d.hex(), n] for (d, n), i in reused]),), raw=True,
