@@ -219,9 +219,10 @@ def test_gc_dry_run_on_a_store_that_cannot_be_written(tmp_path):
         subprocess.run(["umount", "-l", str(ro)], check=False)
 
 
-def test_blobs_folder_fsynced_only_when_a_pack_folder_is_new_to_this_process(tmp_path, monkeypatch):
-    """A pack renamed into a blobs/<xx> folder whose name this process has seen made
-    durable needs only that folder fsynced; blobs/ is fsynced once per new folder."""
+def test_blobs_folder_fsynced_once_per_store_and_process(tmp_path, monkeypatch):
+    """The first pack a process renames into a blobs/<xx> folder it has not seen made
+    durable creates all 256 folders and fsyncs blobs/ once; every later pack needs only
+    its own folder fsynced. Empty folders change nothing for fsck."""
     from pathlib import Path
 
     import ckptstore.packs as packs
@@ -230,10 +231,11 @@ def test_blobs_folder_fsynced_only_when_a_pack_folder_is_new_to_this_process(tmp
     real = packs.fsync_dir
     monkeypatch.setattr(packs, "fsync_dir", lambda path: (synced.append(Path(path).name), real(path)))
     store = ckptstore.Store(tmp_path / "s")
-    for i in range(40):  # 80 packs (blobs and record of each commit) in 256 possible folders: some share one
+    for i in range(40):  # 80 packs: the blobs and the record of each commit
         store.commit({"x": torch.full((4,), float(i))}, tag="a")
-    folders = [p.name for p in (tmp_path / "s" / "blobs").iterdir()]
-    packs_made = sum(1 for _ in (tmp_path / "s" / "blobs").glob("*/*.pack"))
-    assert packs_made == 80 and len(folders) < packs_made
-    assert synced == ["blobs"] * len(folders)
-    assert store.fsck().ok
+    blobs = tmp_path / "s" / "blobs"
+    assert sorted(p.name for p in blobs.iterdir()) == [f"{i:02x}" for i in range(256)]
+    assert sum(1 for _ in blobs.glob("*/*.pack")) == 80
+    assert synced == ["blobs"]
+    report = store.fsck()
+    assert report.ok and report.orphan_packs == []

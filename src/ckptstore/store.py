@@ -155,9 +155,20 @@ class _Prehashed:
 
 
 def _storage_identity() -> type:
-    from .adapters.base import StorageIdentity  # lazily: the adapters import torch
+    global _STORAGE_IDENTITY
+    if _STORAGE_IDENTITY is None:
+        from .adapters.base import StorageIdentity  # lazily: the adapters import torch
 
-    return StorageIdentity
+        _STORAGE_IDENTITY = StorageIdentity
+    return _STORAGE_IDENTITY
+
+
+_STORAGE_IDENTITY: type | None = None
+
+
+def _ints_json(values: Sequence[int]) -> str:
+    """``jsonvalue.dumps(list(values))`` of a shape or strides (Python ints), the short way."""
+    return "[" + ",".join(map(str, values)) + "]" if all(type(v) is int for v in values) else jsonvalue.dumps(list(values))
 
 
 def _flat_bytes(t: Any, path: str) -> memoryview:
@@ -1109,8 +1120,8 @@ class Store:
             for r, keys_of in zip(leaves, per_leaf):
                 if r.encoded is None:
                     r.encoded = (records.manifest_entry(r, keys_of), (
-                        r.path, r.component, r.kind, r.dtype, None if r.shape is None else jsonvalue.dumps(list(r.shape)),
-                        None if r.stride is None else jsonvalue.dumps(list(r.stride)), r.nbytes, r.shard_bytes, r.value,
+                        r.path, r.component, r.kind, r.dtype, None if r.shape is None else _ints_json(r.shape),
+                        None if r.stride is None else _ints_json(r.stride), r.nbytes, r.shard_bytes, r.value,
                     ))
             manifest = [r.encoded[0] for r in leaves]
             components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]
