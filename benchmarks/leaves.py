@@ -1,8 +1,8 @@
 """Per-leaf overhead, fixed cost per commit and model-state checkout (issue 22, items 7 and 8).
 
-    PYTHONPATH=src python -m benchmarks.leaves            # every part, default repetitions
-    PYTHONPATH=src python -m benchmarks.leaves --only leaves --leaves 10,1000,50000 -r 5
-    PYTHONPATH=src python -m benchmarks.leaves --gpt2-scale 0.25   # a quarter of GPT-2's parameters
+    python -m benchmarks.leaves            # every part, default repetitions
+    python -m benchmarks.leaves --only leaves --leaves 10,1000,50000 -r 5
+    python -m benchmarks.leaves --gpt2-scale 0.25   # a quarter of GPT-2's parameters
 
 One process, in one run, each figure the median of ``-r`` repetitions (times in seconds):
 
