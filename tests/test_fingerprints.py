@@ -175,3 +175,41 @@ def test_async_commit_copies_only_the_shards_that_changed(tmp_path):
     assert future_c.result().shards_new == 1  # all 64 obs shards hold the same bytes
     assert_bit_equal(store.checkout("b")["storage", "data", "obs"], expected_b)
     assert_bit_equal(store.checkout("c")["storage", "data", "obs"], expected_c)
+
+
+def test_unchanged_recommit_of_many_small_leaves_writes_no_blob_and_one_row_per_leaf_and_shard(tmp_path):
+    """Many small leaves committed again unchanged: every hash and blob id is reused (no new
+    blob, no new pack of blobs), and the catalog gets exactly one leaves row per leaf and one
+    shards row per shard, pointing at the first commit's blobs; both commits check out equal."""
+    store = ckptstore.Store(tmp_path / "s", shard_bytes=4096)
+    state = {f"t{i}": torch.rand(8) for i in range(300)}
+    state["big"] = torch.rand(3000)  # 3 shards of 4000, 4000, 4000 bytes
+    state["json"] = {"a": [1, 2]}
+    first = store.commit(state, tag="a")
+    cat = store.catalog
+    blobs = cat.rows("SELECT count(*) FROM blobs", raw=True)[0][0]
+    packs = cat.rows("SELECT count(*) FROM packs", raw=True)[0][0]
+    _, reused = commit_seeing_reuse(store, state, "b")
+    again = store.info("b")
+    assert reused == {f"t{i}" for i in range(300)} | {"big"}
+    assert (again.shards_new, again.new_bytes, again.shards_total) == (0, 0, 303)
+    assert cat.rows("SELECT count(*) FROM blobs", raw=True)[0][0] == blobs
+    assert cat.rows("SELECT count(*) FROM packs", raw=True)[0][0] == packs + 1  # the commit's record pack only
+    assert cat.rows("SELECT count(*) FROM leaves WHERE commit_id = ?", (again.id,), raw=True)[0][0] == 302
+    rows = cat.rows(
+        "SELECT l.path, s.seq, s.blob_id FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE l.commit_id = ? ORDER BY l.path, s.seq", (again.id,), raw=True
+    )
+    old = cat.rows(
+        "SELECT l.path, s.seq, s.blob_id FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE l.commit_id = ? ORDER BY l.path, s.seq", (first.id,), raw=True
+    )
+    assert len(rows) == 303 and rows == old
+    assert store.record("b").leaves == store.record("a").leaves
+    before = state["t7"].clone()
+    state["t7"].add_(1)  # one leaf changes: one new blob
+    third = store.commit(state, tag="c")
+    assert (third.shards_new, third.new_bytes) == (1, 32)
+    for tag in ("a", "b", "c"):
+        back = store.checkout(tag)
+        assert_bit_equal(back["t7"], state["t7"] if tag == "c" else before)
+        assert_bit_equal(back["big"], state["big"])
+    assert store.fsck().ok

@@ -217,3 +217,25 @@ def test_gc_dry_run_on_a_store_that_cannot_be_written(tmp_path):
                 s.gc(grace=0)
     finally:
         subprocess.run(["umount", "-l", str(ro)], check=False)
+
+
+def test_blobs_folder_fsynced_once_per_store_and_process(tmp_path, monkeypatch):
+    """The first pack a process renames into a blobs/<xx> folder it has not seen made
+    durable creates all 256 folders and fsyncs blobs/ once; every later pack needs only
+    its own folder fsynced. Empty folders change nothing for fsck."""
+    from pathlib import Path
+
+    import ckptstore.packs as packs
+
+    synced: list[str] = []
+    real = packs.fsync_dir
+    monkeypatch.setattr(packs, "fsync_dir", lambda path: (synced.append(Path(path).name), real(path)))
+    store = ckptstore.Store(tmp_path / "s")
+    for i in range(40):  # 80 packs: the blobs and the record of each commit
+        store.commit({"x": torch.full((4,), float(i))}, tag="a")
+    blobs = tmp_path / "s" / "blobs"
+    assert sorted(p.name for p in blobs.iterdir()) == [f"{i:02x}" for i in range(256)]
+    assert sum(1 for _ in blobs.glob("*/*.pack")) == 80
+    assert synced == ["blobs"]
+    report = store.fsck()
+    assert report.ok and report.orphan_packs == []

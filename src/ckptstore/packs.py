@@ -107,6 +107,14 @@ def fsync_dir(path: Path) -> None:
 
 _local = threading.local()
 
+#: ``(path, st_dev, st_ino)`` of the ``blobs/<xx>`` folders whose name this process has seen
+#: made durable (``blobs/`` fsynced while they existed): a pack renamed into one of them
+#: needs only that folder fsynced, not ``blobs/`` again. Nothing in ckptstore removes them;
+#: the first time a process finds one it does not know, it creates all 256 (empty ones are
+#: harmless: packs are found as ``blobs/*/*.pack``), so a commit fsyncs ``blobs/`` once per
+#: store and process, not once per new folder.
+_DURABLE_DIRS: set[tuple[str, int, int]] = set()
+
 
 def _writeback_starter() -> Callable[[int], None]:
     """Linux's ``sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE)`` (man 2
@@ -263,10 +271,22 @@ class PackWriter:
                 os.rename(pack.tmp, pack.final)
                 pack.renamed = True
                 dirs.add(pack.final.parent)
+            unknown = False
             for d in dirs:
-                fsync_dir(d)
-            if dirs:
-                fsync_dir(self.root / "blobs")
+                fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    os.fsync(fd)
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
+                unknown = unknown or (str(d), st.st_dev, st.st_ino) not in _DURABLE_DIRS
+            if unknown:  # once per store and process: then every pack folder exists, named durably
+                blobs = self.root / "blobs"
+                for i in range(256):
+                    (blobs / f"{i:02x}").mkdir(exist_ok=True)
+                present = [(e.path, st.st_dev, st.st_ino) for e in os.scandir(blobs) if e.is_dir(follow_symlinks=False) for st in [e.stat(follow_symlinks=False)]]
+                fsync_dir(blobs)
+                _DURABLE_DIRS.update(present)
         except OSError as exc:
             raise StoreWriteError(f"making packs durable in {self.root / 'blobs'} failed: {exc}") from exc
 

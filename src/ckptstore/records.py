@@ -67,6 +67,9 @@ class LeafRecord:
     stride: tuple[int, ...] | None = None  # recorded for dense non-contiguous layouts
     shards: list[BlobLoc] = field(default_factory=list)
     keys: list[tuple[bytes, int]] = field(default_factory=list)
+    #: set by a commit that indexed this record: ``(manifest entry, leaves row without the
+    #: commit id)``; a later commit of the same unchanged leaf reuses both (not compared, not shown)
+    encoded: tuple | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass

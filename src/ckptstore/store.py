@@ -154,6 +154,57 @@ class _Prehashed:
     last: list[tuple[bytes, int]]
 
 
+def _storage_identity() -> type:
+    global _STORAGE_IDENTITY
+    if _STORAGE_IDENTITY is None:
+        from .adapters.base import StorageIdentity  # lazily: the adapters import torch
+
+        _STORAGE_IDENTITY = StorageIdentity
+    return _STORAGE_IDENTITY
+
+
+_STORAGE_IDENTITY: type | None = None
+
+
+def _ints_json(values: Sequence[int]) -> str:
+    """``jsonvalue.dumps(list(values))`` of a shape or strides (Python ints), the short way."""
+    return "[" + ",".join(map(str, values)) + "]" if all(type(v) is int for v in values) else jsonvalue.dumps(list(values))
+
+
+def _flat_bytes(t: Any, path: str) -> memoryview:
+    """:func:`ckptstore.shards.tensor_bytes` of a CPU tensor in memory order: the
+    short way (through numpy) where it applies, else that function."""
+    from .shards import tensor_bytes
+
+    if t.is_contiguous() and t.numel():
+        try:
+            return memoryview(t.detach().numpy()).cast("B")
+        except (TypeError, RuntimeError, ValueError):  # no numpy dtype (bfloat16...), conjugate or negative bit, a subclass
+            pass
+    return tensor_bytes(t, path)
+
+
+class _Same:
+    """What the digest cache keeps of a tensor leaf beside its shard hashes, so that a
+    commit of it unchanged skips its per-shard work: its manifest record, its layout
+    (dtype, shape, strides) and ``{address: blob id}`` of its shards."""
+
+    __slots__ = ("record", "dtype", "shape", "stride", "blobs")
+
+    def __init__(self, record: LeafRecord, value: Any, blobs: dict[tuple[bytes, int], int]):
+        self.record, self.dtype, self.shape, self.stride, self.blobs = record, value.dtype, value.shape, value.stride(), blobs
+
+    @staticmethod
+    def of(entry: tuple | None, token: Any, value: Any, component: str) -> _Same | None:
+        """``entry[3]`` if ``entry`` (the digest cache's) says tensor ``value`` of ``component`` is unchanged."""
+        if entry is None or entry[3] is None or entry[0] != token:
+            return None
+        same = entry[3]
+        if same.record.component != component or value.dtype != same.dtype or value.shape != same.shape or value.stride() != same.stride:
+            return None
+        return same
+
+
 class ReusedBlobsGone(Exception):
     """Raised by :meth:`Store.index_commit`: blobs the commit reuses are gone (a GC); ``keys`` must be written again."""
 
@@ -675,7 +726,7 @@ class Store:
             if records.ESCAPED in c.meta:
                 raise AdapterError(f"{c.path or '<root>'}: adapter {c.adapter} returned meta key {records.ESCAPED!r}, which ckptstore reserves")
         components = [replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]  # paths in today's key encoding
-        leaves, views, tokens, prior, from_cache = self._leaves(components, reuse_checked)
+        leaves, views, tokens, prior, from_cache, unchanged = self._leaves(components, reuse_checked)
         keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
         unique: dict[tuple[bytes, int], memoryview] = {}
         for shard_views in views:
@@ -698,7 +749,9 @@ class Store:
             return writer.append(data, key[0])
 
         info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
-        self._remember_digests(leaves, views, tokens, ids)
+        if unchanged and any(ids[k] != b for k, b in prior.items()):  # blobs written again (a GC freed them): new ids
+            unchanged = set()
+        self._remember_digests(leaves, views, tokens, ids, unchanged)
         return info
 
     def commit_manifest(
@@ -727,6 +780,8 @@ class Store:
         if bad:
             raise InvalidNameError(f"cannot commit: {bad}")
         for r in leaves:
+            if r.encoded is not None:  # checked by the commit that encoded it
+                continue
             try:
                 if r.kind == "tensor":
                     size = itemsize(r.dtype)
@@ -802,10 +857,11 @@ class Store:
         from_cache: set[tuple[bytes, int]] = set()
         previous: dict[int, list[tuple[bytes, int]]] = {}  # leaf index -> last commit's (hash, blob id) per shard
         todo: list[tuple[int, memoryview]] = []
+        unchanged: set[int] = set()  # indices of the leaves taken whole from the digest cache
         for comp in components:
             for path, value in comp.leaves.items():
                 token = comp.fingerprints.get(path)
-                tokens.append(None if token is None else (comp.owner, path, token))
+                tokens.append(None if token is None else (comp.owner, path, token, value))
                 shards: list[tuple[bytes, memoryview]] = []
                 if isinstance(value, _Prehashed):
                     rec, shards = value.record, list(value.shards)
@@ -818,16 +874,34 @@ class Store:
                         todo.extend(unhashed)
                         previous[len(recs)] = value.last
                 elif isinstance(value, torch.Tensor):
+                    entry = self._cached(comp.owner, path, token)
+                    kept = _Same.of(entry, token, value, comp.path)
+                    stale = False
+                    if kept is not None:
+                        # Unchanged since the last commit (equal fingerprint, same layout): its record,
+                        # hashes and blob ids are taken whole, once a sample of its shards rehashes to them.
+                        rec, hashes = kept.record, entry[1]
+                        mv = _flat_bytes(value if rec.stride is None else physical(value, path)[0], path)
+                        step = rec.shard_bytes
+                        ok = checked or sample_unchanged([hashes[0][0]] if len(hashes) == 1 else [d for d, _ in hashes], mv, entry[2], path)
+                        if ok:
+                            shards = [(d, mv[a : a + step]) for (d, _), a in zip(hashes, range(0, rec.nbytes, step))] if rec.nbytes else [(hashes[0][0], mv)]
+                            prior.update(kept.blobs)
+                            from_cache.update(kept.blobs)
+                            unchanged.add(len(recs))
+                            recs.append(rec)
+                            views.append(shards)
+                            continue
+                        stale = True  # the sample failed (and warned): hash it all
                     phys, stride = physical(value, path)
                     p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
                     rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
                     mv = tensor_bytes(phys, path)
-                    entry = self._cached(comp.owner, path, token)
                     known: dict[int, tuple[bytes, int]] = {}
                     if entry is not None:
                         same = entry[0] == token and len(entry[1]) == p.count
                         known = dict(enumerate(entry[1])) if same else self._reusable(entry, token, value, p) or {}
-                        if known and not checked and not sample_unchanged({i: d for i, (d, _) in known.items()}, mv, p, path):
+                        if known and (stale or (not checked and not sample_unchanged({i: d for i, (d, _) in known.items()}, mv, p, path))):
                             known = {}
                         if len(known) < p.count:
                             previous[len(recs)] = entry[1]
@@ -853,16 +927,14 @@ class Store:
             for (d, mv), (last_d, blob) in zip(views[i], last):
                 if d == last_d:
                     prior[(d, len(mv))] = blob
-        return recs, views, tokens, prior, from_cache
+        return recs, views, tokens, prior, from_cache, unchanged
 
     @staticmethod
     def _keeper(owner: Any, token: Any) -> Any:
         """What a digest-cache entry lives as long as: the tensor's storage for a plain
         token (a dict owner cannot be weakly referenced, and a new dict each commit
         must still find the hashes), else the object the adapter fingerprinted."""
-        from .adapters.base import StorageIdentity
-
-        if type(token) is tuple and token and isinstance(token[0], StorageIdentity):
+        if type(token) is tuple and token and type(token[0]) is _storage_identity():
             return token[0].ref()
         return owner
 
@@ -888,7 +960,7 @@ class Store:
 
         from .adapters.base import RowToken
 
-        last_token, hashes, last = entry
+        last_token, hashes, last = entry[:3]
         rows = token.changed_rows(last_token) if isinstance(token, RowToken) else None
         if rows is None or last.shard_bytes != p.shard_bytes or value.dim() == 0 or not value.is_contiguous():
             return None
@@ -906,16 +978,27 @@ class Store:
             same -= 1
         return {i: hashes[i] for i in range(same) if i not in dirty}
 
-    def _remember_digests(self, leaves: list[LeafRecord], views: list, tokens: list, ids: dict[tuple[bytes, int], int]) -> None:
+    def _remember_digests(self, leaves: list[LeafRecord], views: list, tokens: list, ids: dict[tuple[bytes, int], int], unchanged: set[int] = frozenset()) -> None:
+        """Keep each fingerprinted leaf's shard hashes and blob ids for the next commit;
+        a leaf of ``unchanged`` (taken whole from the cache, its blob ids confirmed) keeps its entry."""
+        import torch
+
         fresh: dict[int, tuple[Any, dict]] = {}
-        for rec, shards, entry in zip(leaves, views, tokens):
+        for i, (rec, shards, entry) in enumerate(zip(leaves, views, tokens)):
             if entry is not None:
-                owner, path, token = entry
+                owner, path, token, value = entry
                 owner = self._keeper(owner, token)
                 if owner is None:  # its storage is gone already
                     continue
-                hashes = [(d, ids[(d, len(mv))]) for d, mv in shards]
-                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][(path, self.shard_bytes)] = (token, hashes, ShardPlan(rec.nbytes, rec.shard_bytes))
+                key = (path, self.shard_bytes)
+                old = self._digest_cache.get(id(owner)) if i in unchanged else None
+                if old is not None and old[0]() is owner and key in old[1]:
+                    kept = old[1][key]
+                else:
+                    hashes = [(d, ids[(d, len(mv))]) for d, mv in shards]
+                    same = _Same(rec, value, {(d, len(mv)): b for (d, mv), (_, b) in zip(shards, hashes)}) if isinstance(value, torch.Tensor) else None
+                    kept = (token, hashes, ShardPlan(rec.nbytes, rec.shard_bytes), same)
+                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][key] = kept
         live = {k: v for k, v in self._digest_cache.items() if v[0]() is not None}  # entries of freed objects go
         live.update(fresh)
         self._digest_cache = live
@@ -1001,7 +1084,14 @@ class Store:
                 # it (each waits a switch interval, 5 ms, to get it back), the training loop
                 # beside an asynchronous commit among them. This one returns only the mismatches.
                 reused = list(known.items())
-                bad = self.catalog.rows(
+                # First one cheap statement: the addresses the ids hold now, in the ids' order, as one text;
+                # only if it differs, the one that names the ids that changed.
+                (now,), = self.catalog.rows(
+                    "SELECT group_concat(lower(hex(b.hash)) || '-' || b.raw_len, ' ') FROM json_each(?) j LEFT JOIN blobs b ON b.id = j.value",
+                    (json.dumps([i for _, i in reused]),), raw=True,
+                )
+                same = now == " ".join([address(d, n) for (d, n), _ in reused])
+                bad = [] if same else self.catalog.rows(
                     "SELECT j.key FROM json_each(?) j LEFT JOIN blobs b ON b.id = json_extract(j.value, '$[0]') "
                     "WHERE b.id IS NULL OR b.raw_len != json_extract(j.value, '$[2]') OR lower(hex(b.hash)) != json_extract(j.value, '$[1]')",
                     (json.dumps([[i, d.hex(), n] for (d, n), i in reused]),), raw=True,
@@ -1027,7 +1117,13 @@ class Store:
                 current = {r["name"]: r["commit_id"] for r in self.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
                 parents = list(dict.fromkeys(current[t] for t in tags if t in current))
             per_leaf = self._keys_per_leaf(leaves, keys)
-            manifest = [records.manifest_entry(r, keys_of) for r, keys_of in zip(leaves, per_leaf)]
+            for r, keys_of in zip(leaves, per_leaf):
+                if r.encoded is None:
+                    r.encoded = (records.manifest_entry(r, keys_of), (
+                        r.path, r.component, r.kind, r.dtype, None if r.shape is None else _ints_json(r.shape),
+                        None if r.stride is None else _ints_json(r.stride), r.nbytes, r.shard_bytes, r.value,
+                    ))
+            manifest = [r.encoded[0] for r in leaves]
             components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]
             record = records.commit_text(parents, created_at, message, meta_json, components_json, manifest)
             cid = records.commit_id(record)
@@ -1054,17 +1150,19 @@ class Store:
             run_many(
                 "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [
-                    (cid, r.path, r.component, r.kind, r.dtype, None if r.shape is None else jsonvalue.dumps(list(r.shape)),
-                     None if r.stride is None else jsonvalue.dumps(list(r.stride)), r.nbytes, r.shard_bytes, r.value)
-                    for r in leaves
-                ],
+                [(cid, *r.encoded[1]) for r in leaves],
             )
-            leaf_ids = {r["path"]: r["id"] for r in self.catalog.rows("SELECT id, path FROM leaves WHERE commit_id = ?", (cid,))}
-            run_many(  # a leaf's shard rows from one JSON array of blob ids, as the check above
-                "INSERT INTO shards (leaf_id, seq, blob_id) SELECT ?, key, value FROM json_each(?)",
-                [(leaf_ids[r.path], json.dumps([ids[k] for k in keys_of])) for r, keys_of in zip(leaves, per_leaf) if keys_of],
-            )
+            leaf_ids = dict(self.catalog.rows("SELECT path, id FROM leaves WHERE commit_id = ?", (cid,), raw=True))
+            # A leaf's shard rows from one JSON array of blob ids, as the check above; the one row of a
+            # one-shard leaf (most of a state of many small leaves) as a plain row: json_each costs more.
+            single, multi = [], []
+            for r, keys_of in zip(leaves, per_leaf):
+                if len(keys_of) == 1:
+                    single.append((leaf_ids[r.path], 0, ids[keys_of[0]]))
+                elif keys_of:
+                    multi.append((leaf_ids[r.path], json.dumps([ids[k] for k in keys_of])))
+            run_many("INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)", single)
+            run_many("INSERT INTO shards (leaf_id, seq, blob_id) SELECT ?, key, value FROM json_each(?)", multi)
             for t in tags:
                 self._move_tag(batch, t, cid, "commit", created_at)
         return cid, parents, seconds, ids
@@ -1073,7 +1171,7 @@ class Store:
     def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
         out, i = [], 0
         for r in leaves:
-            n = ShardPlan(r.nbytes, r.shard_bytes).count if r.kind == "tensor" else 0
+            n = max(1, -(-r.nbytes // r.shard_bytes)) if r.kind == "tensor" else 0  # ShardPlan.count
             out.append(keys[i : i + n])
             i += n
         return out
