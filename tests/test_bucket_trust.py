@@ -245,6 +245,27 @@ def test_a_damaged_marker_loses_nothing_fsck_names_it_and_repair_rewrites_it(tmp
     s.close()
 
 
+def test_with_both_markers_damaged_repair_rewrites_nothing_and_says_why(tmp_path, url):
+    """``ckptstore.json`` and its copy both flipped, on a store of non-default settings: the
+    tag still checks out; ``fsck --repair`` rewrites neither (guessing the settings would
+    change every later commit's shard size and dedup) and reports both, naming why.
+    Before the fix (found by a newcomer) the repair wrote the default settings."""
+    with ckptstore.Store(url, cache=tmp_path / "writer-cache", shard_bytes=64 << 10, compression_level=9) as s:
+        s.commit({"x": torch.arange(1 << 16, dtype=torch.float32)}, tag="latest")
+    for key in (MARKER, MARKER_COPY):
+        _flip(url, key, 40)
+    with open_backend(url) as b:
+        damaged = {k: b.get(k) for k in (MARKER, MARKER_COPY)}
+    s = _fresh(url, tmp_path)
+    assert torch.equal(s.checkout("latest")["x"], torch.arange(1 << 16, dtype=torch.float32))
+    report = s.fsck(repair=True)
+    assert report.repaired == [] and report.damaged_marker and MARKER in report.problems[0] and MARKER_COPY in report.problems[0]
+    assert "cannot be read back" in report.problems[0]
+    with open_backend(url) as b:
+        assert {k: b.get(k) for k in (MARKER, MARKER_COPY)} == damaged
+    s.close()
+
+
 def test_fsck_reports_a_damaged_reflog_object_and_gc_collects_the_reflog_of_dropped_commits(tmp_path, url):
     """Ten commits move ``latest``: ten reflog objects. One flipped byte in one is
     reported by deep fsck, naming it. After ``gc(keep_last=2)`` (and its sweep) only the

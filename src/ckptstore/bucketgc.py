@@ -267,6 +267,9 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
                     report.bytes_freed += st.objects[commit_key(x)].size
                     report.dropped.append(x)
             for p in deletable:
+                blobs = [e for e in st.entries[p] if e.magic == BLOB_MAGIC and (e.loc.digest, e.loc.raw_len) not in live]
+                report.blobs_deleted += len(blobs)
+                report.blob_bytes += sum(BLOB_HEADER.size + e.loc.stored_len for e in blobs)
                 backend.delete(pack_key(p))
                 backend.delete(index_key(p))
                 report.bytes_freed += st.packs[p].size + (st.objects[index_key(p)].size if index_key(p) in st.objects else 0)
@@ -370,8 +373,8 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         else:
             report.damaged_indexes.append(pid)
             report.problems.append(f"pack {pid}: {f.index_problem} (its pack is intact: `ckptstore fsck --repair` rebuilds it)")
-    if not deep:
-        report.orphan_packs = sorted(p for p in packs if index_key(p) not in listed)
+    if not deep:  # packs without .idx: a writer killed in between, or a lost index (deep fsck tells which are needed)
+        report.missing_indexes = sorted(p for p in packs if index_key(p) not in listed)
         where = {k: loc for k, loc in store.locate(list(needed)).items() if loc.pack in packs}
     if commit is None and deep:
         _check_reflog(store, report)
@@ -472,8 +475,11 @@ def _check_marker(store, report: FsckReport, repair: bool) -> None:
     if problem is None:
         return
     if repair:
-        repair_marker(store.backend, store)
-        report.repaired.append(MARKER)
-    else:
-        report.damaged_marker = True
-        report.problems.append(f"{MARKER}: {problem} (`ckptstore fsck --repair` rewrites it)")
+        try:
+            repair_marker(store.backend, store)
+            report.repaired.append(MARKER)
+            return
+        except IntegrityError as exc:
+            problem = str(exc)
+    report.damaged_marker = True
+    report.problems.append(f"{problem} (`ckptstore fsck --repair` rewrites it from the intact copy)" if not repair else problem)

@@ -438,6 +438,8 @@ def _print_fsck(report, as_json: bool) -> None:
             console.print(f"damaged tags: {', '.join(report.damaged_tags)}")
         for key in report.repaired:
             console.print(f"repaired: {key}")
+        if report.missing_indexes:
+            console.print(f"packs without .idx (walked instead; GC rebuilds or removes them): {len(report.missing_indexes)}")
         console.print(
             f"{'ok' if report.ok else 'NOT OK'}: {report.commits} commits, {report.blobs_checked} blobs rehashed "
             f"({fmt_bytes(report.bytes_checked)}); orphans: {len(report.orphan_packs)} packs, "

@@ -172,21 +172,31 @@ def marker_problem(backend: Backend) -> str | None:
     """What is wrong with the marker and its copy, or ``None`` (a store from before the copy
     existed, without one, is fine)."""
     first, copy = _read_one(backend, MARKER), _read_one(backend, MARKER_COPY)
+    problems = []
     if isinstance(first, IntegrityError):
-        return str(first)
-    if first is None and _holds_a_store(backend):
-        return "missing, though the prefix holds a store"
+        problems.append(str(first))
+    elif first is None and _holds_a_store(backend):
+        problems.append(f"{backend.url}: {MARKER} is missing, though the prefix holds a store")
     if isinstance(copy, IntegrityError):
-        return str(copy)
-    return None
+        problems.append(str(copy))
+    elif copy is None and first is not None and not isinstance(first, dict):
+        problems.append(f"{backend.url}: {MARKER_COPY} is missing")
+    return "; ".join(problems) or None
 
 
 def repair_marker(backend: Backend, store) -> None:
-    """Rewrite a missing or damaged marker (and its copy) from the intact one, or from
-    ``store``'s settings where neither is intact."""
+    """Rewrite a missing or damaged marker (or its copy) from the intact one.
+
+    Raises:
+        IntegrityError: neither is intact: the store's settings cannot be read back from
+            the bucket, so nothing is rewritten (guessing would silently change the shard
+            size, and with it every later commit's dedup); the store still reads and commits.
+    """
     good = next((m for m in (_read_one(backend, MARKER), _read_one(backend, MARKER_COPY)) if isinstance(m, dict)), None)
-    data = marker_bytes(*(((good or {}).get("shard_bytes") or store.shard_bytes, store.compression_level if good is None
-                            else good.get("compression_level", store.compression_level))))
+    if good is None:
+        raise IntegrityError(f"{backend.url}: {MARKER} and its copy {MARKER_COPY} are both missing or damaged: the store's settings "
+                             "(shard size, compression level) cannot be read back, so neither is rewritten; reads and commits still work")
+    data = marker_bytes(good.get("shard_bytes") or store.shard_bytes, good.get("compression_level", store.compression_level))
     for key in (MARKER_COPY, MARKER):
         if not isinstance(_read_one(backend, key), dict):
             backend.delete(key)
