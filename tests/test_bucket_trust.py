@@ -268,9 +268,10 @@ def test_with_both_markers_damaged_repair_rewrites_nothing_and_says_why(tmp_path
 
 def test_fsck_reports_a_damaged_reflog_object_and_gc_collects_the_reflog_of_dropped_commits(tmp_path, url):
     """Ten commits move ``latest``: ten reflog objects. One flipped byte in one is
-    reported by deep fsck, naming it. After ``gc(keep_last=2)`` (and its sweep) only the
-    reflog objects naming a kept commit remain (the damaged one, unreadable, stays for
-    fsck). Before: reflog objects were never checked nor collected."""
+    reported by deep fsck, naming it, and so is one whose flip leaves JSON of the right
+    shape (each record carries its digest). After ``gc(keep_last=2)`` (and its sweep) only
+    the reflog objects naming a kept commit remain (the damaged ones stay for fsck).
+    Before: reflog objects were never checked nor collected."""
     s = ckptstore.Store(url, cache=tmp_path / "cache")
     ids = []
     for i in range(10):
@@ -282,8 +283,12 @@ def test_fsck_reports_a_damaged_reflog_object_and_gc_collects_the_reflog_of_drop
     assert len(keys) == 10
     damaged = next(k for k, m in moves.items() if m["new"] == ids[0])
     _flip(url, damaged, 0)  # "{" becomes "[": not JSON
+    quiet = next(k for k, m in moves.items() if m["new"] == ids[1])
+    with open_backend(url) as b:
+        at = b.get(quiet).index(b'"commit"') + 3
+    _flip(url, quiet, at)  # still JSON of the right shape ("coMmit"): only the record's digest tells
     report = s.fsck(deep=True)
-    assert report.damaged_reflog == [damaged] and len(report.problems) == 1 and damaged in report.problems[0]
+    assert report.damaged_reflog == sorted([damaged, quiet]) and len(report.problems) == 2, report.problems
     grace = 1.0
     with open_backend(url) as b:
         _sleep_past(max(o.mtime for o in b.list("reflog")), grace)
@@ -293,8 +298,8 @@ def test_fsck_reports_a_damaged_reflog_object_and_gc_collects_the_reflog_of_drop
     report = s.gc(keep_last=2, grace=grace)
     with open_backend(url) as b:
         left = sorted(o.key for o in b.list("reflog"))
-    kept = sorted(k for k, m in moves.items() if m["new"] in ids[-2:]) + [damaged]
-    assert left == sorted(kept) and report.reflog_removed == 7
+    kept = sorted(k for k, m in moves.items() if m["new"] in ids[-2:]) + [damaged, quiet]
+    assert left == sorted(kept) and report.reflog_removed == 6
     assert [c.id for c in s.log("latest")] == ids[::-1][:2]
     s.close()
 

@@ -81,8 +81,10 @@ from .remote import (
     pack_entries,
     read_marker,
     read_tag,
+    parse_reflog,
     read_tag_hint,
     ref_payload,
+    reflog_bytes,
 )
 from .remote import resolve as resolve_remote
 from .store import CommitInfo, ReusedBlobsGone, Store, check_tag
@@ -550,7 +552,7 @@ class BucketStore(Store):
         return sorted({loc.pack for loc in self.locate(keys).values()})
 
     def _log_move(self, tag: str, old: str | None, new: str | None, action: str, at: float) -> None:
-        move = json.dumps({"action": action, "at": at, "new": new, "old": old, "tag": tag}, sort_keys=True).encode()
+        move = reflog_bytes(tag, old, new, action, at)
         try:
             self.backend.put_new(f"reflog/{ref_segment(tag)}/{time.time_ns():020d}-{uuid.uuid4().hex}", move)
         except BackendError as exc:  # the tag has moved: the call succeeded, only its history entry is lost
@@ -725,12 +727,10 @@ class BucketStore(Store):
 
         def load(key: str) -> dict | None:
             try:
-                m = json.loads(self.backend.get(key))
+                m = parse_reflog(self.backend.get(key), key, self.url)
                 return {"tag": m["tag"], "old_commit": m["old"], "new_commit": m["new"], "at": float(m["at"]), "action": m["action"]}
             except ObjectNotFoundError:
                 return None
-            except (ValueError, KeyError, TypeError):
-                raise IntegrityError(f"{self.url}: {key} is not a reflog record") from None
 
         out = [m for m in self.requests.map(load, [o.key for o in objects]) if m is not None]
         if tag is not None and not out:

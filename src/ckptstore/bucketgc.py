@@ -39,26 +39,23 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import time
 import uuid
 from dataclasses import dataclass
 
-from .errors import BlobCorruptError, IntegrityError, InvalidNameError, ObjectNotFoundError
+from .errors import BlobCorruptError, IntegrityError, ObjectNotFoundError
 from .fsck import FsckReport
 from .gc import REPACK_BELOW, Collector, GCReport, parse_duration
 from .layout import RANDOM, address
 from .packindex import encode_index, index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, check_entry
-from .backends.base import ref_segment
-from .remote import MARKER, commit_key, fetch_record, marker_problem, pack_entries, read_tag, repair_marker
+from .remote import MARKER, commit_key, fetch_record, marker_problem, pack_entries, parse_reflog, read_tag, repair_marker
 
 DEFAULT_GRACE = 86400.0
 SWEEP_ATTEMPTS = 5
 #: Seconds: S3 (and moto) give object times in whole seconds, so an object may be this much younger than
 #: its time says; a grace period above 0 waits this much longer, or a just-written pack or mark looks old.
 MTIME_STEP = 1.0
-_CID = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass
@@ -137,13 +134,10 @@ def _dead_reflog(store, st: _State, cutoff: float) -> list[list]:
 
     def load(key):
         try:
-            m = json.loads(backend.get(key))
-            new, old = m["new"], m["old"]
-            if not all(x is None or type(x) is str for x in (new, old)):
-                return None
-            return [key, new, old]
-        except (ObjectNotFoundError, ValueError, KeyError, TypeError):
-            return None
+            m = parse_reflog(backend.get(key), key, backend.url)
+            return [key, m["new"], m["old"]]
+        except (ObjectNotFoundError, IntegrityError):
+            return None  # gone, or damaged: kept for fsck
 
     return [r for r in store.requests.map(load, todo) if r is not None and r[1] not in st.retained and r[2] not in st.retained]
 
@@ -449,20 +443,17 @@ def _reread(store, locs, where: str):
 
 
 def _check_reflog(store, report: FsckReport) -> None:
-    """Every reflog object is a ref-move record of the tag its key names."""
+    """Every reflog object is a ref-move record of the tag its key names (:func:`~ckptstore.remote.parse_reflog`)."""
     backend = store.backend
 
     def load(key):
         try:
-            m = json.loads(backend.get(key))
-            ok = (type(m) is dict and type(m.get("tag")) is str and key.split("/")[1] == ref_segment(m["tag"])
-                  and all(m.get(f) is None or (type(m.get(f)) is str and _CID.fullmatch(m[f])) for f in ("new", "old"))
-                  and type(m.get("at")) in (int, float) and type(m.get("action")) is str)
+            parse_reflog(backend.get(key), key, backend.url)
         except ObjectNotFoundError:
             return None  # collected meanwhile
-        except (ValueError, TypeError, InvalidNameError):
-            ok = False
-        return None if ok else key
+        except IntegrityError:
+            return key
+        return None
 
     for key in store.requests.map(load, [o.key for o in backend.list("reflog")]):
         if key is not None:

@@ -214,6 +214,45 @@ def ensure_marker(backend: Backend, local: Store) -> int:
     return written
 
 
+_MOVE_KEYS = {"action", "at", "digest", "new", "old", "tag"}
+
+
+def reflog_bytes(tag: str, old: str | None, new: str | None, action: str, at: float) -> bytes:
+    """A ref-move record's bytes, ``reflog/<escaped tag>/<20-digit ns time>-<random 32 hex>``:
+    canonical JSON ``{"action", "at", "new", "old", "tag"}`` and ``digest``, the XXH3-128 (hex)
+    of the same JSON without it, so a flipped byte is detected (records written before
+    digests existed have none and are checked by their structure alone)."""
+    body = {"action": action, "at": at, "new": new, "old": old, "tag": tag}
+    body["digest"] = digest(json.dumps(body, sort_keys=True).encode()).hex()
+    return json.dumps(body, sort_keys=True).encode()
+
+
+def parse_reflog(raw: bytes, key: str, where: str) -> dict:
+    """The ref move in reflog object ``key``'s bytes: ``{"action", "at", "new", "old", "tag"}``.
+
+    Raises:
+        IntegrityError: not a ref-move record of the tag its key names (damaged).
+    """
+    bad = IntegrityError(f"{where}: {key} is not a ref-move record (damaged)")
+    try:
+        m = json.loads(raw)
+    except ValueError:
+        raise bad from None
+    if type(m) is not dict or set(m) - _MOVE_KEYS or not {"action", "at", "new", "old", "tag"} <= set(m):
+        raise bad
+    if "digest" in m and digest(json.dumps({k: v for k, v in m.items() if k != "digest"}, sort_keys=True).encode()).hex() != m["digest"]:
+        raise bad
+    ok = (type(m["tag"]) is str and type(m["action"]) is str and type(m["at"]) in (int, float)
+          and all(m[f] is None or (type(m[f]) is str and _CID.fullmatch(m[f])) for f in ("new", "old")))
+    try:
+        ok = ok and key.split("/")[1] == ref_segment(m["tag"])
+    except (IndexError, InvalidNameError):
+        ok = False
+    if not ok:
+        raise bad
+    return {k: v for k, v in m.items() if k != "digest"}
+
+
 def ref_payload(cid: str | None, previous: str | None, action: str, at: float, packs: list[str] | None = None) -> bytes:
     """A remote tag's payload: ``{"action", "at", "commit", "previous"}`` as JSON (``commit``
     null: deleted), and optionally ``packs``: the ids of the packs that held the commit's
@@ -629,7 +668,7 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
         else:
             raise RefBusyError(f"{backend.url}: tag {tag!r} kept moving: {CAS_ATTEMPTS} attempts to move it all lost a race")
         if previous != cid:
-            move = json.dumps({"action": "push", "at": at, "new": cid, "old": previous, "tag": tag}, sort_keys=True).encode()
+            move = reflog_bytes(tag, previous, cid, "push", at)
             backend.put_new(f"reflog/{ref_segment(tag)}/{time.time_ns():020d}-{uuid.uuid4().hex}", move)
             report.objects_written += 1
             report.bytes_written += len(move)
