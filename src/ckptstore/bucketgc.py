@@ -66,8 +66,7 @@ class _State:
     retained: set
     live: set
     packs: dict  # pack id -> ObjectInfo
-    entries: dict  # pack id -> [Entry] (from its .idx, or from walking the pack where the .idx is missing or damaged)
-    unreadable: dict  # pack id -> why neither its .idx nor the pack itself could be read (never garbage: invariant 4)
+    entries: dict  # pack id -> [Entry] (from its .idx, or from walking the pack; a pack neither gives is absent: never garbage)
     bad_indexes: dict  # pack id -> why its .idx is missing or damaged (the pack was walked instead)
     objects: dict  # key -> ObjectInfo (everything under blobs/ and commits/)
     needs: dict  # commit id -> blob addresses, for every record on the bucket (a pack stays while a record stays)
@@ -95,7 +94,6 @@ def _state(store, c: Collector) -> _State:
     packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in objects.items() if k.endswith(".pack")}
     found = dict(zip(packs, store.requests.map(lambda pid: pack_entries(backend, pid, packs[pid].size, index_key(pid) in objects), list(packs))))
     entries = {pid: f.entries for pid, f in found.items() if f.entries is not None}
-    unreadable = {pid: f.pack_problem for pid, f in found.items() if f.entries is None}
     bad_indexes = {pid: f.index_problem for pid, f in found.items() if f.index_problem is not None}
     ids = [k.rsplit("/", 1)[1] for k in objects if k.startswith("commits/")]
     needs = {cid: {k for leaf in store.record(cid).leaves for k in leaf.keys} for cid in ids if store.has_cached(cid)}
@@ -114,7 +112,7 @@ def _state(store, c: Collector) -> _State:
     needs = {c: keys for c, keys in needs.items() if keys is not None}
     retained |= named
     live.update(*(needs[c] for c in named if c in needs))
-    return _State(refs, retained, live, packs, entries, unreadable, bad_indexes, objects, needs, now, blind)
+    return _State(refs, retained, live, packs, entries, bad_indexes, objects, needs, now, blind)
 
 
 def repair_index(backend, pid: str, entries) -> None:

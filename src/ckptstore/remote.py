@@ -101,12 +101,20 @@ _MARKER_KEYS = {"compression_level", "digest", "format", "shard_bytes", "version
 MARKER_COPY = "marker/ckptstore.json"
 
 
+def _sealed(body: dict) -> bytes:
+    """``body`` as canonical JSON with ``digest``: the XXH3-128 (hex) of the same JSON without it."""
+    return json.dumps({**body, "digest": digest(json.dumps(body, sort_keys=True).encode()).hex()}, sort_keys=True).encode()
+
+
+def _seal_broken(m: dict) -> bool:
+    """Does ``m`` (parsed from :func:`_sealed` bytes) fail its digest?"""
+    return digest(json.dumps({k: v for k, v in m.items() if k != "digest"}, sort_keys=True).encode()).hex() != m.get("digest")
+
+
 def marker_bytes(shard_bytes: int, compression_level: int) -> bytes:
     """The marker's bytes: canonical JSON with ``digest``, the XXH3-128 (hex) of the same
     JSON without it, so one flipped byte is detected instead of read as another setting."""
-    body = {"compression_level": compression_level, "format": "ckptstore", "shard_bytes": shard_bytes, "version": FORMAT_VERSION}
-    body["digest"] = digest(json.dumps(body, sort_keys=True).encode()).hex()
-    return json.dumps(body, sort_keys=True).encode()
+    return _sealed({"compression_level": compression_level, "format": "ckptstore", "shard_bytes": shard_bytes, "version": FORMAT_VERSION})
 
 
 def parse_marker(raw: bytes, where: str) -> dict:
@@ -122,8 +130,7 @@ def parse_marker(raw: bytes, where: str) -> dict:
     except ValueError:
         raise IntegrityError(f"{where} is damaged (not JSON)") from None
     if type(marker) is dict and (set(marker) - _MARKER_KEYS or "digest" in marker):  # a flipped key name is damage too
-        body = {k: v for k, v in marker.items() if k != "digest"}
-        if set(marker) - _MARKER_KEYS or digest(json.dumps(body, sort_keys=True).encode()).hex() != marker["digest"]:
+        if set(marker) - _MARKER_KEYS or _seal_broken(marker):
             raise IntegrityError(f"{where} is damaged (its bytes do not match its digest)")
     if type(marker) is not dict or marker.get("format") != "ckptstore":
         raise NotAStoreError(f"{where} is not a ckptstore store marker")
@@ -222,9 +229,7 @@ def reflog_bytes(tag: str, old: str | None, new: str | None, action: str, at: fl
     canonical JSON ``{"action", "at", "new", "old", "tag"}`` and ``digest``, the XXH3-128 (hex)
     of the same JSON without it, so a flipped byte is detected (records written before
     digests existed have none and are checked by their structure alone)."""
-    body = {"action": action, "at": at, "new": new, "old": old, "tag": tag}
-    body["digest"] = digest(json.dumps(body, sort_keys=True).encode()).hex()
-    return json.dumps(body, sort_keys=True).encode()
+    return _sealed({"action": action, "at": at, "new": new, "old": old, "tag": tag})
 
 
 def parse_reflog(raw: bytes, key: str, where: str) -> dict:
@@ -240,7 +245,7 @@ def parse_reflog(raw: bytes, key: str, where: str) -> dict:
         raise bad from None
     if type(m) is not dict or set(m) - _MOVE_KEYS or not {"action", "at", "new", "old", "tag"} <= set(m):
         raise bad
-    if "digest" in m and digest(json.dumps({k: v for k, v in m.items() if k != "digest"}, sort_keys=True).encode()).hex() != m["digest"]:
+    if "digest" in m and _seal_broken(m):
         raise bad
     ok = (type(m["tag"]) is str and type(m["action"]) is str and type(m["at"]) in (int, float)
           and all(m[f] is None or (type(m[f]) is str and _CID.fullmatch(m[f])) for f in ("new", "old")))
