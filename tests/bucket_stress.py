@@ -1007,6 +1007,10 @@ class Harness:
                                       f"{extra_commits[:3]}, tags {extra_tags[:3]}")
         text = "\n".join(rep.problems)
         named = set(getattr(rep, "damaged_commits", [])) | set(getattr(rep, "damaged_tags", []))
+        if any(d.kind.startswith(("ref-", "record-")) for d in bucket_damage):
+            # a damaged ref or record cuts the lineage: fsck cannot tell a commit it no longer reaches from one killed before
+            # its ref move, and lists it as an orphan (its pack's damage is reported on its own)
+            named |= set(getattr(rep, "orphan_commits", []))
 
         def reported(*names: str) -> bool:
             return any(n in named or n in text or f"'{n}'" in text for n in names)
