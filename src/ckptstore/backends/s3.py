@@ -8,8 +8,9 @@
   version has its own ETag; a PUT whose outcome is unclear (a ``412`` after a retry, a
   timeout, a dropped response after obstore's retries) is settled by reading the ref
   back: our write id there means the CAS succeeded.
-- ``get_ranges``: obstore's ``get_ranges`` (ranges closer than ``coalesce`` bytes are
-  fetched in one request, requests run in parallel); every range's length is checked.
+- ``get_ranges``: ranges closer than ``coalesce`` bytes are merged here into one span,
+  fetched in one request (obstore's own merging panics on an object shorter than a range);
+  the spans' requests run in parallel; every span's length is checked.
 
 Credentials, endpoint and region come from the standard environment (``AWS_ENDPOINT_URL``,
 ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``,
@@ -174,10 +175,18 @@ class S3Backend(Backend):
         out: list = [b""] * len(ranges)
         if not wanted:
             return out
+        # Coalesced here, not by obstore: its slicing of a merged response panics (a BaseException) when a range
+        # starts past a short object's end (found by the harness: a truncated pack); here a short response is an error.
+        spans: list[list] = []  # [start, end, indices of the ranges it covers]
+        for i in sorted(wanted, key=lambda i: ranges[i]):
+            start, end = ranges[i]
+            if spans and start <= spans[-1][1] + self.coalesce:
+                spans[-1][1] = max(spans[-1][1], end)
+                spans[-1][2].append(i)
+            else:
+                spans.append([start, end, [i]])
         try:
-            got = self._obs.get_ranges(
-                self._store, key, starts=[ranges[i][0] for i in wanted], ends=[ranges[i][1] for i in wanted], coalesce=self.coalesce
-            )
+            got = self._obs.get_ranges(self._store, key, starts=[s[0] for s in spans], ends=[s[1] for s in spans], coalesce=0)
         except self._failures as exc:
             # "416" as a status, not as digits of the key's hex pack id (found by the harness: a pack id holding "416"
             # made a pack a GC had swept look truncated, not gone, and the reader did not look for its new place)
@@ -191,11 +200,12 @@ class S3Backend(Backend):
             if past:
                 raise BlobCorruptError(f"{self.url}: object {key}: a byte range lies past its end ({_brief(exc)})") from None
             raise self._error(exc, f"reading object {key}", key) from None
-        for i, buf in zip(wanted, got):
-            start, end = ranges[i]
-            if len(buf) != end - start:
-                raise BlobCorruptError(f"{self.url}: object {key}: byte range [{start}, {end}) lies past its end ({len(buf)} bytes came back)")
-            out[i] = buf
+        for (first, last, covered), buf in zip(spans, got):
+            if len(buf) != last - first:
+                raise BlobCorruptError(f"{self.url}: object {key}: byte range [{first}, {last}) lies past its end ({len(buf)} bytes came back)")
+            view = memoryview(buf)
+            for i in covered:
+                out[i] = view if len(covered) == 1 else view[ranges[i][0] - first:ranges[i][1] - first]
         return out
 
     def head(self, key: str) -> ObjectInfo | None:
