@@ -1299,8 +1299,10 @@ class Harness:
         self.check(index, "after rebuilding what the bucket's objects allow", [])
         # the ledger's originals put back ("a backup")
         for d in list(self.ledger):
-            if d.kind.startswith("ref-") and after["status"].get(d.cid, ("lost",))[0] == "lost":
-                self._raw_delete(d.key)  # while the ref was damaged, GC collected the commit only it named: a ref cannot bring it back
+            if d.kind.startswith("ref-") and (after["status"].get(d.cid, ("lost",))[0] == "lost" or d.cid not in after["commits"]):
+                # while the ref was damaged, GC collected the commit only it named (its blobs, or its record first while its
+                # packs wait for the grace period): a ref cannot bring it back
+                self._raw_delete(d.key)
             elif d.kind.startswith("ref-"):
                 ref = self.backend.read_ref(d.tag)
                 if d.kind == "ref-del" and ref is None:
