@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(BIN)/ckptstore demo --store runs/demo-store
 
 test: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)

@@ -69,7 +69,7 @@ from .packs import (
     Entry,
     decode_entry,
 )
-from .records import recreate
+from .records import check_tag, recreate
 from .remote import (
     MARKER,
     PACK_BYTES,
@@ -87,7 +87,7 @@ from .remote import (
     reflog_bytes,
 )
 from .remote import resolve as resolve_remote
-from .store import CommitInfo, ReusedBlobsGone, Store, check_tag
+from .store import CommitInfo, ReusedBlobsGone, Store
 from .threads import Pool
 
 #: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.

@@ -27,6 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import progress
+from .units import fmt_bytes, ratio
 from .errors import CkptStoreError, GCLockedError
 from .store import CommitInfo, Store
 
@@ -66,23 +67,8 @@ def _options(
     _global["store"] = store
 
 
-def fmt_bytes(n: float | None) -> str:
-    """Bytes as a short human string (binary units)."""
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def fmt_time(t: float, short: bool = False) -> str:
     return datetime.datetime.fromtimestamp(t).strftime("%m-%d %H:%M" if short else "%Y-%m-%d %H:%M:%S")
-
-
-def ratio(x: float | None) -> str:
-    return "-" if x is None else ("inf" if x == float("inf") else f"{x:.1f}x")
 
 
 @contextlib.contextmanager

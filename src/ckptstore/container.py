@@ -43,7 +43,7 @@ from . import jsonvalue, progress
 from .errors import CkptStoreError, ContainerError, IntegrityError
 from .layout import check_path
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
-from .records import Component, check_paths, recreate
+from .records import Component, LeafRecord, check_paths, check_tag, recreate
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
 
 FORMAT = "ckptstore-export"
@@ -557,10 +557,8 @@ def import_commit(store, src: str | os.PathLike, tag: str | None = None, message
         ContainerError: malformed, truncated, unsafe or unknown content, naming
             the entry (and the leaf that uses it); the store is unchanged.
     """
-    from .store import LeafRecord, _check_tag
-
     t0 = time.perf_counter()
-    tags = [] if tag is None else [_check_tag(tag)]
+    tags = [] if tag is None else [check_tag(tag)]
     src = Path(src)
     refuse_store_files(src, Path(store.root))
     source = _Source(src)

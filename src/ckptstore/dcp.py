@@ -74,10 +74,10 @@ from .errors import (
 )
 from .layout import ShardPlan, address, digest, escape, sample_unchanged
 from .packs import BlobLoc, PackReader, PackWriter, pack_path
-from .records import ESCAPED, LeafRecord
+from .records import ESCAPED, LeafRecord, check_message, check_tag
 from .shards import DTYPES, byte_view, dense_order, dtype_name, physical, tensor_bytes
 from .shards import plan as shard_plan
-from .store import CommitInfo, Store, check_message, check_tag
+from .store import CommitInfo, Store
 
 __all__ = ["ADAPTER", "AdapterState", "DCPAdapter", "StoreReader", "StoreWriter", "item_path"]
 

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import RNGState, Store
-from .cli import fmt_bytes, ratio
+from .units import fmt_bytes, ratio
 
 CAPACITY = 10_000
 BATCH = 64

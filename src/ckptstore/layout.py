@@ -40,10 +40,9 @@ def itemsize(dtype_name: object) -> int | None:
         return None
     size = ITEMSIZE.get(dtype_name)
     if size is None and "torch" in sys.modules:  # a dtype of a newer torch than this table
-        from .shards import DTYPES
-
-        dtype = DTYPES.get(dtype_name)
-        size = None if dtype is None else dtype.itemsize
+        torch = sys.modules["torch"]
+        dtype = getattr(torch, dtype_name, None) if dtype_name.isidentifier() else None
+        size = dtype.itemsize if isinstance(dtype, torch.dtype) and not dtype_name.startswith("q") else None
     return size
 
 

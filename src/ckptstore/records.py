@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import jsonvalue
-from .errors import CkptStoreError, IntegrityError
+from .errors import CkptStoreError, IntegrityError, InvalidArgumentError, InvalidNameError
 from .layout import ShardPlan, address, check_path, check_shape, dense_order, digest, escape, from_raw_keys, is_escaped, itemsize, unescape
 from .packs import BlobLoc
 
@@ -283,3 +284,42 @@ def parse_ref(text: str) -> dict | None:
         and all(x is None or (type(x) is str and len(x) == 32) for x in (r["old"], r["new"]))
     )
     return r if ok else None
+
+
+def check_message(message: Any, metadata: Any) -> dict:
+    """A commit's message and metadata, checked; returns the metadata (``{}`` for ``None``).
+
+    Raises:
+        InvalidArgumentError: a message that is not a UTF-8 ``str``, metadata not a dict.
+        UnsupportedTypeError: metadata values that are not JSON (:mod:`ckptstore.jsonvalue`).
+    """
+    if type(message) is not str or not jsonvalue.is_text(message):
+        raise InvalidArgumentError(f"message must be a UTF-8 str, got {message!r}")
+    metadata = {} if metadata is None else metadata
+    if type(metadata) is not dict:
+        raise InvalidArgumentError(f"metadata must be a dict, got {type(metadata).__name__}")
+    jsonvalue.encode(metadata, "metadata")
+    return metadata
+
+
+_LOOKS_LIKE_ID = re.compile(r"^[0-9a-fA-F]{4,32}$")
+
+
+def check_tag(name: Any) -> str:
+    """``name`` if it is a valid tag name: 1 to 255 characters of UTF-8 without control
+    characters or edge spaces, not starting with ``-``, and not 4 to 32 hex digits (those
+    are read as commit id prefixes).
+
+    Raises:
+        InvalidNameError: what is wrong with it.
+    """
+    if (
+        type(name) is not str or not name or len(name) > 255 or name != name.strip() or name.startswith("-")
+        or any(c in name for c in "\x00\n\r\t") or not jsonvalue.is_text(name)
+    ):
+        raise InvalidNameError(
+            f"invalid tag name {name!r}: 1 to 255 characters of UTF-8 without control characters or edge spaces, not starting with '-'"
+        )
+    if _LOOKS_LIKE_ID.match(name):
+        raise InvalidNameError(f"invalid tag name {name!r}: 4 to 32 hex digits read as a commit id prefix; a tag would hide it")
+    return name

@@ -71,7 +71,7 @@ from .layout import (
     under,
 )
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
-from .records import LeafRecord
+from .records import LeafRecord, check_message, check_tag
 from .recover import RecoverReport, recover
 from .threads import Pool
 
@@ -246,22 +246,6 @@ def paused_gc():
                 gc.enable()
 
 
-def check_message(message: Any, metadata: Any) -> dict:
-    """A commit's message and metadata, checked; returns the metadata (``{}`` for ``None``).
-
-    Raises:
-        InvalidArgumentError: a message that is not a UTF-8 ``str``, metadata not a dict.
-        UnsupportedTypeError: metadata values that are not JSON (:mod:`ckptstore.jsonvalue`).
-    """
-    if type(message) is not str or not jsonvalue.is_text(message):
-        raise InvalidArgumentError(f"message must be a UTF-8 str, got {message!r}")
-    metadata = {} if metadata is None else metadata
-    if type(metadata) is not dict:
-        raise InvalidArgumentError(f"metadata must be a dict, got {type(metadata).__name__}")
-    jsonvalue.encode(metadata, "metadata")
-    return metadata
-
-
 def _setting(name: str, value: Any, low: int, high: int) -> Any:
     """Validate an integer setting (None passes through). Raises InvalidArgumentError."""
     if value is None:
@@ -269,22 +253,6 @@ def _setting(name: str, value: Any, low: int, high: int) -> Any:
     if type(value) is not int or not low <= value <= high:
         raise InvalidArgumentError(f"invalid {name} {value!r}: must be an integer in [{low}, {high}]")
     return value
-
-
-_LOOKS_LIKE_ID = re.compile(r"^[0-9a-fA-F]{4,32}$")
-
-
-def _check_tag(name: Any) -> str:
-    if (
-        type(name) is not str or not name or len(name) > 255 or name != name.strip() or name.startswith("-")
-        or any(c in name for c in "\x00\n\r\t") or not jsonvalue.is_text(name)
-    ):
-        raise InvalidNameError(
-            f"invalid tag name {name!r}: 1 to 255 characters of UTF-8 without control characters or edge spaces, not starting with '-'"
-        )
-    if _LOOKS_LIKE_ID.match(name):
-        raise InvalidNameError(f"invalid tag name {name!r}: 4 to 32 hex digits read as a commit id prefix; a tag would hide it")
-    return name
 
 
 def _as_backend(remote: Any) -> Backend | None:
@@ -718,7 +686,7 @@ class Store:
         already (:meth:`commit_async` checks them when it snapshots the state)."""
         t0 = time.perf_counter() if t0 is None else t0
         tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
-        tags = list(dict.fromkeys(_check_tag(t) for t in tags))
+        tags = list(dict.fromkeys(check_tag(t) for t in tags))
         metadata = check_message(message, metadata)
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
@@ -1244,7 +1212,7 @@ class Store:
         compare-and-swap: RefConflictError, and nothing changes, when the tag
         names something else at that moment.
         """
-        _check_tag(name)
+        check_tag(name)
         with self._write() as batch:
             cid = self.resolve(ref)
             if expect is not ...:
@@ -1819,6 +1787,5 @@ class Store:
 
 #: Validate a tag name (returns it); raises InvalidNameError. Public for integrations that
 #: take tags before they commit (``ckptstore.dcp.StoreWriter``).
-check_tag = _check_tag
 
 __all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store", "check_tag"]

@@ -63,7 +63,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler, RoundRobinWriter, SamplerWithoutReplacement, TensorStorage
@@ -74,7 +74,9 @@ from .adapters.rng import RNGState
 from .container import refuse_store_files
 from .errors import CkptStoreError, ContainerError
 from .shards import DTYPES, byte_view
-from .store import CommitInfo, Store
+
+if TYPE_CHECKING:
+    from .store import CommitInfo, Store
 
 __all__ = ["ImportReport", "import_torchrl"]
 

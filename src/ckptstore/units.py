@@ -1,0 +1,19 @@
+"""Figures as people read them: byte counts in binary units and ratios (the command line's and the demo's tables)."""
+
+from __future__ import annotations
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes as a short human string in binary units (``"512 B"``, ``"1.5 MiB"``); ``"-"`` for ``None``."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def ratio(x: float | None) -> str:
+    """A ratio as ``"2.5x"``; ``"-"`` for ``None``, ``"inf"`` for infinity."""
+    return "-" if x is None else ("inf" if x == float("inf") else f"{x:.1f}x")
