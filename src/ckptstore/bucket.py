@@ -67,6 +67,7 @@ from .packs import (
     BLOB_MAGIC,
     BlobLoc,
     Entry,
+    check_entry,
     decode_entry,
 )
 from .records import recreate
@@ -160,18 +161,34 @@ class BucketReader:
         view = self._entry(loc, where)
         decode_entry(view[: BLOB_HEADER.size], view[BLOB_HEADER.size :], loc, dest, where, verify, magic)
 
-    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> BlobLoc:
-        """Read blob ``loc`` into ``dest``; returns where it was read (see :class:`~ckptstore.packs.PackReader`)."""
+    def _found(self, loc: BlobLoc, read) -> tuple[BlobLoc, Any]:
+        """``(where, read(where))``: ``loc``, or where the blob is now when its pack is gone."""
         try:
-            self._read(loc, dest, where, verify, magic)
-            return loc
+            return loc, read(loc)
         except BlobMissingError:
             self.store.refresh_index()
             moved = self.store.relocate(loc)
             if moved is None or moved == loc:
                 raise
-            self._read(moved, dest, where, verify, magic)
-            return moved
+            return moved, read(moved)
+
+    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> BlobLoc:
+        """Read blob ``loc`` into ``dest``; returns where it was read (see :class:`~ckptstore.packs.PackReader`)."""
+        return self._found(loc, lambda at: self._read(at, dest, where, verify, magic))[0]
+
+    def stored(self, loc: BlobLoc, where: str) -> bytes:
+        """The entry of blob ``loc`` as stored (header and payload), after checking its
+        header and rehashing it (:func:`~ckptstore.packs.check_entry`): what push, pull and
+        export copy.
+
+        Raises:
+            BlobMissingError: its pack is gone and no other pack holds it.
+            BlobCorruptError: its header or bytes do not match.
+        """
+        where = f"{self.backend.url}: {where}"
+        at, view = self._found(loc, lambda at: self._entry(at, where))
+        check_entry(view, at, where)
+        return bytes(view)
 
     def read(self, loc: BlobLoc, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> bytearray:
         out = bytearray(loc.raw_len)
@@ -196,8 +213,10 @@ class BucketStore(Store):
       parallel, :data:`UPLOADS` at a time).
     - ``cache``: the folder of the local index (default :func:`cache_folder`).
     - ``gc``'s grace period defaults to 24 hours (:mod:`ckptstore.bucketgc`).
-    - ``push``, ``export`` and ``recover`` are for local stores: pull the commit into
-      one (``local.pull("s3://…", ref)``) first.
+    - ``push``, ``pull`` and ``export`` work as on a local store, to and from either home
+      (a folder, or another prefix: :mod:`ckptstore.transfer`, :mod:`ckptstore.remote`);
+      ``Store.recover("s3://…")`` rebuilds this cache from the bucket alone
+      (:func:`ckptstore.bucketgc.recover`).
 
     Credentials and endpoint come from the standard environment (``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``).
@@ -243,6 +262,11 @@ class BucketStore(Store):
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
+
+    @property
+    def location(self) -> str:
+        """``s3://bucket/prefix``: where the store lives (its cache is only a copy)."""
+        return self.url
 
     def close(self) -> None:
         """Wait for asynchronous commits, then release threads, the cache and the client."""
@@ -839,18 +863,6 @@ class BucketStore(Store):
                 cid = None
             cid = cid or resolve_remote(self.backend, ref)[0]
         return check(self, deep=True, commit=cid)
-
-    def push(self, remote, ref, force=False):
-        raise InvalidArgumentError(f"push copies from a local store; {self.url} is a store on object storage: "
-                                   f"copy from it into a local store with `ckptstore pull {self.url} REF --store FOLDER` (Store(folder).pull)")
-
-    def pull(self, remote, ref, force=False):
-        raise InvalidArgumentError(f"pull copies into a local store; {self.url} is a store on object storage: "
-                                   f"copy a local store's commits to it with `ckptstore push {self.url} REF --store FOLDER` (Store(folder).push)")
-
-    def export(self, ref, dest):
-        raise InvalidArgumentError(f"export reads a local store; {self.url} is a store on object storage: pull the commit into a "
-                                   f"local store first (`ckptstore pull {self.url} REF --store FOLDER`), then export it from there")
 
 
 __all__ = ["BucketReader", "BucketStore", "cache_folder"]

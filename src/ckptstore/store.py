@@ -533,6 +533,18 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r})"
 
+    @property
+    def location(self) -> str:
+        """Where the store lives, for messages: its folder (``s3://…`` for a store on object storage)."""
+        return str(self.root)
+
+    def refresh_index(self, only: list[str] | None = None) -> int:
+        """Bring the index up to date with the objects before a lookup that must see every
+        blob the store holds; returns the packs read. A local store's catalog is updated by
+        every commit in its own transaction: nothing to do (0). On object storage the cache
+        reads the pack indexes it has not seen (:meth:`ckptstore.bucket.BucketStore.refresh_index`)."""
+        return 0
+
     # --- commit ----------------------------------------------------------------------
 
     def commit(
@@ -1287,7 +1299,11 @@ class Store:
         from .transfer import transfer
 
         other = remote if isinstance(remote, Store) else Store(remote, create=True)
-        return transfer(self, other, ref, force)
+        try:
+            return transfer(self, other, ref, force)
+        finally:
+            if other is not remote:
+                other.close()
 
     def pull(self, remote: Store | Backend | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
         """The reverse of :meth:`push`: copy ``ref`` of ``remote`` into this store (created if
@@ -1306,8 +1322,12 @@ class Store:
         from .transfer import transfer
 
         other = remote if isinstance(remote, Store) else Store(remote, create=False)
-        self._open(create=True)
-        return transfer(other, self, ref, force)
+        try:
+            self._open(create=True)
+            return transfer(other, self, ref, force)
+        finally:
+            if other is not remote:
+                other.close()
 
     def delete_tag(self, name: str) -> str:
         """Delete tag ``name`` (its commits stay until GC); returns the commit it named.
