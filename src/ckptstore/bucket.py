@@ -259,6 +259,8 @@ class BucketStore(Store):
         self._index_lock = threading.Lock()
         self._indexed = False  # refresh_index ran in this object
         self._copying = threading.local()  # .on: this thread copies a commit of the bucket into the cache
+        #: Packs the last refreshes could not index from their ``.idx`` (walked instead) or not at all: ``{pack id: PackEntries}``.
+        self.pack_problems: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -323,7 +325,10 @@ class BucketStore(Store):
             indexes = None if only is not None else {k for k in listed if k.endswith(".idx")}
 
             def load(pid: str) -> list[Entry] | None:
-                return pack_entries(self.backend, pid, packs[pid].size, indexes is None or index_key(pid) in indexes).entries
+                found = pack_entries(self.backend, pid, packs[pid].size, indexes is None or index_key(pid) in indexes)
+                if found.entries is None or found.index_problem is not None:
+                    self.pack_problems[pid] = found  # for recover: what to report, which indexes to rebuild
+                return found.entries
 
             entries = {pid: es for pid, es in zip(todo, self.requests.map(load, todo)) if es is not None}
             todo = list(entries)
@@ -395,6 +400,16 @@ class BucketStore(Store):
                 visit(list(records[c].parents))
             else:
                 visit([r[0] for r in self.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)])
+        self.index_records(records, packs, lenient)
+
+    def index_records(self, records: dict[str, Any], packs: list[str] | None = None, lenient: bool = False) -> None:
+        """Copy verified commit records (``{commit id: CommitRecord}``) into the cache, parents
+        before children (time order); ``packs`` and ``lenient`` as in :meth:`_cache` (a
+        record whose blobs are in no pack is then left out of the cache).
+
+        Raises:
+            BlobMissingError: (not ``lenient``) a record's blob is in no pack index of the bucket.
+        """
         records = dict(sorted(records.items(), key=lambda kv: -kv[1].created_at))
         todo = list(reversed(records))  # parents before children
         if not todo:

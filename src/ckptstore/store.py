@@ -287,6 +287,19 @@ def _check_tag(name: Any) -> str:
     return name
 
 
+def _is_url(path: Any) -> bool:
+    """Is ``path`` a store on object storage (``s3://…``) rather than a folder?
+
+    Raises:
+        InvalidArgumentError: a URL of another scheme.
+    """
+    if not (isinstance(path, str) and _URL.match(path)):
+        return False
+    if not path.startswith("s3://"):
+        raise InvalidArgumentError(f"unsupported store location {path!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
+    return True
+
+
 def _as_backend(remote: Any) -> Backend | None:
     """``remote`` as a backend when it is object storage (an ``s3://`` URL or a Backend), else ``None``."""
     from .backends import Backend, open_backend
@@ -339,9 +352,7 @@ class Store:
     """
 
     def __new__(cls, path: str | os.PathLike = "", *args: Any, **kwargs: Any) -> Store:
-        if cls is Store and isinstance(path, str) and _URL.match(path):
-            if not path.startswith("s3://"):
-                raise InvalidArgumentError(f"unsupported store location {path!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
+        if cls is Store and _is_url(path):
             from .bucket import BucketStore  # a store on object storage
 
             return super().__new__(BucketStore)
@@ -1560,6 +1571,11 @@ class Store:
     def recover(path: str | os.PathLike, force: bool = False) -> RecoverReport:
         """Rebuild the catalog of the store at ``path`` from its packs alone.
 
+        ``path`` may be ``s3://bucket/prefix``: the local cache (that store's index) is
+        rebuilt from the bucket's objects, every record checked against its id, and damaged
+        pack indexes rebuilt from their packs (:func:`ckptstore.bucketgc.recover`; the same
+        report; ``force`` changes nothing there: the cache holds only copies).
+
         For a store whose ``catalog.sqlite`` was deleted or damaged beyond
         SQLite's repair: every commit whose blobs are present, its lineage, and
         every tag as of its last move come back. Run it while no other process
@@ -1577,8 +1593,10 @@ class Store:
             ResourceLimitError: out of file descriptors (nothing changed).
             GCLockedError: a GC is running on the store.
         """
-        if str(path).startswith("s3://"):
-            raise InvalidArgumentError(f"{path}: recover rebuilds a local store's catalog; a store on object storage has none to rebuild")
+        if _is_url(path):
+            from .bucketgc import recover as recover_bucket
+
+            return recover_bucket(path, force)
         return recover(path, force)
 
     # --- containers --------------------------------------------------------------------
