@@ -6,7 +6,11 @@ design: ``ckptstore.json``, ``blobs/<xx>/<id>.pack`` + ``.idx``, ``commits/<xx>/
 ``refs/<tag>``, ``reflog/<tag>/<at>-<write id>`` and ``gc/<run id>.json``. This module
 knows only that interface: no path, no S3 client.
 
-**Push** (:func:`push`) of ``ref`` of a local store: read the remote tag; refuse
+The local side is any :class:`~ckptstore.store.Store`, in a folder or itself on object
+storage (a bucket-to-bucket copy): it is read and written only through the facade
+(``pack_reader()``, ``locate``, ``record``, ``commit_manifest``, ``tag``).
+
+**Push** (:func:`push`) of ``ref`` of a store: read the remote tag; refuse
 (``RefConflictError`` naming both commits) unless it names the pushed commit or one of
 its ancestors, or ``force``; find the commits of the lineage the remote lacks (``head``
 of their records, stopping at the first one present: records are written parents
