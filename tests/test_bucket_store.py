@@ -627,7 +627,9 @@ def test_recover_rebuilds_the_cache_and_names_what_the_bucket_cannot_give_back(u
         assert_bit_equal(again.checkout("a")["w"], torch.full((1000,), 0.0))
     code, out, err = cli(monkeypatch, capsys, "recover", "--store", url)
     assert code == 1 and "recovered 1 commits, 1 tags" in out and f"tag c: it names commit {ids[2]}" in out
-    assert err.strip().splitlines() == ["error: recover could not restore 2 tag(s) and 2 commit(s) the packs hold (0 unreadable pack(s) or record(s)); see the list above"]
+    assert err.strip().splitlines() == [
+        "error: recover could not restore 2 tag(s) and 2 commit(s) the packs hold (0 unreadable pack(s) or record(s)); see the list above"
+    ]
     with pytest.raises(ckptstore.errors.NotAStoreError):
         ckptstore.Store.recover(f"s3://ckpt/empty-{uuid.uuid4().hex[:8]}")
     with pytest.raises(ckptstore.errors.InvalidArgumentError, match="unsupported store location"):

@@ -51,7 +51,6 @@ from .errors import (
     BlobMissingError,
     CatalogCorruptError,
     IntegrityError,
-    InvalidArgumentError,
     InvalidNameError,
     NotAStoreError,
     ObjectNotFoundError,
@@ -61,7 +60,7 @@ from .errors import (
     RefNotFoundError,
 )
 from .layout import RANDOM, address, digest
-from .packindex import decode_index, index_key, pack_key
+from .packindex import index_key, pack_key
 from .packs import (
     BLOB_HEADER,
     BLOB_MAGIC,

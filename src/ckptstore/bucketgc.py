@@ -529,8 +529,8 @@ def _rebuild_cache(store, report: RecoverReport) -> None:
     for pid, found in sorted(store.pack_problems.items()):
         if found.entries is None:
             report.damaged_packs[pid] = found.pack_problem
-            report.problems.append(f"pack {pid}.pack: {found.pack_problem}" + (f" (and {found.index_problem})" if found.index_problem else "")
-                                   + ": its blobs were not indexed")
+            also = f" (and {found.index_problem})" if found.index_problem else ""
+            report.problems.append(f"pack {pid}.pack: {found.pack_problem}{also}: its blobs were not indexed")
         else:
             repair_index(backend, pid, found.entries)
             report.repaired.append(index_key(pid))

@@ -47,8 +47,9 @@ class TransferReport:
         blobs_copied: blobs written to the destination.
         bytes_copied: their stored (possibly compressed) bytes.
         seconds: wall time of the transfer.
-        objects_written: objects uploaded to object storage, the ref included (0 between local stores).
-        bytes_written: their bytes, the ref's excluded (0 between local stores).
+        objects_written: objects a push to an ``s3://`` URL or Backend uploaded, the ref included
+            (:mod:`ckptstore.remote`); 0 for every other copy (a destination ``Store``, on either home).
+        bytes_written: their bytes, the ref's excluded (0 likewise).
     """
 
     commit: str
