@@ -594,3 +594,43 @@ def test_missing_bucket_empty_prefix_and_create_false(tmp_path, s3_server):
     with ckptstore.backends.open_backend(empty) as b:
         assert b.list() == [] and b.list_refs() == []  # reading wrote nothing
     s.close()
+
+
+def test_recover_rebuilds_the_cache_and_names_what_the_bucket_cannot_give_back(url, tmp_path, monkeypatch, capsys):
+    """``Store.recover("s3://…")``: a damaged ``.idx`` is rebuilt from its pack (and the
+    commit comes back); a deleted pack and a damaged record each lose their commit and the
+    tag naming it, named in the report; the CLI exits 1 with one line on stderr."""
+    import torch
+
+    from ckptstore.packindex import decode_index, index_key, pack_key
+
+    from .test_cli import cli
+
+    s = ckptstore.Store(url)
+    ids = [s.commit({"w": torch.full((1000,), float(i))}, tag=tag).id for i, tag in enumerate("abc")]
+    pack = {c: next(iter({loc.pack for loc in s.locate([k for leaf in s.record(c).leaves for k in leaf.keys]).values()})) for c in ids}
+    sizes = {o.key: o.size for o in s.backend.list("blobs")}
+    _raw_put(url, index_key(pack[ids[0]]), b"not an index")
+    s.backend.delete(pack_key(pack[ids[1]]))
+    _raw_put(url, f"commits/{ids[2][:2]}/{ids[2]}", b'["damaged"]')
+    s.close()
+    report = ckptstore.Store.recover(url)
+    assert (report.ok, report.installed, report.commits, report.blobs, report.packs, report.bad_records) == (False, True, 1, 2, 2, 1)
+    assert report.repaired == [index_key(pack[ids[0]])] and report.incomplete_commits == [ids[1]]
+    assert report.tags == {"a": ids[0]} and sorted(report.dropped_tags) == ["b", "c"] and sorted(report.dropped_commits) == sorted(ids[1:])
+    assert "1 of its blobs are in no readable pack" in report.dropped_commits[ids[1]]
+    assert "does not hash to commit id" in report.dropped_commits[ids[2]]
+    assert len(report.lost()) == 4
+    with ckptstore.Store(url) as again:
+        raw = again.backend.get(index_key(pack[ids[0]]))
+        assert len(decode_index(raw, pack[ids[0]], sizes[pack_key(pack[ids[0]])], "idx")) == 1  # its one blob, walked from the pack
+        assert_bit_equal(again.checkout("a")["w"], torch.full((1000,), 0.0))
+    code, out, err = cli(monkeypatch, capsys, "recover", "--store", url)
+    assert code == 1 and "recovered 1 commits, 1 tags" in out and f"tag c: it names commit {ids[2]}" in out
+    assert err.strip().splitlines() == [
+        "error: recover could not restore 2 tag(s) and 2 commit(s) the packs hold (0 unreadable pack(s) or record(s)); see the list above"
+    ]
+    with pytest.raises(ckptstore.errors.NotAStoreError):
+        ckptstore.Store.recover(f"s3://ckpt/empty-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(ckptstore.errors.InvalidArgumentError, match="unsupported store location"):
+        ckptstore.Store.recover("gs://ckpt/x")

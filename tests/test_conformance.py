@@ -5,6 +5,9 @@ ids and lineages, exact bytes read by a partial checkout, exact reflogs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
 import uuid
 
 import numpy as np
@@ -17,6 +20,7 @@ from ckptstore.errors import (
     IntegrityError,
     InvalidArgumentError,
     InvalidNameError,
+    NotAStoreError,
     PartialPathError,
     RefConflictError,
     RefNotFoundError,
@@ -24,6 +28,7 @@ from ckptstore.errors import (
 from ckptstore.packs import BLOB_HEADER
 
 from .conftest import assert_bit_equal
+from .test_cli import cli
 from .test_replay_buffer import fill, make_buffer, samples, storage_of
 
 SHARD = 256 << 10
@@ -50,6 +55,29 @@ class Home:
         s = ckptstore.Store(self.location, create=True, **kwargs) if self.kind == "local" else ckptstore.Store(self.location, **kwargs)
         self.opened.append(s)
         return s
+
+    def other(self) -> str:
+        """A second, empty location of the same kind (a folder, or another prefix of the bucket)."""
+        return str(self.tmp_path / f"other-{uuid.uuid4().hex[:8]}") if self.kind == "local" else f"s3://ckpt/conf-{uuid.uuid4().hex[:12]}"
+
+    def lose_index(self) -> None:
+        """Delete what ``recover`` rebuilds: the catalog of a folder, the local cache of a bucket store."""
+        if self.kind == "local":
+            for suffix in ("", "-wal", "-shm"):
+                (self.tmp_path / "store" / f"catalog.sqlite{suffix}").unlink(missing_ok=True)
+        else:
+            from ckptstore.bucket import cache_folder
+
+            shutil.rmtree(cache_folder(self.location))
+
+    def packs(self) -> int:
+        """Packs the store holds (a local store's packs also hold its ref-move records)."""
+        if self.kind == "local":
+            return len(list((self.tmp_path / "store" / "blobs").glob("*/*.pack")))
+        from ckptstore.backends import open_backend
+
+        with open_backend(self.location) as b:
+            return sum(o.key.endswith(".pack") for o in b.list("blobs"))
 
     def pack_bytes(self) -> int:
         """Bytes of every pack (and pack index) the store holds."""
@@ -355,3 +383,164 @@ def test_a_fresh_checkout_of_a_tag_reads_only_the_indexes_of_its_packs(s3_server
     assert len(bucket_packs) == 3 and len(known) == 1 and known < bucket_packs  # t2's tag named its pack
     for x in (s, fresh):
         x.close()
+
+
+def _stored(s: ckptstore.Store, cids: list[str], having: tuple[str, ...] = ()) -> int:
+    """Stored bytes of the blobs of commits ``cids`` that commits ``having`` lack: what a
+    transfer copies to a destination that holds ``having``."""
+    def keys(cs):
+        return {k for c in cs for leaf in s.record(c).leaves for k in leaf.keys}
+
+    return sum(loc.stored_len for loc in s.locate(list(keys(cids) - keys(having))).values())
+
+
+@contextlib.contextmanager
+def _opened(target):
+    """``target`` as a fresh Store object (another process), or itself if it is one."""
+    if isinstance(target, ckptstore.Store):
+        yield target
+        return
+    with ckptstore.Store(target) as d:
+        yield d
+
+
+def _two_commits(s: ckptstore.Store) -> tuple[dict, str, str]:
+    sd = state()
+    first = s.commit(sd, tag="t", metadata={"step": 1}).id
+    sd["a"][:40] += 1  # one shard of a
+    return sd, first, s.commit(sd, tag="t").id
+
+
+@pytest.mark.parametrize("dest", ["folder", "bucket", "bucket Store"])
+def test_push_to_either_home_copies_only_what_is_missing(home, s3_server, dest, tmp_path):
+    """To a folder, to a bucket prefix by URL (:mod:`ckptstore.remote`), and to an open
+    bucket Store (:mod:`ckptstore.transfer`: through the destination's commit protocol)."""
+    s = home.open()
+    sd, first, second = _two_commits(s)
+    target = str(tmp_path / "dst") if dest == "folder" else f"s3://ckpt/dst-{uuid.uuid4().hex[:12]}"
+    if dest == "bucket Store":
+        target = ckptstore.Store(target)
+        home.opened.append(target)
+    report = s.push(target, "t")
+    assert (report.commit, report.tag, report.previous, report.commits_copied) == (second, "t", None, [first, second])
+    assert (report.blobs_copied, report.bytes_copied) == (9, _stored(s, [first, second]))  # 8 shards, then the changed one
+    again = s.push(target, "t")
+    assert (again.commits_copied, again.blobs_copied, again.bytes_copied, again.previous) == ([], 0, 0, second)
+    with _opened(target) as d:
+        assert d.tags() == {"t": second}
+        assert [c.id for c in d.log("t")] == [second, first]
+        assert d.info(first).metadata == {"step": 1}
+        assert_bit_equal(d.checkout("t")["a"], sd["a"])
+        assert_bit_equal(d.checkout(first)["a"], state()["a"])
+        assert d.fsck(deep=True).ok
+        other = d.commit(state(5), tag="t")  # the destination moves on: the lineages diverge
+    sd["b"][0] = 1.0
+    third = s.commit(sd, tag="t").id
+    with pytest.raises(RefConflictError, match=f"names commit {other.id}, which is not an ancestor of {third}"):
+        s.push(target, "t")
+    with _opened(target) as d:
+        assert d.tags() == {"t": other.id}  # unchanged
+    forced = s.push(target, "t", force=True)
+    assert (forced.previous, forced.commits_copied, forced.blobs_copied) == (other.id, [third], 1)
+    assert forced.bytes_copied == _stored(s, [third], (second,))
+    with _opened(target) as d:
+        assert d.tags() == {"t": third}
+        assert_bit_equal(d.checkout("t")["b"], sd["b"])
+
+
+@pytest.mark.parametrize("source", ["folder", "bucket"])
+def test_pull_from_either_home_copies_only_what_is_missing(home, s3_server, source, tmp_path):
+    where = str(tmp_path / "src") if source == "folder" else f"s3://ckpt/src-{uuid.uuid4().hex[:12]}"
+    with ckptstore.Store(where, create=True) as src:
+        sd, first, second = _two_commits(src)
+        expect = _stored(src, [first, second])
+    s = home.open()
+    report = s.pull(where, "t")
+    assert (report.commit, report.tag, report.previous, report.commits_copied) == (second, "t", None, [first, second])
+    assert (report.blobs_copied, report.bytes_copied) == (9, expect)
+    again = s.pull(where, "t")
+    assert (again.commits_copied, again.blobs_copied, again.bytes_copied, again.previous) == ([], 0, 0, second)
+    other = home.open(fresh_cache=True)
+    assert other.tags() == {"t": second} and [c.id for c in other.log("t")] == [second, first]
+    assert_bit_equal(other.checkout("t")["a"], sd["a"])
+    assert_bit_equal(other.checkout(first)["a"], state()["a"])
+    assert other.fsck(deep=True).ok
+    mine = s.commit(state(7), tag="t")  # this store moves on: the next pull is not a fast-forward
+    with pytest.raises(RefConflictError, match=f"names commit {mine.id}, which is not an ancestor of {second}"):
+        s.pull(where, "t")
+    assert s.tags() == {"t": mine.id}
+    assert s.pull(where, "t", force=True).previous == mine.id and s.tags() == {"t": second}
+    with pytest.raises(RefNotFoundError):
+        s.pull(where, "nope")
+
+
+def test_export_gives_the_same_archive_on_both_homes(home, tmp_path):
+    """One commit exported from a local store and from the home (the commit pushed there):
+    the same bytes, and importing either gives the same commit, bit-exact."""
+    ref = ckptstore.Store(tmp_path / "ref", create=True)
+    sd, first, second = _two_commits(ref)
+    ref.push(home.location, "t")
+    ref.export("t", tmp_path / "ref.zip")
+    s = home.open(fresh_cache=True)
+    out = s.export("t", tmp_path / "home.zip")
+    assert out == tmp_path / "home.zip"
+    assert (tmp_path / "home.zip").read_bytes() == (tmp_path / "ref.zip").read_bytes()
+    s.export(first[:8], tmp_path / "folder")
+    manifest = json.loads((tmp_path / "folder" / "ckptstore-export.json").read_text())
+    assert (manifest["commit"]["id"], len(list((tmp_path / "folder" / "blobs").iterdir()))) == (first, 8)
+    with ckptstore.Store(tmp_path / "imported", create=True) as imp:
+        info = imp.import_from(tmp_path / "home.zip", tag="x")
+        assert_bit_equal(imp.checkout("x")["a"], sd["a"])
+        assert imp.checkout("x")["cfg", "name"] == "x/y"
+        assert info.id == second
+    with pytest.raises(ckptstore.errors.ContainerError, match="already exists"):
+        s.export("t", tmp_path / "home.zip")
+    with pytest.raises(RefNotFoundError):
+        s.export("nope", tmp_path / "nope.zip")
+    assert not (tmp_path / "nope.zip").exists()
+    ref.close()
+
+
+def test_recover_rebuilds_the_index_from_the_objects_alone(home):
+    s = home.open()
+    sd, first, second = _two_commits(s)
+    s.tag("old", first)
+    s.close()
+    home.lose_index()
+    report = ckptstore.Store.recover(home.location)
+    assert (report.ok, report.installed, report.commits, report.blobs, report.reflog) == (True, True, 2, 9, 3)
+    assert report.tags == {"old": first, "t": second} and report.lost() == [] and report.packs == home.packs()
+    other = home.open()
+    assert other.tags() == {"old": first, "t": second}
+    assert [c.id for c in other.log("t")] == [second, first]
+    assert_bit_equal(other.checkout("t")["a"], sd["a"])
+    assert other.fsck(deep=True).ok
+    empty = home.other()
+    with pytest.raises(NotAStoreError):
+        ckptstore.Store.recover(empty)
+
+
+def test_cli_push_pull_export_recover(home, s3_server, tmp_path, monkeypatch, capsys):
+    s = home.open()
+    sd, first, second = _two_commits(s)
+    s.close()
+    loc = home.location
+    bucket = f"s3://ckpt/cli-{uuid.uuid4().hex[:12]}"
+    for dst in (str(tmp_path / "dst"), bucket):
+        code, out, _ = cli(monkeypatch, capsys, "push", dst, "t", "--store", loc, "--json")
+        assert code == 0 and (json.loads(out)["commits_copied"], json.loads(out)["blobs_copied"]) == ([first, second], 9)
+        code, out, _ = cli(monkeypatch, capsys, "push", dst, "t", "--store", loc, "--json")
+        assert code == 0 and (json.loads(out)["commits_copied"], json.loads(out)["blobs_copied"]) == ([], 0)
+    other = home.other()
+    code, out, _ = cli(monkeypatch, capsys, "pull", bucket, "t", "--store", other)
+    assert code == 0 and out.startswith(f"pulled {second[:12]}: 2 commit(s), 9 blob(s)")
+    code, out, _ = cli(monkeypatch, capsys, "export", "t", str(tmp_path / "x.zip"), "--store", other)
+    assert code == 0 and (tmp_path / "x.zip").is_file()
+    code, _, err = cli(monkeypatch, capsys, "push", bucket, "nope", "--store", loc)
+    assert code != 0 and len(err.strip().splitlines()) == 1
+    home.lose_index()
+    code, out, _ = cli(monkeypatch, capsys, "recover", "--store", loc, "--json")
+    got = json.loads(out)
+    assert code == 0 and (got["ok"], got["commits"], got["tags"]) == (True, 2, {"t": second})
+    with ckptstore.Store(other) as o:
+        assert_bit_equal(o.checkout("t")["a"], sd["a"])

@@ -51,7 +51,6 @@ from .errors import (
     BlobMissingError,
     CatalogCorruptError,
     IntegrityError,
-    InvalidArgumentError,
     InvalidNameError,
     NotAStoreError,
     ObjectNotFoundError,
@@ -61,12 +60,13 @@ from .errors import (
     RefNotFoundError,
 )
 from .layout import RANDOM, address, digest
-from .packindex import decode_index, index_key, pack_key
+from .packindex import index_key, pack_key
 from .packs import (
     BLOB_HEADER,
     BLOB_MAGIC,
     BlobLoc,
     Entry,
+    check_entry,
     decode_entry,
 )
 from .records import check_tag, recreate
@@ -160,18 +160,34 @@ class BucketReader:
         view = self._entry(loc, where)
         decode_entry(view[: BLOB_HEADER.size], view[BLOB_HEADER.size :], loc, dest, where, verify, magic)
 
-    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> BlobLoc:
-        """Read blob ``loc`` into ``dest``; returns where it was read (see :class:`~ckptstore.packs.PackReader`)."""
+    def _found(self, loc: BlobLoc, read) -> tuple[BlobLoc, Any]:
+        """``(where, read(where))``: ``loc``, or where the blob is now when its pack is gone."""
         try:
-            self._read(loc, dest, where, verify, magic)
-            return loc
+            return loc, read(loc)
         except BlobMissingError:
             self.store.refresh_index()
             moved = self.store.relocate(loc)
             if moved is None or moved == loc:
                 raise
-            self._read(moved, dest, where, verify, magic)
-            return moved
+            return moved, read(moved)
+
+    def read_into(self, loc: BlobLoc, dest: memoryview, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> BlobLoc:
+        """Read blob ``loc`` into ``dest``; returns where it was read (see :class:`~ckptstore.packs.PackReader`)."""
+        return self._found(loc, lambda at: self._read(at, dest, where, verify, magic))[0]
+
+    def stored(self, loc: BlobLoc, where: str) -> bytes:
+        """The entry of blob ``loc`` as stored (header and payload), after checking its
+        header and rehashing it (:func:`~ckptstore.packs.check_entry`): what push, pull and
+        export copy.
+
+        Raises:
+            BlobMissingError: its pack is gone and no other pack holds it.
+            BlobCorruptError: its header or bytes do not match.
+        """
+        where = f"{self.backend.url}: {where}"
+        at, view = self._found(loc, lambda at: self._entry(at, where))
+        check_entry(view, at, where)
+        return bytes(view)
 
     def read(self, loc: BlobLoc, where: str, verify: bool = True, magic: bytes = BLOB_MAGIC) -> bytearray:
         out = bytearray(loc.raw_len)
@@ -196,8 +212,10 @@ class BucketStore(Store):
       parallel, :data:`UPLOADS` at a time).
     - ``cache``: the folder of the local index (default :func:`cache_folder`).
     - ``gc``'s grace period defaults to 24 hours (:mod:`ckptstore.bucketgc`).
-    - ``push``, ``export`` and ``recover`` are for local stores: pull the commit into
-      one (``local.pull("s3://…", ref)``) first.
+    - ``push``, ``pull`` and ``export`` work as on a local store, to and from either home
+      (a folder, or another prefix: :mod:`ckptstore.transfer`, :mod:`ckptstore.remote`);
+      ``Store.recover("s3://…")`` rebuilds this cache from the bucket alone
+      (:func:`ckptstore.bucketgc.recover`).
 
     Credentials and endpoint come from the standard environment (``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``).
@@ -240,9 +258,16 @@ class BucketStore(Store):
         self._index_lock = threading.Lock()
         self._indexed = False  # refresh_index ran in this object
         self._copying = threading.local()  # .on: this thread copies a commit of the bucket into the cache
+        #: Packs the last refreshes could not index from their ``.idx`` (walked instead) or not at all: ``{pack id: PackEntries}``.
+        self.pack_problems: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
+
+    @property
+    def location(self) -> str:
+        """``s3://bucket/prefix``: where the store lives (its cache is only a copy)."""
+        return self.url
 
     def close(self) -> None:
         """Wait for asynchronous commits, then release threads, the cache and the client."""
@@ -299,7 +324,10 @@ class BucketStore(Store):
             indexes = None if only is not None else {k for k in listed if k.endswith(".idx")}
 
             def load(pid: str) -> list[Entry] | None:
-                return pack_entries(self.backend, pid, packs[pid].size, indexes is None or index_key(pid) in indexes).entries
+                found = pack_entries(self.backend, pid, packs[pid].size, indexes is None or index_key(pid) in indexes)
+                if found.entries is None or found.index_problem is not None:
+                    self.pack_problems[pid] = found  # for recover: what to report, which indexes to rebuild
+                return found.entries
 
             entries = {pid: es for pid, es in zip(todo, self.requests.map(load, todo)) if es is not None}
             todo = list(entries)
@@ -371,6 +399,16 @@ class BucketStore(Store):
                 visit(list(records[c].parents))
             else:
                 visit([r[0] for r in self.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)])
+        self.index_records(records, packs, lenient)
+
+    def index_records(self, records: dict[str, Any], packs: list[str] | None = None, lenient: bool = False) -> None:
+        """Copy verified commit records (``{commit id: CommitRecord}``) into the cache, parents
+        before children (time order); ``packs`` and ``lenient`` as in :meth:`_cache` (a
+        record whose blobs are in no pack is then left out of the cache).
+
+        Raises:
+            BlobMissingError: (not ``lenient``) a record's blob is in no pack index of the bucket.
+        """
         records = dict(sorted(records.items(), key=lambda kv: -kv[1].created_at))
         todo = list(reversed(records))  # parents before children
         if not todo:
@@ -840,17 +878,27 @@ class BucketStore(Store):
             cid = cid or resolve_remote(self.backend, ref)[0]
         return check(self, deep=True, commit=cid)
 
-    def push(self, remote, ref, force=False):
-        raise InvalidArgumentError(f"push copies from a local store; {self.url} is a store on object storage: "
-                                   f"copy from it into a local store with `ckptstore pull {self.url} REF --store FOLDER` (Store(folder).pull)")
-
-    def pull(self, remote, ref, force=False):
-        raise InvalidArgumentError(f"pull copies into a local store; {self.url} is a store on object storage: "
-                                   f"copy a local store's commits to it with `ckptstore push {self.url} REF --store FOLDER` (Store(folder).push)")
-
-    def export(self, ref, dest):
-        raise InvalidArgumentError(f"export reads a local store; {self.url} is a store on object storage: pull the commit into a "
-                                   f"local store first (`ckptstore pull {self.url} REF --store FOLDER`), then export it from there")
 
 
-__all__ = ["BucketReader", "BucketStore", "cache_folder"]
+def recover(url: str, force: bool = False):
+    """``Store.recover`` for ``url`` (``s3://bucket/prefix``): rebuild its cache from the
+    bucket's objects alone (:func:`ckptstore.bucketgc.recover`, which says what is read,
+    rebuilt and reported) on a scratch cache that is then installed and removed. The cache
+    holds only copies of the bucket's objects, so ``force`` changes nothing.
+
+    Raises:
+        NotAStoreError: no store at ``url`` (a missing bucket, or no ``ckptstore.json``).
+        BackendError: the storage failed (nothing was installed).
+        CatalogBusyError: another process holds the cache's write lock.
+    """
+    from .bucketgc import recover as rebuild
+
+    scratch = cache_folder(url)
+    probe = BucketStore(url, create=False, cache=scratch.with_name(f"{scratch.name}.recover-{uuid.uuid4().hex[:8]}"))
+    try:
+        return rebuild(probe, cache_folder(probe.url))
+    finally:
+        probe.close()
+        shutil.rmtree(probe.root, ignore_errors=True)
+
+__all__ = ["BucketReader", "BucketStore", "cache_folder", "recover"]

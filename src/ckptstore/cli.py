@@ -463,7 +463,7 @@ def recover(
     force: Annotated[bool, typer.Option("--force", metavar="", help="Rebuild even a catalog that opens and passes SQLite's check, and replace it even with a rebuild that lacks what could not be read.")] = False,
     as_json: AsJson = False,
 ) -> None:
-    """Rebuild a lost or damaged catalog from the packs alone; run it while nothing else uses the store.
+    """Rebuild a lost or damaged catalog from the packs alone (s3://…: this machine's cache from the bucket); run it while nothing else uses the store.
 
     Exit 1 when it could not restore everything the packs hold (each tag, commit, pack and
     record is named, with why); an existing catalog is then replaced only with --force."""

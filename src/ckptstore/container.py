@@ -42,7 +42,7 @@ import zstandard
 from . import jsonvalue, progress
 from .errors import CkptStoreError, ContainerError, IntegrityError
 from .layout import check_path
-from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc, PackReader
+from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc
 from .records import Component, LeafRecord, check_paths, check_tag, recreate
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
 
@@ -101,9 +101,10 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
     """
     dest = Path(dest)
     _check_destination(dest)
+    cid = store.resolve(ref)  # on object storage: reads the tag, copies the record into the cache
     with store.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its blobs' rows
-        cid = store.resolve(ref)
-        info = store.info(cid)
+        cid = store.resolve(cid)
+        info = store.infos([cid])[cid]
         leaves = store.manifest(cid)  # the shards' locations
         raw_comps, raw_leaves = recreate(store.record(cid))  # paths and values as stored: the import rebuilds the same record
     manifest = {
@@ -124,7 +125,7 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
         ],
     }
     blobs: dict[str, BlobLoc] = {loc.address: loc for r in leaves for loc in r.shards}
-    reader = PackReader(store.root, locate=store.relocate)
+    reader = store.pack_reader()
 
     def blob_bytes(loc: BlobLoc) -> bytes:  # header and payload as stored, verified first
         data = reader.stored(loc, f"commit {cid}, export")
@@ -143,8 +144,8 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
             if dest.suffix == ".zip":
                 with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zf:
                     for addr, loc in blobs.items():
-                        zf.writestr(f"blobs/{addr}", blob_bytes(loc))
-                    zf.writestr(MANIFEST, json.dumps(manifest))
+                        zf.writestr(_entry(f"blobs/{addr}"), blob_bytes(loc))
+                    zf.writestr(_entry(MANIFEST), json.dumps(manifest))
                 _fsync(out)
             else:
                 out.mkdir()
@@ -168,6 +169,16 @@ def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
         shutil.rmtree(staging, ignore_errors=True)  # still locked: no other export removes it meanwhile
         os.close(lock_fd)
     return dest
+
+
+def _entry(name: str) -> zipfile.ZipInfo:
+    """An archive entry dated 1980-01-01 (ZIP's epoch), mode 0644: the archive's bytes
+    depend only on the commit, so one commit exported from any store, on either home, at
+    any time, gives the same file."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED
+    info.external_attr = 0o644 << 16
+    return info
 
 
 def _check_destination(dest: Path) -> None:

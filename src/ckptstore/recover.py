@@ -63,7 +63,10 @@ class RecoverReport:
     ``dropped_commits`` and ``dropped_tags`` map each commit (id) and tag the packs
     hold but the rebuilt catalog lacks to the reason; ``problems`` names every
     pack and record that could not be read. ``ok`` is false when any of these
-    is not empty: the rebuild is not the whole store.
+    is not empty: the rebuild is not the whole store. ``repaired`` lists the keys of
+    derived objects rewritten from what they derive from: the missing or damaged pack
+    indexes (``.idx``) of a store on object storage, rebuilt from their packs (a local
+    store has none: always empty). ``seconds``: wall time.
     """
 
     packs: int = 0
@@ -79,6 +82,7 @@ class RecoverReport:
     problems: list[str] = field(default_factory=list)
     installed: bool = False
     moved_aside: str | None = None
+    repaired: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -144,7 +148,7 @@ def recover(root: str | os.PathLike, force: bool = False) -> RecoverReport:
                         f"{'; ...' if len(lost) > 3 else ''}); the existing catalog was left as it is. "
                         "`ckptstore recover --force` installs the rebuild anyway and lists everything it lacks"
                     )
-                _install(root, new, report)
+                install(root, new, report)
                 report.installed = True
             finally:
                 new.close()
@@ -312,7 +316,13 @@ def _insert_commit(cat: Catalog, db, rec: CommitRecord, ids: dict) -> None:
         cat.conn.executemany("INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)", [(leaf_id, i, ids[k]) for i, k in enumerate(r.keys)])
 
 
-def _install(root: Path, new: Catalog, report: RecoverReport) -> None:
+def install(root: Path, new: Catalog, report: RecoverReport) -> None:
+    """Copy catalog ``new`` over ``root``'s ``catalog.sqlite`` with SQLite's backup API (a
+    file SQLite cannot open at all is first moved aside: ``report.moved_aside``).
+
+    Raises:
+        CatalogBusyError: another process holds the catalog's write lock.
+    """
     path = root / CATALOG
     try:
         old = Catalog(path, create=True)

@@ -6,7 +6,11 @@ design: ``ckptstore.json``, ``blobs/<xx>/<id>.pack`` + ``.idx``, ``commits/<xx>/
 ``refs/<tag>``, ``reflog/<tag>/<at>-<write id>`` and ``gc/<run id>.json``. This module
 knows only that interface: no path, no S3 client.
 
-**Push** (:func:`push`) of ``ref`` of a local store: read the remote tag; refuse
+The local side is any :class:`~ckptstore.store.Store`, in a folder or itself on object
+storage (a bucket-to-bucket copy): it is read and written only through the facade
+(``pack_reader()``, ``locate``, ``record``, ``commit_manifest``, ``tag``).
+
+**Push** (:func:`push`) of ``ref`` of a store: read the remote tag; refuse
 (``RefConflictError`` naming both commits) unless it names the pushed commit or one of
 its ancestors, or ``force``; find the commits of the lineage the remote lacks (``head``
 of their records, stopping at the first one present: records are written parents
@@ -64,7 +68,6 @@ from .packs import (
     RECORD_MAGIC,
     BlobLoc,
     Entry,
-    PackReader,
     check_entry,
     encode_blob,
     entry_header,
@@ -603,7 +606,7 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
         index = RemoteIndex(backend).refresh()
         uploads = Pool(UPLOADS, thread_name_prefix="ckptstore-push")
         packs = BucketPackWriter(backend, 0, pack_bytes, uploads)
-        reader = PackReader(local.root, sparse=True, locate=local.relocate)
+        reader = local.pack_reader(sparse=True)
         sent: set[tuple[bytes, int]] = set()
         reused: dict[tuple[bytes, int], str] = {}
         texts = []
@@ -611,8 +614,8 @@ def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_byt
         def send(key: tuple[bytes, int], located: dict, c: str) -> None:
             loc = located.get(key)
             if loc is None:
-                raise BlobMissingError(f"{local.root}: commit {c}, blob {address(*key)} is not in the catalog")
-            stored = reader.stored(loc, f"{local.root}: commit {c}")  # verified: its header is loc's
+                raise BlobMissingError(f"{local.location}: commit {c}, blob {address(*key)} is not in the catalog")
+            stored = reader.stored(loc, f"{local.location}: commit {c}")  # verified: its header is loc's
             packs.append_encoded(loc.digest, loc.raw_len, loc.codec, memoryview(stored)[BLOB_HEADER.size :])
             sent.add(key)
             reused.pop(key, None)
@@ -750,7 +753,7 @@ def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> Trans
             if c not in records and local.has_commit(c):
                 ancestors.update(i.id for i in local.log(c))
         if previous not in ancestors:
-            raise _diverged(str(local.root), tag, previous, cid)
+            raise _diverged(local.location, tag, previous, cid)
     report = TransferReport(cid, tag, previous)
     if order:
         index = RemoteIndex(backend).refresh()
@@ -760,6 +763,8 @@ def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> Trans
             keys = [k for leaf in leaves for k in leaf.keys]
             unique = list(dict.fromkeys(keys))
             try:
+                if c == order[0]:
+                    local.refresh_index()  # a store on object storage: its cache learns every blob the bucket holds
                 have = local.locate(unique)
             except NotAStoreError:
                 have = {}

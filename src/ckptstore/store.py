@@ -255,6 +255,19 @@ def _setting(name: str, value: Any, low: int, high: int) -> Any:
     return value
 
 
+def _is_url(path: Any) -> bool:
+    """Is ``path`` a store on object storage (``s3://…``) rather than a folder?
+
+    Raises:
+        InvalidArgumentError: a URL of another scheme.
+    """
+    if not (isinstance(path, str) and _URL.match(path)):
+        return False
+    if not path.startswith("s3://"):
+        raise InvalidArgumentError(f"unsupported store location {path!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
+    return True
+
+
 def _as_backend(remote: Any) -> Backend | None:
     """``remote`` as a backend when it is object storage (an ``s3://`` URL or a Backend), else ``None``."""
     from .backends import Backend, open_backend
@@ -307,9 +320,7 @@ class Store:
     """
 
     def __new__(cls, path: str | os.PathLike = "", *args: Any, **kwargs: Any) -> Store:
-        if cls is Store and isinstance(path, str) and _URL.match(path):
-            if not path.startswith("s3://"):
-                raise InvalidArgumentError(f"unsupported store location {path!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
+        if cls is Store and _is_url(path):
             from .bucket import BucketStore  # a store on object storage
 
             return super().__new__(BucketStore)
@@ -500,6 +511,18 @@ class Store:
 
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r})"
+
+    @property
+    def location(self) -> str:
+        """Where the store lives, for messages: its folder (``s3://…`` for a store on object storage)."""
+        return str(self.root)
+
+    def refresh_index(self, only: list[str] | None = None) -> int:
+        """Bring the index up to date with the objects before a lookup that must see every
+        blob the store holds; returns the packs read. A local store's catalog is updated by
+        every commit in its own transaction: nothing to do (0). On object storage the cache
+        reads the pack indexes it has not seen (:meth:`ckptstore.bucket.BucketStore.refresh_index`)."""
+        return 0
 
     # --- commit ----------------------------------------------------------------------
 
@@ -1255,7 +1278,11 @@ class Store:
         from .transfer import transfer
 
         other = remote if isinstance(remote, Store) else Store(remote, create=True)
-        return transfer(self, other, ref, force)
+        try:
+            return transfer(self, other, ref, force)
+        finally:
+            if other is not remote:
+                other.close()
 
     def pull(self, remote: Store | Backend | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
         """The reverse of :meth:`push`: copy ``ref`` of ``remote`` into this store (created if
@@ -1274,8 +1301,12 @@ class Store:
         from .transfer import transfer
 
         other = remote if isinstance(remote, Store) else Store(remote, create=False)
-        self._open(create=True)
-        return transfer(other, self, ref, force)
+        try:
+            self._open(create=True)
+            return transfer(other, self, ref, force)
+        finally:
+            if other is not remote:
+                other.close()
 
     def delete_tag(self, name: str) -> str:
         """Delete tag ``name`` (its commits stay until GC); returns the commit it named.
@@ -1508,6 +1539,11 @@ class Store:
     def recover(path: str | os.PathLike, force: bool = False) -> RecoverReport:
         """Rebuild the catalog of the store at ``path`` from its packs alone.
 
+        ``path`` may be ``s3://bucket/prefix``: the local cache (that store's index) is
+        rebuilt from the bucket's objects, every record checked against its id, and damaged
+        pack indexes rebuilt from their packs (:func:`ckptstore.bucketgc.recover`; the same
+        report; ``force`` changes nothing there: the cache holds only copies).
+
         For a store whose ``catalog.sqlite`` was deleted or damaged beyond
         SQLite's repair: every commit whose blobs are present, its lineage, and
         every tag as of its last move come back. Run it while no other process
@@ -1525,8 +1561,10 @@ class Store:
             ResourceLimitError: out of file descriptors (nothing changed).
             GCLockedError: a GC is running on the store.
         """
-        if str(path).startswith("s3://"):
-            raise InvalidArgumentError(f"{path}: recover rebuilds a local store's catalog; a store on object storage has none to rebuild")
+        if _is_url(path):
+            from .bucket import recover as recover_bucket
+
+            return recover_bucket(path, force)
         return recover(path, force)
 
     # --- containers --------------------------------------------------------------------

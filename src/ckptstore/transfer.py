@@ -1,5 +1,10 @@
 """Push and pull: copying a commit and its lineage from one store to another.
 
+Either store may live in a folder or on object storage (``Store("s3://…")``): the
+source's blobs are read through its :meth:`~ckptstore.store.Store.pack_reader`, the
+commits recreated through the destination's own commit protocol, the tag moved by the
+destination's compare-and-swap (:meth:`~ckptstore.store.Store.tag` with ``expect=``).
+
 A transfer of ``ref`` copies the commit it names and every ancestor the destination
 lacks, oldest first, keeping their ids: each is recreated from its verified record
 through :meth:`Store.commit_manifest` (``origin=``), which checks that the rebuilt
@@ -15,6 +20,7 @@ period; running it again copies only what is still missing.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .errors import BlobMissingError, RefConflictError
 from .layout import address
-from .packs import BLOB_HEADER, BlobLoc, PackReader, PackWriter
+from .packs import BLOB_HEADER, BlobLoc, PackWriter
 from .records import recreate
 
 if TYPE_CHECKING:
@@ -41,8 +47,9 @@ class TransferReport:
         blobs_copied: blobs written to the destination.
         bytes_copied: their stored (possibly compressed) bytes.
         seconds: wall time of the transfer.
-        objects_written: objects uploaded to object storage, the ref included (0 between local stores).
-        bytes_written: their bytes, the ref's excluded (0 between local stores).
+        objects_written: objects a push to an ``s3://`` URL or Backend uploaded, the ref included
+            (:mod:`ckptstore.remote`); 0 for every other copy (a destination ``Store``, on either home).
+        bytes_written: their bytes, the ref's excluded (0 likewise).
     """
 
     commit: str
@@ -101,11 +108,12 @@ def transfer(src: Store, dst: Store, ref: str, force: bool = False) -> TransferR
     previous = dst.tags().get(tag) if tag is not None else None
     if previous is not None and previous != cid and not force and previous not in _ancestors(src, cid):
         raise RefConflictError(
-            f"{dst.root}: tag {tag!r} names commit {previous}, which is not an ancestor of {cid}: "
+            f"{dst.location}: tag {tag!r} names commit {previous}, which is not an ancestor of {cid}: "
             "the two lineages diverged (pass force=True / --force to move the tag anyway)"
         )
     report = TransferReport(cid, tag, previous)
-    reader = PackReader(src.root, sparse=True, locate=src.relocate)
+    reader = src.pack_reader(sparse=True)
+    counted = threading.Lock()  # write() runs on the destination's worker threads
     try:
         for c in missing_lineage(cid, lambda c: src.record(c).parents if src.has_commit(c) else None, dst.has_commit):
             rec = src.record(c)
@@ -116,10 +124,11 @@ def transfer(src: Store, dst: Store, ref: str, force: bool = False) -> TransferR
             def write(writer: PackWriter, key: tuple[bytes, int], located: dict = located, c: str = c) -> BlobLoc:
                 loc = located.get(key)
                 if loc is None:
-                    raise BlobMissingError(f"{src.root}: commit {c}, blob {address(*key)} is not in the catalog")
-                entry = reader.stored(loc, f"commit {c}, blob {loc.address}")
-                report.blobs_copied += 1
-                report.bytes_copied += loc.stored_len
+                    raise BlobMissingError(f"{src.location}: commit {c}, blob {address(*key)} is not in the catalog")
+                entry = reader.stored(loc, f"commit {c}, blob {loc.address}")  # verified: header and hash
+                with counted:
+                    report.blobs_copied += 1
+                    report.bytes_copied += loc.stored_len
                 return writer.append_encoded(loc.digest, loc.raw_len, loc.codec, entry[BLOB_HEADER.size :])
 
             dst.commit_manifest(
