@@ -357,7 +357,17 @@ class StoreWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: commit every rank's items in one catalog transaction and move the tags."""
+        """Coordinator: check every rank's reported packs are in the store at their sizes, then
+        commit every rank's items through the store's own commit protocol (``Store.commit_manifest``:
+        locally one catalog transaction; on object storage record put, GC-mark re-check of every
+        pack relied on, tag compare-and-swap, reflog) and move the tags.
+
+        Raises:
+            StoreWriteError: a reported pack is missing or of another size, or a blob of the
+                save was removed by a GC during it.
+            RefBusyError: (object storage) the tags kept moving.
+            BackendError: (object storage) the storage failed after retries.
+        """
         import time
 
         t0 = time.perf_counter()
