@@ -304,8 +304,9 @@ class Checkpointer:
 
 
 class _DCPStore:
-    """The store of a Checkpointer in DCP mode: a path, opened (for reads, and for pruning
-    on the coordinator) only when needed, so ranks that only save never open the catalog."""
+    """The store of a Checkpointer in DCP mode: a location (folder or ``s3://`` URL) opened
+    (for reads, and for pruning on the coordinator) only when needed, so ranks that only
+    save never open the catalog or a cache; or a Store the caller opened."""
 
     def __init__(self, store: Store | str | os.PathLike):
         self.path = store  # what StoreWriter takes: every rank writes its packs there
