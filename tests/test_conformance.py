@@ -544,3 +544,28 @@ def test_cli_push_pull_export_recover(home, s3_server, tmp_path, monkeypatch, ca
     assert code == 0 and (got["ok"], got["commits"], got["tags"]) == (True, 2, {"t": second})
     with ckptstore.Store(other) as o:
         assert_bit_equal(o.checkout("t")["a"], sd["a"])
+def test_dcp_save_resave_and_load_in_one_process(home):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import StoreReader, StoreWriter
+
+    sd = {"a": state()["a"], "step": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP without a process group says so
+        first = StoreWriter(home.location, tag="d")
+        dcp.save(sd, storage_writer=first)
+        again = StoreWriter(home.location, tag="d")  # unchanged: nothing new is written
+        dcp.save(sd, storage_writer=again)
+        target = {"a": torch.zeros(ROWS, 64), "step": 0}
+        reader = StoreReader(home.location, "d")
+        dcp.load(target, storage_reader=reader)
+    f, a = first.commit_info, again.commit_info
+    assert (f.shards_total, f.shards_new, f.new_bytes) == (4, 4, 4 * SHARD)
+    assert (a.shards_new, a.new_bytes, a.parents) == (0, 0, (f.id,))
+    assert_bit_equal(target["a"], sd["a"])
+    assert target["step"] == 3
+    assert reader.blobs_read == 4
+    s = home.open(fresh_cache=True)
+    assert [c.id for c in s.log("d")] == [a.id, f.id] and s.fsck(deep=True).ok

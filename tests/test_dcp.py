@@ -318,7 +318,7 @@ def _global(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(13, 6, generator=g), torch.randn(8, 4, generator=g)
 
 
-def _save_sharded(rank: int, world: int, store: str) -> str | None:
+def _save_sharded(rank: int, world: int, store: str) -> list | None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -328,7 +328,7 @@ def _save_sharded(rank: int, world: int, store: str) -> str | None:
           "tiny": distribute_tensor(torch.arange(2.0), mesh, [Shard(0)])}  # 2 rows on 4 ranks: ranks 2 and 3 hold empty chunks
     w = StoreWriter(store, tag="sharded")
     dcp.save(sd, storage_writer=w)
-    return None if w.commit_info is None else w.commit_info.id
+    return None if w.commit_info is None else [w.commit_info.id, w.commit_info.new_bytes, w.commit_info.shards_new]
 
 
 def _load_sharded(rank: int, world: int, store: str) -> int:

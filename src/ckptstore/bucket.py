@@ -199,6 +199,25 @@ class BucketReader:
             self._got.clear()
 
 
+class DetachedPackWriter(BucketPackWriter):
+    """A :class:`~ckptstore.remote.BucketPackWriter` into ``s3://bucket/prefix`` with its
+    own client and upload threads (:data:`UPLOADS` at a time), for a process that writes
+    blobs of a commit another process makes and never opens the store (a DCP rank,
+    :func:`ckptstore.store.pack_writer_at`). :meth:`close` releases the client and threads.
+
+    Raises:
+        NotAStoreError / BackendError: (from the uploads) a missing bucket, an unreachable server.
+    """
+
+    def __init__(self, url: str, level: int, pack_bytes: int):
+        super().__init__(open_backend(url), level, pack_bytes, Pool(UPLOADS, thread_name_prefix="ckptstore-upload"))
+
+    def close(self) -> None:
+        super().close()
+        self._uploads.shutdown()
+        self.backend.close()
+
+
 class BucketStore(Store):
     """A store under ``s3://bucket/prefix``: ``Store("s3://…")`` returns one.
 
@@ -482,6 +501,26 @@ class BucketStore(Store):
         return self.has_cached(cid) or (type(cid) is str and bool(_CID.fullmatch(cid)) and self.backend.head(commit_key(cid)) is not None)
 
     # --- commit ------------------------------------------------------------------------------
+
+    def prepare_shared_commit(self) -> None:
+        """As :meth:`Store.prepare_shared_commit`: the cache can be written, the bucket holds
+        ``ckptstore.json`` (written now if missing, so that the other processes' packs land in
+        a store a GC can collect), and the cache indexes every pack on the bucket (one listing,
+        the ``.idx`` of each pack not seen before).
+
+        Raises:
+            StoreWriteError: the cache folder cannot be written.
+            BackendError: the storage failed.
+        """
+        super().prepare_shared_commit()
+        if self.marker is None:
+            ensure_marker(self.backend, self)
+            self.marker = read_marker(self.backend)
+        self.refresh_index()
+
+    def pack_size(self, pack: str) -> int | None:
+        info = self.backend.head(pack_key(pack))
+        return None if info is None else info.size
 
     def _check_packs(self, known: dict, written: dict) -> None:
         """After the commit's record is on the bucket and before its ref CAS (invariant 6):
@@ -901,4 +940,4 @@ def recover(url: str, force: bool = False):
         probe.close()
         shutil.rmtree(probe.root, ignore_errors=True)
 
-__all__ = ["BucketReader", "BucketStore", "cache_folder", "recover"]
+__all__ = ["BucketReader", "BucketStore", "DetachedPackWriter", "cache_folder", "recover"]

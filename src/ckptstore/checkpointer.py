@@ -66,8 +66,9 @@ class Checkpointer:
     """Commits ``objects`` every ``every_n_steps`` calls of :meth:`step`.
 
     Args:
-        store: the store to commit to, or its path (opened with ``create=True``:
-            a training run makes its store).
+        store: the store to commit to, or its location, a folder or
+            ``"s3://bucket/prefix"`` (opened with ``create=True``: a training run makes
+            its store; with ``dcp``, a bucket needs no shared filesystem between ranks).
         objects: ``{name: object}``; each becomes component ``<name>`` (a replay
             buffer ``rb`` gives ``rb/storage``, ``rb/writer``, ``rb/sampler``).
         every_n_steps: commit when the step count crosses a multiple of this.
@@ -98,7 +99,8 @@ class Checkpointer:
             :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_error`;
             the local commit is never affected, and the next commit pushes again.
             :meth:`wait_pushed` blocks until the pushes requested so far are done.
-            Not with ``dcp``.
+            With ``dcp``, the coordinator (rank 0) pushes after each of its commits; on
+            the other ranks nothing is pushed and :meth:`wait_pushed` returns ``None``.
 
     The step count itself is committed as component ``checkpointer``.
 
@@ -126,9 +128,7 @@ class Checkpointer:
         push_backoff: float = 1.0,
     ):
         self.dcp = dcp
-        if push_to is not None and dcp:
-            raise InvalidArgumentError("push_to is not supported with dcp=True yet: push from the coordinator with Store.push")
-        if dcp and isinstance(store, (str, os.PathLike)):
+        if dcp and isinstance(store, (str, os.PathLike, Store)):
             store = _DCPStore(store)  # every rank: no catalog is opened until a read needs it
         elif isinstance(store, (str, os.PathLike)):
             store = Store(store, create=True)
@@ -153,7 +153,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.steps = 0
         self.stop_requested: int | None = None  # the signal received, until the next step commits
-        self._pusher = None if push_to is None else _Pusher(store.root, push_to, latest_tag, push_attempts, push_backoff)
+        self._pusher = None if push_to is None else _Pusher(store.location, push_to, latest_tag, push_attempts, push_backoff)
         if not dcp:
             capture(self._state(), store.registry)  # every object must be committable now, not after 1000 steps
         self._tag_re = None if tag_format is None else re.compile(
@@ -233,8 +233,10 @@ class Checkpointer:
                              metadata={"step": self.steps, **(metadata or {})})
         dcp.save(self._state(), storage_writer=writer)
         info = writer.commit_info
-        if info is not None:  # the coordinator prunes
+        if info is not None:  # the coordinator prunes and pushes
             self._prune(self.store.opened())
+            if self._pusher is not None:
+                self._pusher.request()
         return info
 
     def _prune(self, store: Store) -> None:
@@ -302,12 +304,14 @@ class Checkpointer:
 
 
 class _DCPStore:
-    """The store of a Checkpointer in DCP mode: a path, opened (for reads, and for pruning
-    on the coordinator) only when needed, so ranks that only save never open the catalog."""
+    """The store of a Checkpointer in DCP mode: a location (folder or ``s3://`` URL) opened
+    (for reads, and for pruning on the coordinator) only when needed, so ranks that only
+    save never open the catalog or a cache; or a Store the caller opened."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = path
-        self._store: Store | None = None
+    def __init__(self, store: Store | str | os.PathLike):
+        self.path = store  # what StoreWriter takes: every rank writes its packs there
+        self._store: Store | None = store if isinstance(store, Store) else None
+        self.location = store.location if isinstance(store, Store) else os.fspath(store)
 
     def opened(self, must_exist: bool = True) -> Store | None:
         if self._store is None:

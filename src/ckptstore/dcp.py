@@ -5,25 +5,32 @@
 >>> dcp.save(state_dict, storage_writer=StoreWriter("runs/store", tag="step-100"))      # every rank
 >>> dcp.async_save(state_dict, storage_writer=StoreWriter("runs/store", tag="step-200"))  # a future
 >>> dcp.load(state_dict, storage_reader=StoreReader("runs/store", "step-100"))          # every rank
+>>> dcp.save(state_dict, storage_writer=StoreWriter("s3://bucket/prefix", tag="step-300"))  # a store on object storage
 
 DCP plans which rank writes which bytes; ckptstore stores them. One ``dcp.save`` is
 one ordinary commit (docs/distributed.md has the whole story):
 
-1. **Plan** (coordinator, ``prepare_global_plan``): opens the store (creating it), and
+1. **Plan** (coordinator, ``prepare_global_plan``): opens the store (creating it:
+   on object storage ``ckptstore.json``, and its cache's index brought up to date), and
    sends each rank, inside DCP's own plan, the store's shard settings and the
    addresses the store already holds for that rank's items: the shards of the same
    leaves in the commits the tags point to and in the newest DCP commit.
 2. **Write** (every rank, ``write_data``): cuts each write item into the store's
    row-aligned shards, hashes them (XXH3-128), and appends only the shards that are
    neither known nor already written by this rank to packs of its own, made durable
-   (fsync, rename, fsync) before the rank reports back. Non-tensor values are encoded
-   as the store's type-preserving JSON (refused, naming the key, otherwise). The
-   rank holds its packs' locks until its writer is released (after ``dcp.save``
-   returns), so GC never takes them for orphans meanwhile. No catalog access.
-3. **Commit** (coordinator, ``finish``): one catalog transaction indexes every rank's
-   new blobs, rechecks the reused ones, writes the commit (one component ``""``
-   stored by adapter ``dcp`` whose meta is the DCP metadata as JSON, one leaf per
-   item) and moves the tags.
+   before the rank reports back (:func:`ckptstore.store.pack_writer_at`): in a folder
+   fsync, rename, fsync, the rank holding its packs' locks until its writer is released
+   (after ``dcp.save`` returns), so GC never takes them for orphans meanwhile; on
+   object storage each pack is uploaded whole by the rank itself (create-only PUTs, in
+   parallel), then its ``.idx``. Non-tensor values are encoded as the store's
+   type-preserving JSON (refused, naming the key, otherwise). No catalog or cache access.
+3. **Commit** (coordinator, ``finish``): checks every reported pack is in the store at
+   its size, then commits through ``Store.commit_manifest``, the store's own commit
+   protocol: locally one catalog transaction indexes every rank's new blobs, rechecks
+   the reused ones, writes the commit (one component ``""`` stored by adapter ``dcp``
+   whose meta is the DCP metadata as JSON, one leaf per item) and moves the tags; on
+   object storage the record is put, every pack relied on is rechecked against the GC
+   marks, then each tag moves by compare-and-swap and a reflog object is written.
 
 A rank or coordinator killed before step 3 leaves no commit and no tag move, only
 orphan packs that GC removes after its grace period.
@@ -68,16 +75,17 @@ from .adapters.base import REGISTRY, Adapter, Captured, ComponentState, Registry
 from .errors import (
     IntegrityError,
     InvalidArgumentError,
+    RefNotFoundError,
     StoreWriteError,
     TargetMismatchError,
     UnsupportedTypeError,
 )
 from .layout import ShardPlan, address, digest, escape, sample_unchanged
-from .packs import BlobLoc, PackReader, PackWriter, pack_path
+from .packs import BlobLoc, PackWriter
 from .records import ESCAPED, LeafRecord, check_message, check_tag
 from .shards import DTYPES, byte_view, dense_order, dtype_name, physical, tensor_bytes
 from .shards import plan as shard_plan
-from .store import CommitInfo, Store
+from .store import CommitInfo, Store, pack_writer_at
 
 __all__ = ["ADAPTER", "AdapterState", "DCPAdapter", "StoreReader", "StoreWriter", "item_path"]
 
@@ -88,7 +96,7 @@ FORMAT_VERSION = 1
 _MEMORY_FORMATS = {"contiguous_format": torch.contiguous_format, "channels_last": torch.channels_last,
                    "channels_last_3d": torch.channels_last_3d, "preserve_format": torch.preserve_format}
 _INLINE_HASH_BYTES = 4 << 20
-#: (store root, leaf path) -> (plain token, shard hashes) of the tensors this process saved
+#: (store location, leaf path) -> (plain token, shard hashes) of the tensors this process saved
 _REUSED: dict[tuple[str, str], tuple[tuple, list[bytes]]] = {}
 
 
@@ -132,8 +140,11 @@ def _open(store: Store | str | os.PathLike, create: bool) -> Store:
     raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
 
 
-def _root(store: Store | str | os.PathLike) -> Path:
-    return store.root if isinstance(store, Store) else Path(store)
+def _location(store: Store | str | os.PathLike) -> str:
+    """Where ``store`` lives: its folder or its ``s3://`` URL (a URL is not a path: ``Path`` would fold its ``//``)."""
+    if isinstance(store, Store):
+        return store.location
+    return store if isinstance(store, str) and "://" in store else str(Path(store))
 
 
 # --- writing ------------------------------------------------------------------------------------
@@ -155,8 +166,10 @@ class StoreWriter(StorageWriter):
     """DCP ``StorageWriter`` that commits one ``dcp.save`` as one ckptstore commit.
 
     Args:
-        store: the store, or its path (every rank opens the path; the coordinator
-            creates the store if missing). It must be a folder every rank sees.
+        store: the store, or its location (the coordinator opens and, if missing,
+            creates it; the other ranks only write packs to it): a folder every rank
+            sees, or ``"s3://bucket/prefix"`` (every rank uploads its own packs; no
+            shared filesystem; the coordinator's cache is under its ``XDG_CACHE_HOME``).
         tag: the tag the commit moves (its current commit becomes the parent);
             ``dcp.save(checkpoint_id=...)`` overrides it.
         message: the commit message.
@@ -176,8 +189,10 @@ class StoreWriter(StorageWriter):
     a bad message or metadata; UnsupportedTypeError for metadata that is not JSON.
     During ``dcp.save`` (wrapped by DCP in a ``CheckpointException`` naming the rank):
     UnsupportedTypeError for a non-tensor value that is not JSON (naming its fqn);
-    StoreWriteError for a store that cannot be written; InvalidArgumentError for
-    DCP's ``enable_plan_caching`` (unsupported).
+    StoreWriteError for a store that cannot be written, or for a blob of the save
+    that a GC removed during it; BackendError when object storage failed (after its
+    retries); RefBusyError when the tags kept moving (object storage); InvalidArgumentError
+    for DCP's ``enable_plan_caching`` (unsupported).
     """
 
     def __init__(
@@ -215,7 +230,7 @@ class StoreWriter(StorageWriter):
 
     def __getstate__(self) -> dict:  # DCP's process-based async_save sends the writer to another process
         state = dict(self.__dict__)
-        state.update(store=str(_root(self.store)), _opened=None, _writer=None, _release=None)
+        state.update(store=_location(self.store), _opened=None, _writer=None, _release=None)
         return state
 
     # StorageWriter interface
@@ -246,12 +261,15 @@ class StoreWriter(StorageWriter):
         if any(not p.usable for p in plans):
             raise InvalidArgumentError("StoreWriter does not support DCP's enable_plan_caching: every save must send its plan")
         store = self._opened = _open(self.store, create=True)
-        if not store.catalog.writable:
-            raise StoreWriteError(f"{store.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+        store.prepare_shared_commit()  # the store exists before any rank writes a pack to it; its index is current
         chunks = Counter(i.index.fqn for p in plans for i in p.items if i.type != WriteItemType.BYTE_IO)
         paths = [{i.index: item_path(i.index.fqn, i.index.offset, chunks[i.index.fqn] <= 1 and _whole(i)) for i in p.items} for p in plans]
-        current = store.tags()
-        refs = [current[t] for t in self.tags if t in current]
+        refs = []
+        for t in self.tags:
+            try:
+                refs.append(store.resolve(t))  # on object storage: read now, its record copied into the cache
+            except (RefNotFoundError, IntegrityError):
+                pass  # a new tag, or one whose commit cannot be read: nothing to dedup against
         newest = store.newest_commit(ADAPTER)
         if newest is not None:
             refs.append(newest)
@@ -277,10 +295,10 @@ class StoreWriter(StorageWriter):
         for item in plan.items:  # every non-tensor value is checked before any blob is written
             if item.type == WriteItemType.BYTE_IO:
                 values[item.index] = jsonvalue.dumps(_lookup_object(planner, item), item.index.fqn)
-        root = str(_root(self.store))
+        root = _location(self.store)
         for k in [k for k, (token, _) in _REUSED.items() if token[0].ref() is None]:
             del _REUSED[k]  # tensors freed since
-        writer = self._writer = PackWriter(_root(self.store), info.compression_level, info.pack_bytes)
+        writer = self._writer = pack_writer_at(root, info.compression_level, info.pack_bytes)
         self._release = weakref.finalize(self, writer.close)
         seen: dict[tuple[bytes, int], BlobLoc | None] = dict.fromkeys(info.known)
         tensors = []
@@ -339,11 +357,21 @@ class StoreWriter(StorageWriter):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator: commit every rank's items in one catalog transaction and move the tags."""
+        """Coordinator: check every rank's reported packs are in the store at their sizes, then
+        commit every rank's items through the store's own commit protocol (``Store.commit_manifest``:
+        locally one catalog transaction; on object storage record put, GC-mark re-check of every
+        pack relied on, tag compare-and-swap, reflog) and move the tags.
+
+        Raises:
+            StoreWriteError: a reported pack is missing or of another size, or a blob of the
+                save was removed by a GC during it.
+            RefBusyError: (object storage) the tags kept moving.
+            BackendError: (object storage) the storage failed after retries.
+        """
         import time
 
         t0 = time.perf_counter()
-        store = self._opened if self._opened is not None else _open(self.store, create=True)
+        store = self._opened = self._opened if self._opened is not None else _open(self.store, create=True)
         order = {fqn: i for i, fqn in enumerate(metadata.state_dict_metadata)}
         ranks: dict[str, int] = {}
         items = []
@@ -369,19 +397,18 @@ class StoreWriter(StorageWriter):
             for key, (pack, offset, stored_len, codec) in data["locs"].items():
                 given.setdefault(key, BlobLoc(key[0], key[1], pack, offset, stored_len, codec))
             packs.update(data["packs"])
-        for pack, size in packs.items():  # written by ranks that reported back: durable, and still locked by them
-            try:
-                on_disk = pack_path(store.root, pack).stat().st_size
-            except OSError as exc:
-                raise StoreWriteError(f"pack {pack}.pack written by a rank of this save is not in {store.root / 'blobs'}: {exc}") from None
-            if on_disk != size:
-                raise StoreWriteError(f"pack {pack}.pack written by a rank of this save holds {on_disk} bytes, the rank wrote {size}")
+        for pack, size in packs.items():  # written by ranks that reported back: durable (and, in a folder, still locked by them)
+            held = store.pack_size(pack)
+            if held is None:
+                raise StoreWriteError(f"pack {pack}.pack written by a rank of this save is not in {store.location}")
+            if held != size:
+                raise StoreWriteError(f"pack {pack}.pack written by a rank of this save holds {held} bytes, the rank wrote {size}")
         meta = {"dcp": FORMAT_VERSION, **_metadata_json(metadata, ranks)}
         component = Captured("", ADAPTER, DCPAdapter.version, {**meta, ESCAPED: True}, {})
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
             raise StoreWriteError(
-                f"blob {address(*key)} of this DCP save was neither written by a rank nor found in {store.root}: a GC removed it "
+                f"blob {address(*key)} of this DCP save was neither written by a rank nor found in {store.location}: a GC removed it "
                 "during the save (a grace period shorter than the save?); save again"
             )
 
@@ -394,10 +421,14 @@ class StoreWriter(StorageWriter):
 
     def release(self) -> None:
         """Unlock this rank's packs (called by ``reset``, after ``finish``, and when the
-        writer is garbage collected); until then GC does not take them for orphans."""
+        writer is garbage collected); until then a local GC does not take them for orphans.
+        Closes the store the coordinator opened from a path, and a rank's S3 client."""
         if self._release is not None:
             self._release()
+        if self._opened is not None and not isinstance(self.store, Store):
+            self._opened.close()
         self._writer = self._release = None
+        self._opened = None
 
 
 def _rank_workers() -> int:
@@ -539,7 +570,9 @@ class StoreReader(StorageReader):
     """DCP ``StorageReader`` that loads a DCP commit of a ckptstore store.
 
     Args:
-        store: the store or its path (every rank opens it for reading).
+        store: the store or its location, a folder or ``"s3://bucket/prefix"`` (every
+            rank opens it for reading; on object storage with its own cache, reading
+            only the blobs its plan needs with ranged GETs).
         ref: a tag, a commit id or a unique prefix; resolved once, here, so a tag
             moved during the load does not change what is read.
         verify: rehash every blob read (default on).
@@ -605,7 +638,7 @@ class StoreReader(StorageReader):
                 raise IntegrityError(f"{where}: DCP asked for {item.storage_index}, which the commit does not hold")
             by_path.setdefault(path, []).append(item)
         locs = self.store.locate([k for p in by_path for k in self._leaves[p].keys])
-        reader = PackReader(self.store.root, sparse=True, locate=self.store.relocate)
+        reader = self.store.pack_reader(sparse=True)  # ranged, coalesced reads on object storage
         try:
             for path, path_items in by_path.items():
                 leaf = self._leaves[path]
@@ -627,7 +660,7 @@ class StoreReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_tensor(self, reader: PackReader, leaf: LeafRecord, locs: dict, items: list, planner: LoadPlanner, where: str) -> None:
+    def _read_tensor(self, reader, leaf: LeafRecord, locs: dict, items: list, planner: LoadPlanner, where: str) -> None:
         dtype = DTYPES[leaf.dtype]
         shape = tuple(leaf.shape)
         splan = ShardPlan(leaf.nbytes, leaf.shard_bytes)
@@ -641,6 +674,7 @@ class StoreReader(StorageReader):
                     raise IntegrityError(f"{where}, leaf {leaf.path}: shard {i} (blob {address(*key)}) is not in the catalog")
                 a, b = splan.bounds(i)
                 tasks.append((loc, view[a - start : b - start], f"{where}, leaf {leaf.path}, shard {i}"))
+            reader.prefetch([task[0] for task in tasks])  # object storage: one coalesced ranged read per pack
             run = lambda task: reader.read_into(task[0], task[1], task[2], self.verify)
             workers = min(4, os.cpu_count() or 1)
             if leaf.nbytes > _INLINE_HASH_BYTES and workers > 1 and len(tasks) > 1:

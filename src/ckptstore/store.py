@@ -70,7 +70,7 @@ from .layout import (
     split,
     under,
 )
-from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter
+from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter, pack_path
 from .records import LeafRecord, check_message, check_tag
 from .recover import RecoverReport, recover
 from .threads import Pool
@@ -514,7 +514,8 @@ class Store:
 
     @property
     def location(self) -> str:
-        """Where the store lives, for messages: its folder (``s3://…`` for a store on object storage)."""
+        """Where the store lives, as ``Store(location)`` opens it: its folder, or (a store
+        on object storage) its ``s3://bucket/prefix`` URL."""
         return str(self.root)
 
     def refresh_index(self, only: list[str] | None = None) -> int:
@@ -1465,6 +1466,26 @@ class Store:
         )
         return rows[0]["id"] if rows else None
 
+    def prepare_shared_commit(self) -> None:
+        """Ready the store for a commit whose blobs other processes write first (the ranks
+        of a :mod:`ckptstore.dcp` save, through :func:`pack_writer_at`): create it if
+        missing, so that their packs land in a store, and bring the index up to date, so
+        that :meth:`leaf_blobs` and the commit's dedup see every blob the store holds.
+
+        Raises:
+            StoreWriteError: the store cannot be committed to here (read-only mount,
+                permissions, a full disk).
+        """
+        if not self._open(create=True).writable:
+            raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+
+    def pack_size(self, pack: str) -> int | None:
+        """Bytes of pack ``pack`` (an id) as the store holds it now, or ``None`` if it holds no such pack."""
+        try:
+            return pack_path(self.root, pack).stat().st_size
+        except OSError:
+            return None
+
     def leaf_blobs(self, commits: Sequence[str], paths: Sequence[str]) -> dict[str, dict[tuple[bytes, int], int]]:
         """``{leaf path: {address: blob id}}`` of the shards that leaves ``paths`` of ``commits``
         (commit ids) reference, from the catalog's index. Hints only: a commit that reuses
@@ -1826,4 +1847,27 @@ class Store:
 #: Validate a tag name (returns it); raises InvalidNameError. Public for integrations that
 #: take tags before they commit (``ckptstore.dcp.StoreWriter``).
 
-__all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store", "check_tag"]
+
+def pack_writer_at(location: str | os.PathLike, compression_level: int, pack_bytes: int):
+    """A writer of new packs into the store at ``location`` (a folder, or ``s3://bucket/prefix``)
+    that opens neither the catalog nor a cache: for a process that writes blobs of a commit
+    another process makes (a rank of a :mod:`ckptstore.dcp` save). Packs roll over past
+    ``pack_bytes`` bytes; ``compression_level`` is zstandard's (0: none). On a folder the
+    writer holds its packs' locks until closed (GC leaves them alone meanwhile); on object
+    storage it has its own client and upload threads, released by ``close()``, and each
+    pack goes up whole (create-only PUT), then its ``.idx``, by ``finish()``.
+
+    Raises:
+        NotAStoreError / BackendError: a missing bucket, an unreachable server (``s3://``).
+        InvalidArgumentError: an unsupported URL scheme.
+    """
+    if isinstance(location, str) and _URL.match(location):
+        if not location.startswith("s3://"):
+            raise InvalidArgumentError(f"unsupported store location {location!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
+        from .bucket import DetachedPackWriter
+
+        return DetachedPackWriter(location, compression_level, pack_bytes)
+    return PackWriter(Path(location), compression_level, pack_bytes)
+
+
+__all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store", "check_tag", "pack_writer_at"]
