@@ -723,7 +723,7 @@ class Harness:
                 raise self.failure(index, f"process {p.wid} ({p.role}) did not stop within {self.o.straggler_timeout} s: {p.diagnostic()}")
             self.reap(rnd, p)
         events = self.collect(rnd)
-        self.settle_refs()
+        self.settle()
         self.gc0_clean = False
         if self.failed:
             try:
@@ -747,12 +747,16 @@ class Harness:
         self.stats["rounds"] += 1
         shutil.rmtree(rnd.rdir, ignore_errors=True)
 
-    def settle_refs(self) -> None:
-        """Forget ref damage that a process has written over (a ``tag`` or ``delete_tag`` of that name, or a
-        commit recreating a deleted tag): the ref no longer holds the injected bytes, so nothing is damaged."""
+    def settle(self) -> None:
+        """Forget damage that a process has written over: a ref moved by a ``tag`` or ``delete_tag`` of that name,
+        or a deleted tag a commit recreated (the ref no longer holds the injected bytes), and a deleted marker a
+        writer completed from its copy (as after a first writer killed between the two): nothing is damaged."""
         for d in [d for d in self.ledger if d.kind.startswith("ref-")]:
             ref = self.backend.read_ref(d.tag)
             if (ref is not None) if d.kind == "ref-del" else (ref is None or ref.data != d.written):
+                self.ledger.remove(d)
+        for d in [d for d in self.ledger if d.kind == "marker-del" and d.key == "ckptstore.json"]:
+            if self.backend.head(d.key) is not None:
                 self.ledger.remove(d)
 
     def collect(self, rnd: Round) -> list[tuple]:

@@ -263,3 +263,33 @@ def test_checkpointer_dcp_mode_with_a_bucket_on_two_ranks(tmp_path, url, where):
     assert remote.checkout("latest", partial=["checkpointer.step"])["checkpointer.step"] == 4
     assert remote.fsck(deep=True).ok
     remote.close()
+
+
+def test_a_save_overlapping_a_gc_repack_reuses_the_repacked_copy(url, monkeypatch):
+    """A GC between a DCP save's plan and its commit repacks the half-dead pack holding a
+    blob the save reuses (and marks the old pack): the commit finds the copy in the new pack
+    instead of failing (found by a tester: the save failed until that GC's sweep)."""
+    grace = 2.0
+    w = torch.randn(4096, 64, generator=torch.Generator().manual_seed(0))  # 4 shards of 1,024 rows
+    dcp.save({"w": w}, storage_writer=StoreWriter(url, tag="step-0"))
+    w[1024:] += 1  # shards 1..3 change: shard 0 stays in step-0's pack
+    dcp.save({"w": w}, storage_writer=StoreWriter(url, tag="step-1"))
+    with Store(url) as other:
+        other.delete_tag("step-0")  # step-0's pack is 1/4 live: a GC repacks it
+    time.sleep(grace + 1.5)  # step-0's record is older than the grace period
+    finish, reports = StoreWriter.finish, []
+
+    def gc_then_finish(self, metadata, results):
+        with Store(url) as cron:
+            reports.append(cron.gc(grace=f"{grace:g}s"))
+        return finish(self, metadata, results)
+
+    monkeypatch.setattr(StoreWriter, "finish", gc_then_finish)
+    w[2048:] += 1
+    writer = StoreWriter(url, tag="step-2")
+    dcp.save({"w": w}, storage_writer=writer)
+    assert reports[0].packs_repacked == 1
+    assert writer.commit_info.shards_total == 4
+    with Store(url) as s:
+        assert_bit_equal(s.checkout("step-2")["w"], w)
+        assert s.fsck(deep=True).ok

@@ -76,6 +76,7 @@ from .remote import (
     UPLOADS,
     BucketPackWriter,
     commit_key,
+    complete_marker,
     ensure_marker,
     fetch_record,
     pack_entries,
@@ -251,6 +252,7 @@ class BucketStore(Store):
         self.url = self.backend.url
         try:
             self.marker = read_marker(self.backend)
+            self._marker_complete = False
             if self.marker is None and create is False:
                 raise NotAStoreError(f"{self.url} is not a ckptstore store (no {MARKER}; a first commit creates one)")
             if self.marker is not None:
@@ -309,10 +311,11 @@ class BucketStore(Store):
     def pack_reader(self, sparse: bool = False) -> BucketReader:
         return BucketReader(self)
 
-    def refresh_index(self, only: list[str] | None = None) -> int:
+    def refresh_index(self, only: list[str] | None = None, avoid: set[str] = frozenset()) -> int:
         """Bring the cache's blob index up to date with the bucket: read the ``.idx`` of
         every pack not seen before (each checked before use), and move the rows of blobs
-        whose pack is gone to another pack that holds them. ``only``: read just these
+        whose pack is gone, or is one of ``avoid`` (packs a GC marked), to another pack
+        that holds them (a GC's repack copied them there). ``only``: read just these
         packs' indexes, if not seen (a tag's hint; nothing is listed). Returns the packs read.
 
         A pack whose ``.idx`` is missing or damaged is indexed from the pack itself
@@ -338,7 +341,8 @@ class BucketStore(Store):
                 packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
                 holding = {r[0] for r in cat.rows("SELECT DISTINCT pack FROM blobs", raw=True)}
                 gone = holding - set(packs)
-            todo = list(packs) if gone else [p for p in packs if p not in seen]
+            moving = gone | (holding & set(avoid)) if only is None else gone
+            todo = list(packs) if moving else [p for p in packs if p not in seen]
 
             indexes = None if only is not None else {k for k in listed if k.endswith(".idx")}
 
@@ -355,12 +359,12 @@ class BucketStore(Store):
                     ({"id": pid, "size": packs[pid].size, "created_at": packs[pid].mtime} for pid in todo if pid not in seen), ignore=True
                 )
                 rows = [(e.loc.digest, e.loc.raw_len, pid, e.loc.offset, e.loc.stored_len, e.loc.codec, packs[pid].mtime)
-                        for pid, es in entries.items() for e in es if e.magic == BLOB_MAGIC]
+                        for pid, es in entries.items() if pid not in avoid for e in es if e.magic == BLOB_MAGIC]
                 conn = cat.conn
                 conn.execute("CREATE TEMP TABLE IF NOT EXISTS gone_packs (id TEXT PRIMARY KEY)")
                 conn.execute("DELETE FROM gone_packs")
-                conn.executemany("INSERT INTO gone_packs VALUES (?)", [(p,) for p in gone])
-                # A blob whose pack is gone moves to another pack that holds it, if one does.
+                conn.executemany("INSERT INTO gone_packs VALUES (?)", [(p,) for p in moving])
+                # A blob whose pack is gone (or avoided) moves to another pack that holds it, if one does.
                 conn.executemany(
                     "INSERT INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT(hash, raw_len) DO UPDATE SET pack = excluded.pack, offset = excluded.offset, "
@@ -368,6 +372,7 @@ class BucketStore(Store):
                     rows,
                 )
                 if gone:  # rows of blobs found nowhere go, unless a cached commit refers to them (its reads fail, clearly)
+                    conn.execute("DELETE FROM gone_packs WHERE id NOT IN ({})".format(",".join("?" * len(gone))), list(gone))
                     conn.execute("DELETE FROM blobs WHERE pack IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT blob_id FROM shards)")
                     conn.execute("DELETE FROM packs WHERE id IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT pack FROM blobs)")
             return len(todo)
@@ -544,6 +549,20 @@ class BucketStore(Store):
         if gone:
             raise ReusedBlobsGone(gone)
 
+    def relocate_reused(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
+        """Blob ids of those of ``keys`` (addresses a commit meant to reuse from packs a GC
+        has marked or swept) that another, unmarked pack on the bucket holds: a GC's repack
+        copies a pack's live blobs before it marks the pack. Their cache rows move there
+        (:meth:`refresh_index` with ``avoid``); the commit writes only the others again.
+
+        Raises:
+            BackendError: the storage failed.
+        """
+        marked = self.marked_packs()
+        self.refresh_index(avoid=marked)
+        where = self.locate(list(keys))
+        return self._lookup([k for k, loc in where.items() if loc.pack not in marked])
+
     def marked_packs(self) -> set[str]:
         """Pack ids a GC mark (``gc/*.json``) names; every listed pack if a mark is unreadable."""
         out: set[str] = set()
@@ -568,6 +587,9 @@ class BucketStore(Store):
         if self.marker is None:
             ensure_marker(self.backend, self)
             self.marker = read_marker(self.backend)
+        elif not self._marker_complete:  # once per process: the first writer may have been killed between the copy and the marker
+            complete_marker(self.backend)
+        self._marker_complete = True
         if written:  # blobs written again after a GC marked their old pack: the cache points here now
             with self.catalog.write():
                 self.catalog.db["packs"].insert_all(  # first: a blob row must name a known pack (foreign key)

@@ -88,7 +88,8 @@ def _state(store, c: Collector) -> _State:
     # retention by age compares records' own times; the server's whole-second clock may be a second behind. (Young
     # records are kept by their objects' times, below, whatever this says.)
     c.now = now + MTIME_STEP
-    retained = c.retained()
+    with store.catalog.read():  # one snapshot: a writer sharing this cache folder may add commits meanwhile
+        retained = c.retained()
     live = {k for cid in retained if store.has_cached(cid) for leaf in store.record(cid).leaves for k in leaf.keys}
     objects = {o.key: o for o in backend.list("blobs")}
     objects.update({o.key: o for o in backend.list("commits")})

@@ -479,6 +479,10 @@ def recover(
             console.print(f"  {t} -> {cid}")
         if report.moved_aside:
             console.print(f"the damaged catalog was moved to {report.moved_aside}")
+        if report.repaired:
+            console.print(f"rebuilt from their packs and rewritten on the bucket ({len(report.repaired)}):", markup=False)
+            for key in report.repaired:
+                console.print(f"  {key}", markup=False)
         lost = report.lost()
         if lost:
             console.print(f"NOT restored ({len(report.dropped_tags)} tags, {len(report.dropped_commits)} commits, {len(report.problems)} unreadable packs or records):", markup=False)

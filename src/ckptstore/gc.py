@@ -193,7 +193,7 @@ class Collector:
         created = {c: rank for rank, (c, _) in enumerate(rows)}  # newer: higher rank (ties by id)
         parents: dict[str, list[str]] = {}
         for c, p in self.cat.rows("SELECT commit_id, parent_id FROM parents ORDER BY commit_id, position", raw=True):
-            if p in created:
+            if p in created and c in created:  # (rows of a commit made after the read above, by a caller outside one snapshot)
                 parents.setdefault(c, []).append(p)
         newest = self._newest_ancestor(created, parents)
         tags = self.cat.rows("SELECT name, commit_id FROM tags", raw=True)

@@ -224,6 +224,21 @@ def ensure_marker(backend: Backend, local: Store) -> int:
     return written
 
 
+def complete_marker(backend: Backend) -> bool:
+    """Write ``ckptstore.json`` from its intact copy if it is missing: a first writer killed
+    between its two create-only PUTs (the copy goes first) left the store without it. A
+    damaged marker is left alone (create-only; ``fsck --repair`` rewrites it), and nothing is
+    guessed when the copy is not intact. One HEAD when the marker is there; returns whether
+    it was written.
+
+    Raises:
+        BackendError: the storage failed.
+    """
+    if backend.head(MARKER) is not None or not isinstance(_read_one(backend, MARKER_COPY), dict):
+        return False
+    return backend.put_new(MARKER, backend.get(MARKER_COPY))
+
+
 _MOVE_KEYS = {"action", "at", "digest", "new", "old", "tag"}
 
 
