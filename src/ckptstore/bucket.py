@@ -9,9 +9,10 @@ checkout's planning and restoring) shared with the local store:
   each put whole with a create-only PUT, then its ``.idx``; reads are ranged GETs of
   only the needed blobs, coalesced and in parallel (:class:`BucketReader`), each checked
   against its entry header and rehashed;
-- **refs**: tags live on the bucket (``refs/<tag>``) and move by compare-and-swap; a
-  commit takes the tag's current commit as its parent, and a lost race rebuilds the
-  record on the new parent and tries again (bounded: ``RefBusyError``);
+- **refs**: tags live on the bucket (``refs/<tag>``) and move by compare-and-swap
+  (:class:`~ckptstore.refs.BucketRefs`, the facade's ``self.refs``); a commit takes the
+  tag's current commit as its parent, and a lost race rebuilds the record on the new
+  parent and tries again (bounded: ``RefBusyError``);
 - **the index**: a SQLite catalog of the local store's schema under the user's cache
   folder (:func:`cache_folder`) holds copies of the pack indexes and of the commit
   records, so dedup lookups and blob lookups cost no round trips. Every row is a copy
