@@ -79,7 +79,7 @@ from .remote import (
     read_marker,
 )
 from .remote import resolve as resolve_remote
-from .store import CommitInfo, ReusedBlobsGone, Store
+from .store import CommitInfo, ReusedBlobsGone, Store, weakly
 from .threads import Pool
 
 #: Seconds: a cached commit the bucket's listing lacks is forgotten only once this old (its record may be in flight).
@@ -227,7 +227,8 @@ class BucketStore(Store):
         except BaseException:
             self.backend.close()
             raise
-        self.refs: BucketRefs = BucketRefs(self.backend, lambda: self.catalog, self.root, self.requests, self._has_store, self._need_store, self._packs_of)
+        self.refs: BucketRefs = BucketRefs(self.backend, *weakly(self, "catalog"), self.root, self.requests,
+                                           *weakly(self, "_has_store", "_need_store", "_packs_of"))
         self._index_lock = threading.Lock()
         self._indexed = False  # refresh_index ran in this object
         self._copying = threading.local()  # .on: this thread copies a commit of the bucket into the cache

@@ -288,6 +288,20 @@ def _check_tag(name: Any) -> str:
     return name
 
 
+def weakly(owner: Any, *names: str) -> list:
+    """Callables returning ``owner.<name>`` (called, for a method) that do not keep ``owner``
+    alive: the store owns its refs, not the reverse (no reference cycle, so a store
+    dropped without ``close`` still frees its catalog connection at once)."""
+    me = weakref.ref(owner)
+
+    def one(name: str):
+        if callable(getattr(type(owner), name, None)):
+            return lambda *args: getattr(me(), name)(*args)
+        return lambda: getattr(me(), name)
+
+    return [one(n) for n in names]
+
+
 def _as_backend(remote: Any) -> Backend | None:
     """``remote`` as a backend when it is object storage (an ``s3://`` URL or a Backend), else ``None``."""
     from .backends import Backend, open_backend
@@ -380,7 +394,7 @@ class Store:
         self._catalog: Catalog | None = None
         self._catalog_lock = threading.Lock()
         #: The home's refs (:mod:`ckptstore.refs`): every tag read and move goes through them.
-        self.refs: Refs = CatalogRefs(lambda: self.catalog, self._write, str(self.root))
+        self.refs: Refs = CatalogRefs(*weakly(self, "catalog", "_write"), str(self.root))
         if self._open(create=bool(create)) is None and create is False:
             what = self._missing()
             raise NotAStoreError(f"{self.root} {what}")
