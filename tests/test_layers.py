@@ -37,3 +37,16 @@ def private_imports() -> list[str]:
 
 def test_no_module_imports_another_modules_private_names():
     assert private_imports() == []
+
+
+def test_every_module_has_a_layer():
+    """A new module must be placed in the layers contract (one the contract does not name is not checked)."""
+    import re
+    import tomllib
+
+    conf = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in conf if c["type"] == "layers")["layers"]
+    named = {m.strip().removeprefix("ckptstore.") for layer in layers for m in re.split(r"[|:]", layer)}
+    modules = {p.stem if p.is_file() else p.name for p in (SRC / "ckptstore").iterdir()
+               if (p.suffix == ".py" and p.stem not in ("__init__", "__main__")) or (p.is_dir() and (p / "__init__.py").exists())}
+    assert modules - named == set() and named - modules == set()

@@ -9,9 +9,10 @@ checkout's planning and restoring) shared with the local store:
   each put whole with a create-only PUT, then its ``.idx``; reads are ranged GETs of
   only the needed blobs, coalesced and in parallel (:class:`BucketReader`), each checked
   against its entry header and rehashed;
-- **refs**: tags live on the bucket (``refs/<tag>``) and move by compare-and-swap; a
-  commit takes the tag's current commit as its parent, and a lost race rebuilds the
-  record on the new parent and tries again (bounded: ``RefBusyError``);
+- **refs**: tags live on the bucket (``refs/<tag>``) and move by compare-and-swap
+  (:class:`~ckptstore.refs.BucketRefs`, the facade's ``self.refs``); a commit takes the
+  tag's current commit as its parent, and a lost race rebuilds the record on the new
+  parent and tries again (bounded: ``RefBusyError``);
 - **the index**: a SQLite catalog of the local store's schema under the user's cache
   folder (:func:`cache_folder`) holds copies of the pack indexes and of the commit
   records, so dedup lookups and blob lookups cost no round trips. Every row is a copy
@@ -38,25 +39,20 @@ import shutil
 import threading
 import time
 import uuid
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from .backends import Backend, open_backend
-from .backends.base import ref_segment
 from .errors import (
-    BackendError,
     BlobCorruptError,
     BlobMissingError,
     CatalogCorruptError,
     IntegrityError,
-    InvalidNameError,
     NotAStoreError,
     ObjectNotFoundError,
     RefBusyError,
     RefConflictError,
-    ReflogWarning,
     RefNotFoundError,
 )
 from .layout import RANDOM, address, digest
@@ -69,7 +65,8 @@ from .packs import (
     check_entry,
     decode_entry,
 )
-from .records import check_tag, recreate
+from .records import recreate
+from .refs import CAS_SECONDS, BucketRefs
 from .remote import (
     MARKER,
     PACK_BYTES,
@@ -81,18 +78,11 @@ from .remote import (
     fetch_record,
     pack_entries,
     read_marker,
-    read_tag,
-    parse_reflog,
-    read_tag_hint,
-    ref_payload,
-    reflog_bytes,
 )
 from .remote import resolve as resolve_remote
-from .store import CommitInfo, ReusedBlobsGone, Store
+from .store import CommitInfo, ReusedBlobsGone, Store, weakly
 from .threads import Pool
 
-#: Seconds a commit or tag move keeps retrying its compare-and-swap against other writers.
-CAS_SECONDS = 60.0
 #: Seconds: a cached commit the bucket's listing lacks is forgotten only once this old (its record may be in flight).
 FORGET_AFTER = 3600.0
 #: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
@@ -276,6 +266,8 @@ class BucketStore(Store):
         except BaseException:
             self.backend.close()
             raise
+        self.refs: BucketRefs = BucketRefs(self.backend, *weakly(self, "catalog"), self.root, self.requests,
+                                           *weakly(self, "_has_store", "_need_store", "_packs_of"))
         self._index_lock = threading.Lock()
         self._indexed = False  # refresh_index ran in this object
         self._copying = threading.local()  # .on: this thread copies a commit of the bucket into the cache
@@ -296,6 +288,10 @@ class BucketStore(Store):
         self.uploads.shutdown()
         self.requests.shutdown()
         self.backend.close()
+
+    def _has_store(self) -> bool:
+        """Does the prefix hold a store (its marker)?"""
+        return self.marker is not None or read_marker(self.backend) is not None
 
     def _need_store(self) -> None:
         if self.marker is None:
@@ -497,10 +493,6 @@ class BucketStore(Store):
         at = self.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (info.id,), raw=True)[0][0]
         return replace(info, created_at=at), ids  # the record is dated when it was built, after its parents were read
 
-    def has_cached(self, cid: str) -> bool:
-        """Does the cache hold commit ``cid``'s record?"""
-        return super().has_commit(cid)
-
     def has_commit(self, cid: str) -> bool:
         """Does the bucket hold commit ``cid`` (a full id)?"""
         return self.has_cached(cid) or (type(cid) is str and bool(_CID.fullmatch(cid)) and self.backend.head(commit_key(cid)) is not None)
@@ -606,7 +598,7 @@ class BucketStore(Store):
         while True:
             # Every tag is re-read each attempt: one moved by an earlier attempt is moved on to this attempt's record,
             # so that all of them name one commit when the call returns. Our own earlier records are no parents.
-            current = dict(zip(tags, self.requests.map(lambda t: read_tag(self.backend, t), tags)))
+            current = self.refs.versions(tags)
             if explicit_parents is not None:
                 parents = explicit_parents
             else:
@@ -625,14 +617,12 @@ class BucketStore(Store):
                 old, version = current[t]
                 if old == cid:
                     continue
-                at = time.time()  # the move's time, not the commit's: a retried CAS lands after moves made meanwhile
                 try:
-                    self.backend.cas_ref(t, ref_payload(cid, old, "commit", at, packs), version)
+                    self.refs.swap(t, old, version, cid, "commit", packs)  # dated when sent, not the commit's time
                 except RefConflictError:
                     lost = True
                     break
                 before.setdefault(t, old)
-                self._log_move(t, old, cid, "commit", at)
             if not lost:
                 break
             if time.monotonic() > deadline:
@@ -640,7 +630,7 @@ class BucketStore(Store):
                                    f"commit {cid} is stored but they may not all name it")
             time.sleep(delay * RANDOM.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
-        self._mirror({t: cid for t in tags})
+        self.refs.mirror({t: cid for t in tags})
         return cid, parent_ids, seconds, ids
 
     def _packs_of(self, cid: str | None) -> list[str]:
@@ -650,192 +640,32 @@ class BucketStore(Store):
         keys = list(dict.fromkeys(k for leaf in self.record(cid).leaves for k in leaf.keys))
         return sorted({loc.pack for loc in self.locate(keys).values()})
 
-    def _log_move(self, tag: str, old: str | None, new: str | None, action: str, at: float) -> None:
-        move = reflog_bytes(tag, old, new, action, at)
-        try:
-            self.backend.put_new(f"reflog/{ref_segment(tag)}/{time.time_ns():020d}-{uuid.uuid4().hex}", move)
-        except BackendError as exc:  # the tag has moved: the call succeeded, only its history entry is lost
-            warnings.warn(ReflogWarning(f"tag {tag!r} moved to {new}, but its reflog record was not written: {exc}"), stacklevel=3)
-
-    def _mirror(self, refs: dict[str, str | None], complete: bool = False, fetch: bool = True) -> None:
-        """Copy tag values read from the bucket into the cache's tags table (``None``:
-        deleted); ``complete``: ``refs`` is every tag, others are dropped. ``fetch``: copy
-        the commits they name into the cache first (else a tag whose commit is not cached
-        is left out). A tag whose commit cannot be cached (its record is missing or
-        damaged) is left out: checking it out raises the error, and fsck reports it."""
-        for cid in dict.fromkeys(c for c in refs.values() if c):
-            try:
-                if fetch:
-                    self._cache([cid])
-                elif not self.has_cached(cid):
-                    raise BlobMissingError(cid)
-            except (IntegrityError, BlobMissingError):
-                refs = {n: c for n, c in refs.items() if c != cid}
-        with self.catalog.write():
-            conn = self.catalog.conn
-            if complete:
-                names = list(refs)
-                conn.execute(f"DELETE FROM tags WHERE name NOT IN ({', '.join('?' * len(names))})", names)
-            for name, cid in refs.items():
-                if cid is None:
-                    conn.execute("DELETE FROM tags WHERE name = ?", (name,))
-                else:
-                    conn.execute(
-                        "INSERT INTO tags(name, commit_id, updated_at) VALUES (?, ?, ?) "
-                        "ON CONFLICT(name) DO UPDATE SET commit_id = excluded.commit_id, updated_at = excluded.updated_at",
-                        (name, cid, time.time()),
-                    )
-
-    # --- refs ---------------------------------------------------------------------------------
-
-    def read_refs(self, strict: bool = True) -> dict[str, str | None]:
-        """Every tag on the bucket, ``{name: commit id}`` (``None``: deleted), as of now.
-
-        One listing gives every ref's stamp (its ETag); only refs whose stamp this cache has
-        not seen are read (a GET each), so a call costs O(tags moved since) requests, not
-        O(tags). The stamps seen live in ``refs.json`` in the cache folder (an ETag names
-        one version's bytes, so a stale file costs only reads, never a wrong commit).
-
-        Raises:
-            IntegrityError: a tag's payload is malformed (``strict``; else it is left out).
-        """
-        stamps = self.backend.ref_stamps()
-        seen = self._stamps()
-        todo = [n for n, st in stamps.items() if st is None or n not in seen or seen[n][0] != st]
-
-        def read(name: str):
-            try:
-                return read_tag(self.backend, name)
-            except IntegrityError:
-                if strict:
-                    raise
-                return ...
-
-        for name, got in zip(todo, self.requests.map(read, todo)):
-            if got is ...:
-                seen.pop(name, None)
-            else:
-                seen[name] = (got[1], got[0])
-        out = {n: seen[n][1] for n in stamps if n in seen}
-        self._save_stamps({n: seen[n] for n in stamps if n in seen})
-        return out
-
-    def _stamps(self) -> dict[str, tuple[str | None, str | None]]:
-        try:
-            data = json.loads((self.root / "refs.json").read_text())
-            return {n: (v[0], v[1]) for n, v in data.items() if type(v) is list and len(v) == 2
-                    and all(x is None or type(x) is str for x in v) and (v[1] is None or _CID.fullmatch(v[1]))}
-        except (OSError, ValueError, AttributeError):
-            return {}  # none yet, or damaged: everything is read again
-
-    def _save_stamps(self, stamps: dict) -> None:
-        tmp = self.root / f"refs.json.{uuid.uuid4().hex}.tmp"
-        try:
-            tmp.write_text(json.dumps({n: list(v) for n, v in stamps.items()}))
-            tmp.replace(self.root / "refs.json")
-        except OSError:
-            tmp.unlink(missing_ok=True)  # a cache that cannot be written only costs reads
-
-    def tags(self) -> dict[str, str]:
-        """``{tag name: commit id}`` as on the bucket now, sorted by name: the refs only
-        (:meth:`read_refs`), never the commits they name."""
-        if self.marker is None and read_marker(self.backend) is None:
-            return {}
-        refs = self.read_refs(strict=False)  # a malformed tag is left out (fsck reports it; delete_tag removes it)
-        self._mirror(refs, complete=True, fetch=False)
-        return {n: c for n, c in sorted(refs.items()) if c is not None}
-
     def tagged(self) -> dict:
         """``{tag name: CommitInfo}`` as on the bucket now. A tag whose commit record is
         missing or damaged is listed all the same, its info saying so (``created_at`` 0,
         no parents, zero counts): listing tags never depends on the state of the commits."""
         named = self.tags()
-        self._mirror(named)
+        for cid in dict.fromkeys(named.values()):
+            try:
+                self._cache([cid])
+            except (IntegrityError, BlobMissingError):
+                pass  # listed all the same, below; checking it out raises the error, and fsck reports it
+        self.refs.mirror(named)
         infos = self.infos(list(set(named.values())))
         unreadable = "(the commit record is missing or damaged: see `ckptstore fsck --deep`)"
         return {name: infos.get(cid) or CommitInfo(cid, (name,), (), 0.0, unreadable, {}, 0, 0, 0, 0, 0, 0.0) for name, cid in named.items()}
 
-    def resolve(self, ref: str) -> str:
-        """The commit id ``ref`` names on the bucket (a tag, read now; a commit id or a
-        unique prefix of at least 4 hex digits); its record is then in the cache."""
-        if type(ref) is str and _CID.fullmatch(ref) and self.has_cached(ref):
-            return ref  # records are immutable
-        self._need_store()
-        try:
-            cid, _, packs = read_tag_hint(self.backend, ref)
-        except InvalidNameError:
-            cid, packs = None, []
-        if cid is None:
-            cid, _ = resolve_remote(self.backend, ref)
-        self._cache([cid], packs=packs)
+    def _held(self, cid: str) -> str:
+        """``cid`` (named by a tag), once its record is in the cache (copied from the bucket,
+        reading only the indexes of the packs its tag names, if it named any)."""
+        self._cache([cid], packs=self.refs.hint(cid))
         return cid
 
-    def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
-        """Create or move tag ``name`` to ``ref``'s commit by compare-and-swap; with
-        ``expect`` (a commit id or ``None``) RefConflictError if the tag names something else."""
-        check_tag(name)
-        cid = self.resolve(ref)
-        self._move(name, cid, "tag", expect)
+    def _find_commit(self, ref: str) -> str:
+        """The commit a full id or unique id prefix ``ref`` names on the bucket; its record is then in the cache."""
+        cid, _ = resolve_remote(self.backend, ref)
+        self._cache([cid])
         return cid
-
-    def delete_tag(self, name: str) -> str:
-        """Delete tag ``name`` (a tombstone by compare-and-swap); returns the commit it named
-        (``""`` for a tag whose payload was malformed: it is removed all the same).
-
-        Raises:
-            RefNotFoundError: no such tag.
-        """
-        self._need_store()
-        try:
-            old = read_tag(self.backend, name)[0] if type(name) is str and name else None
-        except IntegrityError:  # a malformed payload: replace it with a tombstone, whatever it holds
-            ref = self.backend.read_ref(name)
-            self.backend.cas_ref(name, ref_payload(None, None, "delete", time.time()), ref.version)
-            self._log_move(name, None, None, "delete", time.time())
-            return ""
-        if old is None:
-            raise RefNotFoundError(f"no tag named {name!r} at {self.url}")
-        return self._move(name, None, "delete", old) or old
-
-    def _move(self, name: str, cid: str | None, action: str, expect: Any = ...) -> str | None:
-        deadline = time.monotonic() + CAS_SECONDS
-        while True:
-            old, version = read_tag(self.backend, name)
-            if expect is not ... and old != expect:
-                raise RefConflictError(f"{self.url}: tag {name!r} names {old or 'nothing'}, not {expect or 'nothing'}: another writer moved it")
-            if cid is None and old is None:
-                raise RefNotFoundError(f"no tag named {name!r} at {self.url}")
-            at = time.time()
-            try:
-                self.backend.cas_ref(name, ref_payload(cid, old, action, at, self._packs_of(cid)), version)
-                break
-            except RefConflictError:
-                if time.monotonic() > deadline:
-                    raise RefBusyError(f"{self.url}: tag {name!r} kept moving for {CAS_SECONDS:.0f} s") from None
-        self._log_move(name, old, cid, action, at)
-        self._mirror({name: cid})
-        return old
-
-    def reflog(self, tag: str | None = None) -> list[dict]:
-        """Every tag move recorded on the bucket, newest first: ``{tag, old_commit, new_commit, at, action}``.
-
-        Raises RefNotFoundError for a tag that never existed.
-        """
-        self._need_store()
-        objects = self.backend.list(f"reflog/{ref_segment(tag)}" if tag is not None else "reflog")
-
-        def load(key: str) -> dict | None:
-            try:
-                m = parse_reflog(self.backend.get(key), key, self.url)
-                return {"tag": m["tag"], "old_commit": m["old"], "new_commit": m["new"], "at": float(m["at"]), "action": m["action"]}
-            except ObjectNotFoundError:
-                return None
-
-        out = [m for m in self.requests.map(load, [o.key for o in objects]) if m is not None]
-        if tag is not None and not out:
-            raise RefNotFoundError(f"tag {tag!r} never existed at {self.url}")
-        keys = {id(m): o.key.rsplit("/", 1)[1] for m, o in zip(out, objects)}
-        return sorted(out, key=lambda m: (m["at"], keys[id(m)]), reverse=True)
 
     def info(self, ref: str):
         cid = self.resolve(ref)
@@ -847,7 +677,7 @@ class BucketStore(Store):
         with ``limit``, about ``limit`` records are fetched (:meth:`_cache`)."""
         if limit is not None and (type(limit) is not int or limit < 1):
             return super().log(ref, limit)  # the facade's error for a bad limit
-        refs = self.read_refs(strict=False) if self.marker is not None or read_marker(self.backend) is not None else {}
+        refs = self.refs.read_all(strict=False) if self._has_store() else {}
         if ref is None:
             ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")]
             self._cache([c for c in ids if _CID.fullmatch(c)], lenient=True)
@@ -856,11 +686,11 @@ class BucketStore(Store):
             rows = self.catalog.rows("SELECT id FROM commits WHERE created_at < ?", (time.time() - FORGET_AFTER,), raw=True)
             listed = set(ids)
             self.forget([r[0] for r in rows if r[0] not in listed])
-            self._mirror(refs, complete=True, fetch=False)
+            self.refs.mirror(refs, complete=True)
             return [c for c in super().log(None) if c.id in listed][:limit]  # (a younger one the bucket lost is not listed either)
         ref = self.resolve(ref)
         self._cache([ref], lineage=True, limit=limit)
-        self._mirror(refs, complete=True, fetch=False)
+        self.refs.mirror(refs, complete=True)
         return super().log(ref, limit)
 
     def show(self, ref: str) -> dict:
@@ -932,11 +762,7 @@ class BucketStore(Store):
         self._need_store()
         cid = ref if type(ref) is str and _CID.fullmatch(ref) else None
         if cid is None:
-            try:
-                cid = read_tag(self.backend, ref)[0]
-            except InvalidNameError:
-                cid = None
-            cid = cid or resolve_remote(self.backend, ref)[0]
+            cid = self.refs.read(ref) or resolve_remote(self.backend, ref)[0]
         return check(self, deep=True, commit=cid)
 
 

@@ -82,7 +82,7 @@ def _state(store, c: Collector) -> _State:
     ``.idx`` or, where that is missing or damaged, from the pack itself; a pack that
     cannot be read at all is kept. Ages use the server's clock (``backend.now()``)."""
     backend = store.backend
-    refs = store.read_refs()
+    refs = store.refs.read_all()
     store.log()  # mirrors the tags, caches every commit record, forgets the ones the bucket lost
     now = backend.now()
     # retention by age compares records' own times; the server's whole-second clock may be a second behind. (Young
@@ -252,7 +252,7 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
             going = set(victims)
             live = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in going))  # records that stay keep their packs
             deletable = [p for p in doomed if not st.blind and p in st.entries and not ((_blob_keys(st.entries[p]) & live) - covered)]
-            if store.read_refs() != st.refs:
+            if store.refs.read_all() != st.refs:
                 time.sleep(RANDOM.uniform(0.01, 0.1))
                 continue  # a ref moved while we decided: decide again
             for x in victims:

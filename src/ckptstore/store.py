@@ -50,7 +50,6 @@ from .errors import (
     InvalidNameError,
     NotAStoreError,
     PartialPathError,
-    RefConflictError,
     RefNotFoundError,
     StoreWriteError,
     UnsupportedTypeError,
@@ -73,6 +72,7 @@ from .layout import (
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter, pack_path
 from .records import LeafRecord, check_message, check_tag
 from .recover import RecoverReport, recover
+from .refs import ANY, CatalogRefs, Refs
 from .threads import Pool
 
 if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or checkout: catalog-only use never imports torch
@@ -255,6 +255,9 @@ def _setting(name: str, value: Any, low: int, high: int) -> Any:
     return value
 
 
+_FULL_ID = re.compile(r"[0-9a-f]{32}")
+
+
 def _is_url(path: Any) -> bool:
     """Is ``path`` a store on object storage (``s3://…``) rather than a folder?
 
@@ -266,6 +269,20 @@ def _is_url(path: Any) -> bool:
     if not path.startswith("s3://"):
         raise InvalidArgumentError(f"unsupported store location {path!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
     return True
+
+
+def weakly(owner: Any, *names: str) -> list:
+    """Callables returning ``owner.<name>`` (called, for a method) that do not keep ``owner``
+    alive: the store owns its refs, not the reverse (no reference cycle, so a store
+    dropped without ``close`` still frees its catalog connection at once)."""
+    me = weakref.ref(owner)
+
+    def one(name: str):
+        if callable(getattr(type(owner), name, None)):
+            return lambda *args: getattr(me(), name)(*args)
+        return lambda: getattr(me(), name)
+
+    return [one(n) for n in names]
 
 
 def _as_backend(remote: Any) -> Backend | None:
@@ -357,6 +374,8 @@ class Store:
         self._records: dict[str, records.CommitRecord] = {}  # verified commit records by id (immutable)
         self._catalog: Catalog | None = None
         self._catalog_lock = threading.Lock()
+        #: The home's refs (:mod:`ckptstore.refs`): every tag read and move goes through them.
+        self.refs: Refs = CatalogRefs(*weakly(self, "catalog", "_write"), str(self.root))
         if self._open(create=bool(create)) is None and create is False:
             what = self._missing()
             raise NotAStoreError(f"{self.root} {what}")
@@ -1133,8 +1152,8 @@ class Store:
             if expect is not None and cid != expect:
                 raise IntegrityError(f"the commit's content hashes to {cid}, not to its recorded id {expect}")
             if self.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)):  # imported before: only the tags move
-                for t in tags:
-                    self._move_tag(batch, t, cid, "import", created_at)
+                if tags:
+                    self.refs.move(dict.fromkeys(tags, (ANY, cid)), "import", created_at, batch)
                 return cid, parents, seconds, ids
             new_bytes = sum(n for _, n in written)
             self.catalog.conn.execute(
@@ -1165,8 +1184,8 @@ class Store:
                     multi.append((leaf_ids[r.path], json.dumps([ids[k] for k in keys_of])))
             run_many("INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)", single)
             run_many("INSERT INTO shards (leaf_id, seq, blob_id) SELECT ?, key, value FROM json_each(?)", multi)
-            for t in tags:
-                self._move_tag(batch, t, cid, "commit", created_at)
+            if tags:  # in this transaction: the commit's rows and its tag moves are one
+                self.refs.move(dict.fromkeys(tags, (ANY, cid)), "commit", created_at, batch)
         return cid, parents, seconds, ids
 
     @staticmethod
@@ -1178,24 +1197,6 @@ class Store:
             i += n
         return out
 
-    def _move_tag(self, batch: list, name: str, cid: str | None, action: str, at: float) -> None:
-        """Point tag ``name`` at ``cid`` (None deletes it), log it, and add its
-        ref-move record to ``batch``; inside :meth:`_write`."""
-        old = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
-        old_id = old[0]["commit_id"] if old else None
-        if cid is None:
-            self.catalog.conn.execute("DELETE FROM tags WHERE name = ?", (name,))
-        else:
-            self.catalog.conn.execute(
-                "INSERT INTO tags(name, commit_id, updated_at) VALUES (?, ?, ?) "
-                "ON CONFLICT(name) DO UPDATE SET commit_id = excluded.commit_id, updated_at = excluded.updated_at",
-                (name, cid, at),
-            )
-        seq = self.catalog.conn.execute(
-            "INSERT INTO reflog (tag, old_commit, new_commit, at, action) VALUES (?, ?, ?, ?, ?)", (name, old_id, cid, at, action)
-        ).lastrowid
-        batch.append((records.KIND_REF, name, seq, records.ref_text(seq, name, old_id, cid, at, action)))
-
     # --- refs ------------------------------------------------------------------------
 
     def resolve(self, ref: str) -> str:
@@ -1205,14 +1206,22 @@ class Store:
         Raises:
             RefNotFoundError: nothing matches.
             AmbiguousRefError: a prefix matches several commits (they are listed).
+            IntegrityError: the tag is damaged (or names a commit the store lacks).
         """
         if type(ref) is not str or not ref or not jsonvalue.is_text(ref):
             raise RefNotFoundError(f"invalid ref {ref!r}")
-        rows = self.catalog.rows("SELECT t.commit_id, c.id FROM tags t LEFT JOIN commits c ON c.id = t.commit_id WHERE t.name = ?", (ref,))
-        if rows:
-            if rows[0][1] is None:
-                raise IntegrityError(f"tag {ref!r} points to commit {rows[0][0]}, which is not in the catalog (damaged catalog; see ckptstore fsck)")
-            return rows[0][0]
+        if _FULL_ID.fullmatch(ref) and self.has_cached(ref):
+            return ref  # a commit the index holds (no tag is named by hex digits: check_tag); records are immutable
+        cid = self.refs.read(ref)
+        return self._held(cid) if cid is not None else self._find_commit(ref)
+
+    def _held(self, cid: str) -> str:
+        """``cid`` (named by a tag), once the index holds its commit: the catalog does
+        already (the refs checked it)."""
+        return cid
+
+    def _find_commit(self, ref: str) -> str:
+        """The commit a full id or unique id prefix ``ref`` names, from the index."""
         ref_l = ref.lower()
         if len(ref_l) >= 4 and all(c in "0123456789abcdef" for c in ref_l):
             rows = self.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
@@ -1224,8 +1233,9 @@ class Store:
         raise RefNotFoundError(f"no tag or commit named {ref!r} in {self.root}")
 
     def tags(self) -> dict[str, str]:
-        """``{tag name: commit id}``, sorted by name."""
-        return {r["name"]: r["commit_id"] for r in self.catalog.rows("SELECT name, commit_id FROM tags ORDER BY name")}
+        """``{tag name: commit id}``, sorted by name (on object storage: the refs as on the
+        bucket now, never the commits they name)."""
+        return self.refs.list()
 
     def tagged(self) -> dict[str, CommitInfo]:
         """``{tag name: CommitInfo of the commit it names}``, sorted by name, read in one
@@ -1247,18 +1257,17 @@ class Store:
         names something else at that moment.
         """
         check_tag(name)
-        with self._write() as batch:
+        with self.refs.transaction() as txn:  # locally one catalog transaction; on object storage each move is a CAS
             cid = self.resolve(ref)
-            if expect is not ...:
-                current = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
-                current = current[0]["commit_id"] if current else None
-                if current != expect:
-                    raise RefConflictError(f"tag {name!r} names {current or 'nothing'}, not {expect or 'nothing'}: another writer moved it")
-            self._move_tag(batch, name, cid, "tag", time.time())
+            self.refs.move({name: (expect, cid)}, "tag", None, txn)
         return cid
 
     def has_commit(self, cid: str) -> bool:
         """Does the store hold commit ``cid`` (a full id)? ``False`` for a store not created yet."""
+        return self.has_cached(cid)
+
+    def has_cached(self, cid: str) -> bool:
+        """Does the index hold commit ``cid``'s rows? (Locally the index is the store.)"""
         return self._open(create=False) is not None and bool(self.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)))
 
     def push(self, remote: Store | Backend | str | os.PathLike, ref: str, force: bool = False) -> TransferReport:
@@ -1320,28 +1329,20 @@ class Store:
                 other.close()
 
     def delete_tag(self, name: str) -> str:
-        """Delete tag ``name`` (its commits stay until GC); returns the commit it named.
+        """Delete tag ``name`` (its commits stay until GC); returns the commit it named
+        (on object storage ``""`` for a tag whose payload was malformed: it is removed all the same).
 
         Raises:
             RefNotFoundError: no such tag.
         """
-        with self._write() as batch:
-            rows = self.catalog.rows("SELECT commit_id FROM tags WHERE name = ?", (name,))
-            if not rows:
-                raise RefNotFoundError(f"no tag named {name!r} in {self.root}")
-            self._move_tag(batch, name, None, "delete", time.time())
-        return rows[0]["commit_id"]
+        return self.refs.delete(name)
 
     def reflog(self, tag: str | None = None) -> list[dict]:
         """Every tag move, newest first: ``{tag, old_commit, new_commit, at, action}``.
 
         Raises RefNotFoundError for a tag that never existed.
         """
-        sql = "SELECT tag, old_commit, new_commit, at, action FROM reflog"
-        rows = self.catalog.rows(sql + (" WHERE tag = ?" if tag else "") + " ORDER BY id DESC", (tag,) if tag else ())
-        if tag is not None and not rows:
-            raise RefNotFoundError(f"tag {tag!r} never existed in {self.root}")
-        return [dict(r) for r in rows]
+        return self.refs.reflog(tag)
 
     def info(self, ref: str) -> CommitInfo:
         """The :class:`CommitInfo` of one commit.
