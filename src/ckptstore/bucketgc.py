@@ -550,7 +550,7 @@ def _rebuild_cache(store, report: RecoverReport) -> None:
         missing = [address(*k) for k in keys if k not in where]
         report.incomplete_commits.append(cid)
         report.dropped_commits[cid] = f"{len(missing)} of its blobs are in no readable pack (e.g. {missing[0] if missing else '?'})"
-    refs = store.read_refs(strict=False)  # a malformed ref is left out: read again below for its reason
+    refs = store.refs.read_all(strict=False)  # a malformed ref is left out: read again below for its reason
     for name in backend.list_refs():
         if name in refs:
             continue
