@@ -1020,10 +1020,10 @@ class Harness:
                                       f"{extra_commits[:3]}, tags {extra_tags[:3]}")
         text = "\n".join(rep.problems)
         named = set(getattr(rep, "damaged_commits", [])) | set(getattr(rep, "damaged_tags", []))
-        if any(d.kind.startswith(("ref-", "record-")) for d in bucket_damage):
-            # a damaged ref or record cuts the lineage: fsck cannot tell a commit it no longer reaches from one killed before
-            # its ref move, and lists it as an orphan (its pack's damage is reported on its own)
-            named |= set(getattr(rep, "orphan_commits", []))
+        # A commit no intact tag reaches (one killed before its ref move, or one a damaged ref or record cut off) whose
+        # blobs are damaged is listed as an orphan: fsck cannot tell the two apart (the pack's damage is reported on its own)
+        reach = self._lineage({c for t, c in sv["refs"].items() if t not in sv["bad_tags"]})
+        named |= {c for c in getattr(rep, "orphan_commits", []) if c not in reach}
 
         def reported(*names: str) -> bool:
             return any(n in named or n in text or f"'{n}'" in text for n in names)
