@@ -444,3 +444,22 @@ def test_a_ranged_read_of_a_swept_pack_whose_id_holds_416_is_missing_not_truncat
         b.delete(key)
         with pytest.raises(ObjectNotFoundError):
             b.get_ranges(key, [(10, 20)])
+
+
+@pytest.mark.timeout(60)
+def test_a_commit_reusing_a_blob_whose_pack_is_gone_writes_it_again(tmp_path, url):
+    """The writer's cache locates a blob in a pack the bucket no longer holds (deleted, or
+    swept while the cache still held a commit naming it): the commit writes the blob again
+    and the tag checks out. Before the fix (found by the harness) the commit looked for a
+    repacked copy, took the cache's row naming the gone pack for one, and looped forever."""
+    x = torch.arange(1 << 12, dtype=torch.float32)
+    with ckptstore.Store(url, cache=tmp_path / "writer") as s:
+        first = s.commit({"x": x}, tag="a").id
+        (pack,) = {loc.pack for loc in s.locate([k for leaf in s.record(first).leaves for k in leaf.keys]).values()}
+        with open_backend(url) as b:
+            b.delete(pack_key(pack))
+        second = s.commit({"x": x, "step": 1}, tag="b")
+        assert (second.shards_total, second.shards_new) == (1, 1)  # written again, not reused from the gone pack
+    fresh = _fresh(url, tmp_path)
+    assert torch.equal(fresh.checkout("b")["x"], x)
+    fresh.close()

@@ -553,7 +553,8 @@ class BucketStore(Store):
         marked = self.marked_packs()
         self.refresh_index(avoid=marked)
         where = self.locate(list(keys))
-        return self._lookup([k for k, loc in where.items() if loc.pack not in marked])
+        held = {o.key for o in self.backend.list("blobs")}  # a row may still name a pack gone from the bucket
+        return self._lookup([k for k, loc in where.items() if loc.pack not in marked and pack_key(loc.pack) in held])
 
     def marked_packs(self) -> set[str]:
         """Pack ids a GC mark (``gc/*.json``) names; every listed pack if a mark is unreadable."""

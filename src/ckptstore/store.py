@@ -814,6 +814,7 @@ class Store:
         with self.pack_writer() as writer:
             written = {k: loc for k, loc in given.items() if k not in known}
             todo = [k for k in dict.fromkeys(keys) if k not in known and k not in written]
+            relocated: set[tuple[bytes, int]] = set()
             while True:
                 with progress.task("commit: write new shards", sum(n for _, n in todo)) as advance:
                     def write_one(key: tuple[bytes, int]) -> BlobLoc:
@@ -836,7 +837,8 @@ class Store:
                     for k in gone.keys:
                         known.pop(k, None)
                         written.pop(k, None)
-                    again = self.relocate_reused(gone.keys)
+                    again = self.relocate_reused([k for k in gone.keys if k not in relocated])  # once per blob: then written
+                    relocated.update(again)
                     known.update(again)
                     todo = [k for k in gone.keys if k not in again]
         info = CommitInfo(
