@@ -569,3 +569,199 @@ def test_dcp_save_resave_and_load_in_one_process(home):
     assert reader.blobs_read == 4
     s = home.open(fresh_cache=True)
     assert [c.id for c in s.log("d")] == [a.id, f.id] and s.fsck(deep=True).ok
+
+
+# --- every public call and CLI command on both homes (docs/design.md, "Capabilities one home refuses") ---
+
+
+def test_refs_inspection_and_verify_read_the_same_commits(home):
+    """resolve, has_commit, tagged, components, manifest, diff, verify, commit_components,
+    map_location and the context manager, from another process (a fresh cache)."""
+    s = home.open()
+    sd, first, second = _two_commits(s)
+    with home.open(fresh_cache=True) as f:
+        assert (f.location, f.resolve("t"), f.resolve(first), f.resolve(first[:6]), f.resolve(first[:8].upper())) == (
+            home.location, second, first, first, first)
+        assert (f.has_commit(first), f.has_commit(second), f.has_commit("0" * 64), f.has_commit("nope")) == (True, True, False, False)
+        tagged = f.tagged()
+        assert list(tagged) == ["t"] and (tagged["t"].id, tagged["t"].parents, tagged["t"].tags) == (second, (first,), ("t",))
+        assert f.components("t") == {"": {"adapter": "dict", "version": 1, "meta": {"class": "builtins.dict"}}}
+        got = [(r.path, r.kind, r.dtype, r.shape, len(r.shards), r.value) for r in f.manifest("t")]
+        assert got == [("a", "tensor", "float32", (ROWS, 64), 4, None), ("b", "tensor", "float32", (ROWS, 64), 4, None),
+                       ("cfg/lr", "json", None, None, 0, 1e-3), ("cfg/name", "json", None, None, 0, "x/y")]
+        assert [(r.path, len(r.shards)) for r in f.manifest("t", ["b"])] == [("b", 4)]
+        d = f.diff(first[:8], "t")
+        assert (d.a, d.b, d.new_bytes) == (first, second, SHARD)
+        assert [(x.path, x.status, x.shards, x.shards_changed, x.new_bytes) for x in d.leaves] == [
+            ("a", "changed", 4, 1, SHARD), ("b", "unchanged", 4, 0, 0), ("cfg/lr", "unchanged", 0, 0, 0), ("cfg/name", "unchanged", 0, 0, 0)]
+        v = f.verify("t")
+        assert (v.ok, v.commits, v.blobs_checked, v.bytes_checked) == (True, 1, 8, 8 * SHARD)
+        assert (f.verify(first[:8]).ok, f.fsck().ok, f.fsck().commits) == (True, True, 2)
+        got = f.checkout(first, map_location="cpu")
+        assert got["a"].device == torch.device("cpu")
+        assert_bit_equal(got["a"], state()["a"])
+        again = f.commit_components(ckptstore.adapters.capture(sd, f.registry), tag="t", message="again")
+        assert (again.parents, again.shards_new, again.new_bytes, again.tags, f.tags()) == ((second,), 0, 0, ("t",), {"t": again.id})
+    assert [c.id for c in home.open(fresh_cache=True).log("t")] == [again.id, second, first]
+
+
+def test_infos_names_every_commit_the_store_holds(home, request):
+    """``infos`` of full ids the store holds: a fresh Store object (another process) sees them."""
+    if home.kind == "s3":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "BucketStore does not override infos(): it reads only the local cache, so a fresh cache returns {} "
+            "for commits the bucket holds (log/info/tagged copy the records in first; infos does not)")))
+    s = home.open()
+    _, first, second = _two_commits(s)
+    assert sorted(s.infos([first, second, "0" * 64])) == sorted([first, second])
+    fresh = home.open(fresh_cache=True).infos([first, second])
+    assert sorted(fresh) == sorted([first, second]) and fresh[first].metadata == {"step": 1}
+
+
+def test_gc_counts_the_blobs_a_dropped_commit_frees(home, request):
+    """The one blob only a dropped commit referenced, in a pack otherwise live: freed and counted."""
+    if home.kind == "s3":
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "bucket GC deletes or repacks only dead or half-dead packs and does not merge small ones (docs/design.md, "
+            "'Not built yet'): the dead shard in a 7/8-live 2 MiB pack stays (GCReport.blobs_deleted 0, blob_bytes 0; "
+            "du() blobs 9, unique_bytes 9 shards), where a local GC merges the small pack without it (blobs_deleted 1, "
+            "du blobs 8, unique_bytes 8 shards)")))
+    s = home.open()
+    _, first, second = _two_commits(s)
+    report = s.gc(grace=0)
+    assert (report.dropped, report.blobs_deleted) == ([first], 1)
+    usage = home.open(fresh_cache=True).du()
+    assert (report.blobs_deleted, usage["commits"], usage["blobs"], usage["unique_bytes"]) == (1, 1, 8, 8 * SHARD)
+
+
+def _refused(call, exc, message):
+    return pytest.param(call, exc, message, id=message.split(":")[0][:40].replace(" ", "-"))
+
+
+#: ``(call on a store holding tag t, error type, exact message)``; ``{loc}``: the store's location.
+REFUSED = [
+    _refused(lambda s, tmp: s.resolve("nope"), RefNotFoundError, "no tag or commit named 'nope' in {loc}"),
+    _refused(lambda s, tmp: s.resolve(""), RefNotFoundError, "invalid ref ''"),
+    _refused(lambda s, tmp: s.info("0" * 64), RefNotFoundError, f"no tag or commit named '{'0' * 64}' in {{loc}}"),
+    _refused(lambda s, tmp: s.log("0000"), RefNotFoundError, "no tag or commit named '0000' in {loc}"),
+    _refused(lambda s, tmp: s.log("t", limit=0), InvalidArgumentError, "invalid limit 0: must be an integer >= 1"),
+    _refused(lambda s, tmp: s.show("nope1"), RefNotFoundError, "no tag or commit named 'nope1' in {loc}"),
+    _refused(lambda s, tmp: s.diff("t", "nope2"), RefNotFoundError, "no tag or commit named 'nope2' in {loc}"),
+    _refused(lambda s, tmp: s.verify("nope3"), RefNotFoundError, "no tag or commit named 'nope3' in {loc}"),
+    _refused(lambda s, tmp: s.record("nope4"), RefNotFoundError, "no tag or commit named 'nope4' in {loc}"),
+    _refused(lambda s, tmp: s.components("nope5"), RefNotFoundError, "no tag or commit named 'nope5' in {loc}"),
+    _refused(lambda s, tmp: s.manifest("nope6"), RefNotFoundError, "no tag or commit named 'nope6' in {loc}"),
+    _refused(lambda s, tmp: s.checkout("nope7"), RefNotFoundError, "no tag or commit named 'nope7' in {loc}"),
+    _refused(lambda s, tmp: s.push(tmp / "dst", "nope8"), RefNotFoundError, "no tag or commit named 'nope8' in {loc}"),
+    _refused(lambda s, tmp: s.pull(tmp / "absent", "t"), NotAStoreError, "{tmp}/absent does not exist"),
+    _refused(lambda s, tmp: s.tag("x", "nope9"), RefNotFoundError, "no tag or commit named 'nope9' in {loc}"),
+    _refused(lambda s, tmp: s.tag("bad\x00", "t"), InvalidNameError,
+             "invalid tag name 'bad\\x00': 1 to 255 characters of UTF-8 without control characters or edge spaces, not starting with '-'"),
+    _refused(lambda s, tmp: s.tag("abcd12", "t"), InvalidNameError,
+             "invalid tag name 'abcd12': 4 to 32 hex digits read as a commit id prefix; a tag would hide it"),
+    _refused(lambda s, tmp: s.commit({"x": torch.ones(2)}, tag="-bad"), InvalidNameError,
+             "invalid tag name '-bad': 1 to 255 characters of UTF-8 without control characters or edge spaces, not starting with '-'"),
+    _refused(lambda s, tmp: s.delete_tag("nope"), RefNotFoundError, "no tag named 'nope' in {loc}"),
+    _refused(lambda s, tmp: s.delete_tag("bad\x00"), InvalidNameError, "invalid ref name 'bad\\x00': 1 to 255 characters without NUL"),
+    _refused(lambda s, tmp: s.reflog("never"), RefNotFoundError, "tag 'never' never existed in {loc}"),
+    _refused(lambda s, tmp: s.reflog("bad\x00"), InvalidNameError, "invalid ref name 'bad\\x00': 1 to 255 characters without NUL"),
+    _refused(lambda s, tmp: s.gc(grace="soon"), InvalidArgumentError, "invalid duration 'soon': use a number with s, m, h, d or w (e.g. 30m, 1h, 7d)"),
+    _refused(lambda s, tmp: s.gc(keep_last=-1), InvalidArgumentError, "invalid keep-last -1: must be a whole number >= 0"),
+    _refused(lambda s, tmp: s.fsck(sample=2.0), InvalidArgumentError, "invalid sample fraction 2.0: must be in (0, 1]"),
+    _refused(lambda s, tmp: s.export("nope", tmp / "n.zip"), RefNotFoundError, "no tag or commit named 'nope' in {loc}"),
+    _refused(lambda s, tmp: s.import_from(tmp / "none.zip"), ckptstore.errors.ContainerError, "{tmp}/none.zip: no such export archive or folder"),
+    _refused(lambda s, tmp: s.import_torchrl(tmp / "none"), ckptstore.errors.ContainerError, "{tmp}/none: no such folder or file"),
+]
+
+
+@pytest.mark.parametrize("call, exc, message", REFUSED)
+def test_bad_input_is_refused_alike(home, tmp_path, call, exc, message):
+    """The same error type and the same message on both homes, and nothing moves."""
+    s = home.open()
+    s.commit({"x": torch.arange(4)}, tag="t")
+    with pytest.raises(exc) as caught:
+        call(home.open(fresh_cache=True), tmp_path)
+    assert str(caught.value) == message.format(loc=home.location, tmp=tmp_path)
+    assert list(home.open(fresh_cache=True).tags()) == ["t"]
+
+
+def test_cli_commands_print_the_same_on_both_homes(home, tmp_path, monkeypatch, capsys):
+    """log, tags, tag, reflog, show, diff, du, verify, fsck, gc, delete-tag, import and
+    import-torchrl, and their errors: the same exit codes, lines and JSON."""
+    from ckptstore.units import fmt_bytes
+
+    s = home.open()
+    sd, first, second = _two_commits(s)
+    s.export(first, tmp_path / "first.zip")
+    s.close()
+    loc = home.location
+
+    def run(*args):
+        return cli(monkeypatch, capsys, *args, "--store", loc)
+
+    def as_json(*args):
+        code, out, err = run(*args, "--json")
+        assert (code, err) == (0, ""), err
+        return json.loads(out)
+
+    log = as_json("log", "t")
+    assert [(c["id"], c["parents"], c["tags"], c["metadata"]) for c in log] == [(second, [first], ["t"], {}), (first, [], [], {"step": 1})]
+    assert [c["id"] for c in as_json("log", "--limit", "1")] == [second]
+    assert as_json("tags") == {"t": second}
+    assert run("tag", "old", first[:8]) == (0, f"old -> {first}\n", "")
+    assert as_json("tag", "old2", "old") == {"tag": "old2", "commit": first}
+    assert [(m["tag"], m["action"], m["old_commit"], m["new_commit"]) for m in as_json("reflog")] == [
+        ("old2", "tag", None, first), ("old", "tag", None, first), ("t", "commit", first, second), ("t", "commit", None, first)]
+    assert [m["action"] for m in as_json("reflog", "old")] == ["tag"]
+    shown = as_json("show", "t")
+    assert (shown["commit"]["id"], [(x["path"], x["shards"], x["shared_with_parent"]) for x in shown["leaves"]]) == (
+        second, [("a", 4, 3), ("b", 4, 4), ("cfg/lr", 0, 0), ("cfg/name", 0, 0)])
+    d = as_json("diff", "old", "t")
+    assert (d["a"], d["b"], d["new_bytes"], [x["status"] for x in d["leaves"]]) == (first, second, SHARD, ["changed", "unchanged", "unchanged", "unchanged"])
+    code, out, _ = run("diff", "old", "t")
+    assert code == 0 and out.splitlines()[-1] == f"0 added, 0 removed, 1 changed, 3 unchanged; {fmt_bytes(SHARD)} new in {second[:12]}"
+    du = as_json("du")
+    assert (du["commits"], du["tags"], du["blobs"], du["logical_bytes"], du["unique_bytes"]) == (2, 3, 9, 2 * 8 * SHARD, 9 * SHARD)
+    v = as_json("verify", "t")
+    assert (v["ok"], v["commits"], v["blobs_checked"], v["bytes_checked"]) == (True, 1, 8, 8 * SHARD)
+    code, out, _ = run("verify", "old")
+    assert code == 0 and out.splitlines()[-1].startswith(f"ok: 1 commits, 8 blobs rehashed ({fmt_bytes(8 * SHARD)})")
+    f = as_json("fsck", "--deep")
+    assert (f["ok"], f["commits"], f["blobs_checked"], f["damaged_commits"]) == (True, 2, 9, [])
+    assert run("delete-tag", "old2") == (0, f"deleted old2 (was {first})\n", "")
+    assert as_json("delete-tag", "old") == {"deleted": "old", "commit": first}
+    g = as_json("gc", "--grace", "0s", "--dry-run")
+    assert (g["dry_run"], g["commits_dropped"], g["dropped"]) == (True, 1, [first])
+    g = as_json("gc", "--grace", "0s")
+    assert (g["dry_run"], g["commits_dropped"], g["dropped"]) == (False, 1, [first])  # blobs_deleted: the xfail below
+    assert [c["id"] for c in as_json("log")] == [second]
+    imported = as_json("import", str(tmp_path / "first.zip"), "--tag", "back")
+    assert (imported["id"], imported["tags"]) == (first, ["back"])
+    rb = make_buffer("lazy", "prioritized")
+    fill(rb, "prioritized")
+    rb.dumps(tmp_path / "rb")
+    got = as_json("import-torchrl", str(tmp_path / "rb"), "--tag", "rb")
+    assert (got["commit"]["tags"], got["report"]["format"], got["report"]["components"]) == (
+        ["rb"], "torchrl.replay_buffer.dumps", ["storage", "writer", "sampler"])
+    with ckptstore.Store(loc) as o:
+        assert o.tags() == {"back": first, "rb": got["commit"]["id"], "t": second}
+        assert_bit_equal(o.checkout("back")["a"], state()["a"])
+        assert_bit_equal(o.checkout("rb", partial=["storage"])["storage", "data", "obs"][: len(rb)], storage_of(rb)["obs"])
+    for args, code, message in [
+        (("show", "nope"), 1, f"error: no tag or commit named 'nope' in {loc}"),
+        (("verify", "nope"), 1, f"error: no tag or commit named 'nope' in {loc}"),
+        (("diff", "t", "nope"), 1, f"error: no tag or commit named 'nope' in {loc}"),
+        (("delete-tag", "nope"), 1, f"error: no tag named 'nope' in {loc}"),
+        (("reflog", "never"), 1, f"error: tag 'never' never existed in {loc}"),
+        (("tag", "abcd12", "t"), 1, "error: invalid tag name 'abcd12': 4 to 32 hex digits read as a commit id prefix; a tag would hide it"),
+        (("gc", "--grace", "soon"), 1, "error: invalid duration 'soon': use a number with s, m, h, d or w (e.g. 30m, 1h, 7d)"),
+        (("fsck", "--sample", "2"), 1, "error: invalid sample fraction 2.0: must be in (0, 1]"),
+    ]:
+        assert run(*args) == (code, "", message + "\n"), args
+    code, out, err = run("log", "--limit", "0")
+    assert code == 2 and out == "" and err.startswith("error: Invalid value for '--limit'")
+    code, out, err = run("fsck", "--repair")  # the one refusal of docs/design.md's table
+    if home.kind == "local":
+        assert (code, out) == (1, "") and err == f"error: {loc}: a local store has no pack indexes to repair; its index is the catalog, rebuilt from the packs by `ckptstore recover`\n"
+    else:
+        assert (code, err) == (0, "") and out.splitlines()[-1].startswith("ok: 3 commits, ")

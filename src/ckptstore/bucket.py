@@ -48,6 +48,7 @@ from .errors import (
     BlobCorruptError,
     BlobMissingError,
     CatalogCorruptError,
+    InvalidArgumentError,
     IntegrityError,
     NotAStoreError,
     ObjectNotFoundError,
@@ -752,6 +753,8 @@ class BucketStore(Store):
         packs and rewrites a damaged marker."""
         from .bucketgc import check
 
+        if not 0 < sample <= 1:  # the local store's refusal (ckptstore.fsck.check), before any request
+            raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
         self._need_store()
         return check(self, deep=deep or sample < 1, sample=sample, repair=repair)
 

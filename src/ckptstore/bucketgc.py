@@ -374,6 +374,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         _check_reflog(store, report)
         _check_marker(store, report, repair)
     reach = _lineage(recs, heads) if commit is None else set(records)
+    reread: dict = {}  # (digest, length) -> None or the problem of the blob, once reread
     for cid, rec in recs.items():
         report.commits += 1
         keys = list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys))
@@ -393,15 +394,16 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         todo = [k for k in keys if k not in missing]
         if sample < 1 and todo:
             todo = rng.sample(todo, max(1, round(len(todo) * sample)))
-        for loc, problem in _reread(store, [where[k] for k in todo], f"commit {cid}"):
-            if problem is None:
+        for loc, problem in _reread(store, [where[k] for k in todo if k not in reread], f"commit {cid}"):
+            reread[(loc.digest, loc.raw_len)] = problem
+            if problem is None:  # each blob counted and read once, as a local fsck does, however many commits share it
                 report.blobs_checked += 1
                 report.bytes_checked += loc.raw_len
             else:
                 report.corrupt_blobs.append(loc.address)
                 report.problems.append(problem)
-                if cid not in report.damaged_commits:
-                    report.damaged_commits.append(cid)
+        if any(reread.get(k) is not None for k in todo) and cid not in report.damaged_commits:
+            report.damaged_commits.append(cid)
     return report
 
 

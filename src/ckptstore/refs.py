@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import records
-from .backends.base import ref_segment
+from .backends.base import check_ref_name, ref_segment
 from .errors import (
     BackendError,
     IntegrityError,
@@ -179,9 +179,12 @@ class CatalogRefs(Refs):
         return olds
 
     def delete(self, name: str) -> str:
+        check_ref_name(name)  # as a bucket's refs: InvalidNameError, not "no such tag", for a name no tag can have
         return self.move({name: (ANY, None)}, "delete")[name]
 
     def reflog(self, tag: str | None = None) -> list[dict]:
+        if tag is not None:
+            check_ref_name(tag)
         sql = "SELECT tag, old_commit, new_commit, at, action FROM reflog"
         rows = self._catalog().rows(sql + (" WHERE tag = ?" if tag else "") + " ORDER BY id DESC", (tag,) if tag else ())
         if tag is not None and not rows:
@@ -213,7 +216,7 @@ class BucketRefs(Refs):
         self.has_store = has_store
         self.need_store = need_store
         self.packs_of = packs_of
-        self.where = f"at {backend.url}"
+        self.where = f"in {backend.url}"  # the words of a folder's refs: one message on both homes
         self._hints: dict[str, list[str]] = {}  # commit id -> packs, as its tag said when read (a hint only)
 
     @contextmanager

@@ -727,8 +727,8 @@ def resolve(backend: Backend, ref: str) -> tuple[str, str | None]:
         if len(found) == 1:
             return found[0], None
         if found:
-            raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix at {backend.url}: matches {', '.join(c[:12] for c in found[:10])}")
-    raise RefNotFoundError(f"no tag or commit named {ref!r} at {backend.url}")
+            raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix in {backend.url}: matches {', '.join(c[:12] for c in found[:10])}")
+    raise RefNotFoundError(f"no tag or commit named {ref!r} in {backend.url}")
 
 
 def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> TransferReport:
