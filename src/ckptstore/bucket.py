@@ -674,6 +674,19 @@ class BucketStore(Store):
         self.tags()
         return self.infos([cid])[cid]
 
+    def infos(self, ids: list[str]):
+        """As :meth:`Store.infos`, the records of ``ids`` the cache lacks copied from the bucket
+        first (one HEAD each; ids the bucket does not hold are left out).
+
+        Raises:
+            BackendError: the storage failed.
+        """
+        self._need_store()
+        todo = [c for c in dict.fromkeys(ids) if not self.has_cached(c) and self.has_commit(c)]
+        if todo:
+            self._cache(todo, lenient=True)
+        return super().infos(ids)
+
     def log(self, ref: str | None = None, limit: int | None = None):
         """Lineage of ``ref`` on the bucket (every commit without ``ref``), newest first;
         with ``limit``, about ``limit`` records are fetched (:meth:`_cache`)."""
