@@ -653,7 +653,7 @@ class BucketStore(Store):
             except (IntegrityError, BlobMissingError):
                 pass  # listed all the same, below; checking it out raises the error, and fsck reports it
         self.refs.mirror(named)
-        infos = self.infos(list(set(named.values())))
+        infos = self._infos(list(set(named.values())))  # copied above: a damaged record is listed, not fetched again
         unreadable = "(the commit record is missing or damaged: see `ckptstore fsck --deep`)"
         return {name: infos.get(cid) or CommitInfo(cid, (name,), (), 0.0, unreadable, {}, 0, 0, 0, 0, 0, 0.0) for name, cid in named.items()}
 
@@ -672,7 +672,7 @@ class BucketStore(Store):
     def info(self, ref: str):
         cid = self.resolve(ref)
         self.tags()
-        return self.infos([cid])[cid]
+        return self._infos([cid])[cid]  # resolve copied it
 
     def infos(self, ids: list[str]):
         """As :meth:`Store.infos`, the records of ``ids`` the cache lacks copied from the bucket
@@ -685,7 +685,7 @@ class BucketStore(Store):
         todo = [c for c in dict.fromkeys(ids) if not self.has_cached(c) and self.has_commit(c)]
         if todo:
             self._cache(todo, lenient=True)
-        return super().infos(ids)
+        return self._infos(ids)
 
     def log(self, ref: str | None = None, limit: int | None = None):
         """Lineage of ``ref`` on the bucket (every commit without ``ref``), newest first;

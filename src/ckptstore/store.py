@@ -1244,7 +1244,7 @@ class Store:
         snapshot (a concurrent GC cannot drop a tagged commit in between)."""
         with self.catalog.read():
             named = self.tags()
-            infos = self.infos(list(set(named.values())))
+            infos = self._infos(list(set(named.values())))
         for name, cid in named.items():
             if cid not in infos:
                 raise damaged(self.catalog.path, f"tag {name!r} points to commit {cid}, which is not in the catalog")
@@ -1354,13 +1354,17 @@ class Store:
         """
         with self.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its row
             cid = self.resolve(ref)
-            found = self.infos([cid]).get(cid)
+            found = self._infos([cid]).get(cid)
         if found is None:
             raise RefNotFoundError(f"commit {cid} is not in {self.root}")
         return found
 
     def infos(self, ids: list[str]) -> dict[str, CommitInfo]:
         """``{commit id: CommitInfo}`` of the full commit ids ``ids`` the store holds (others are left out)."""
+        return self._infos(ids)
+
+    def _infos(self, ids: list[str]) -> dict[str, CommitInfo]:
+        """:meth:`infos` from the index alone (what the index holds; on object storage, the cache)."""
         rows = self.catalog.chunked("SELECT * FROM commits WHERE id IN ({})", ids)
         parents: dict[str, list[str]] = {}
         for r in self.catalog.chunked("SELECT commit_id, parent_id FROM parents WHERE commit_id IN ({}) ORDER BY position", ids):
@@ -1398,7 +1402,7 @@ class Store:
                 rows = self.catalog.chunked("SELECT parent_id FROM parents WHERE commit_id IN ({})", frontier)
                 frontier = list(dict.fromkeys(r["parent_id"] for r in rows if r["parent_id"] not in known))
             ids = seen
-        infos = self.infos(ids)
+        infos = self._infos(ids)
         out = sorted((infos[i] for i in ids if i in infos), key=lambda c: (-c.created_at, c.id))
         return out[:limit] if limit else out
 
