@@ -1295,8 +1295,15 @@ class Harness:
         for d in [d for d in self.ledger if d.kind in REBUILDABLE]:
             if d.kind.startswith("idx-"):
                 if self.backend.head(pack_key(d.pack)) is None:
-                    needed = [c for c, (k, why) in before["status"].items() if k != "clean" and c in set(before["refs"].values())]
-                    if needed and self.entries.get(d.pack):
+                    # a GC deleted the pack: a loss only if a tagged commit needs a blob of it that no other pack holds (a
+                    # pack whose commits were all dropped may go, and a repack may have copied its live blobs elsewhere)
+                    from ckptstore.packs import BLOB_MAGIC
+
+                    held = {(e.loc.digest, e.loc.raw_len) for e in self.entries.get(d.pack) or () if e.magic == BLOB_MAGIC}
+                    now = self.survey()["loc"]
+                    tagged = {c for t, c in before["refs"].items() if t not in before["bad_tags"]}
+                    needed = [c for c in sorted(tagged) if any(k in held and k not in now for k in self._needs(c) or ())]
+                    if needed:
                         raise self.failure(index, f"the pack {d.pack}, whose .idx was damaged ({d.kind}), is gone from the bucket, though "
                                                   f"tagged commits need its blobs ({needed[:3]}): a GC deleted a live pack", loss=True)
                     self.ledger.remove(d)
