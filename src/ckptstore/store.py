@@ -1878,9 +1878,7 @@ def pack_writer_at(location: str | os.PathLike, compression_level: int, pack_byt
         NotAStoreError / BackendError: a missing bucket, an unreachable server (``s3://``).
         InvalidArgumentError: an unsupported URL scheme.
     """
-    if isinstance(location, str) and _URL.match(location):
-        if not location.startswith("s3://"):
-            raise InvalidArgumentError(f"unsupported store location {location!r}: a folder, or s3://bucket/prefix for S3-compatible object storage")
+    if _is_url(location):
         from .bucket import DetachedPackWriter
 
         return DetachedPackWriter(location, compression_level, pack_bytes)
