@@ -2,7 +2,8 @@
 
 Upstream: pytorch/pytorch test/distributed/checkpoint/test_file_system_checkpoint_cpu.py
 (commit 02dee1ad31d013c458c5071f1710da10a2d50392) and
-test/distributed/checkpoint/test_format_utils.py (commit 01767dfbcd73a48fa66f4d69d6849f162725e09d).
+test/distributed/checkpoint/test_format_utils.py (commit 01767dfbcd73a48fa66f4d69d6849f162725e09d)
+and test/distributed/checkpoint/test_dtensor_checkpoint.py (commit 1f30f7461128ad4339c0627cde1440c185e32231).
 
 Every test runs twice (fixture ``storage``): with DCP's FileSystemWriter/FileSystemReader
 (the peer's storage) and with ckptstore's StoreWriter/StoreReader. The test bodies and
@@ -17,6 +18,8 @@ module needs ``expecttest``, which is not installed. Differences from upstream:
   storage (the extension transforms the peer's own files; ckptstore compresses its
   shards itself); their assertions are unchanged.
 - ``TestFormatUtils.test_online_torch_save_to_dcp`` is not ported: it needs 2 GPUs.
+- test_distributed_tensor_planner runs on CPU DTensors over gloo (upstream moves the
+  module to CUDA and skips below 2 GPUs; nothing in it needs a GPU).
 - format_utils' ``dcp_to_torch_save`` / ``torch_save_to_dcp`` construct a
   FileSystemReader/Writer inside; the ckptstore run calls the same DCP functions they
   call (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``, ``_save_state_dict``)
@@ -366,3 +369,56 @@ def test_torch_save_to_dcp(storage, tmp_path):
     model = SimpleModelUneven()
     dcp.load({"model": model}, storage_reader=storage.reader(dcp_dir))
     torch.testing.assert_close({"model": model.state_dict()}, sd, rtol=0, atol=0)
+
+
+# --- test_dtensor_checkpoint.py: DTensorPlanner (2 gloo ranks, CPU) ---------------------------
+
+
+class DTensorModule(torch.nn.Module):
+    def __init__(self, sdt, rdt, extra_state: int = 1, extra_state_tensor: torch.Tensor = torch.zeros(1)) -> None:
+        super().__init__()
+        self.rdt = torch.nn.Parameter(rdt)
+        self.sdt = torch.nn.Parameter(sdt)
+        self._extra_state = extra_state
+        self._extra_state_tensor = extra_state_tensor
+
+    def get_extra_state(self) -> dict:
+        return {"extra_state": self._extra_state, "extra_state_tensor": self._extra_state_tensor}
+
+    def set_extra_state(self, state: dict) -> None:
+        self._extra_state = state["extra_state"]
+        self._extra_state_tensor = state["extra_state_tensor"]
+
+
+def _create_dtensor_model(tensor_to_shard, tensor_to_replicate):
+    from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+
+    mesh = DeviceMesh(device_type="cpu", mesh=range(dist.get_world_size()))
+    sharded_dt = distribute_tensor(tensor_to_shard, mesh, placements=[Shard(0)])
+    replicated_dt = distribute_tensor(tensor_to_replicate, mesh, placements=[Replicate()])
+    return DTensorModule(sharded_dt, replicated_dt), sharded_dt, replicated_dt
+
+
+def _distributed_tensor_planner(rank: int, world: int, name: str) -> bool:
+    self, storage = unittest.TestCase(), STORAGES[name]
+    path = _shared_path(rank)
+    local_tensor = torch.arange(0, 4, dtype=torch.float32)
+    local_tensor_2 = torch.arange(4, 8, dtype=torch.float32)
+    model, sharded_dt, replicated_dt = _create_dtensor_model(local_tensor, local_tensor_2)
+    save_state_dict(state_dict=model.state_dict(), storage_writer=storage.writer(path), planner=dcp.DefaultSavePlanner())
+    model, _, _ = _create_dtensor_model(local_tensor * 10, local_tensor_2 * 10)
+    state_dict = model.state_dict()
+    load_state_dict(state_dict=state_dict, storage_reader=storage.reader(path), planner=dcp.DefaultLoadPlanner())
+    for k, v in state_dict.items():
+        if k == "rdt":
+            self.assertTrue(torch.equal(replicated_dt.to_local(), v.to_local()))
+        if k == "sdt":
+            self.assertTrue(torch.equal(sharded_dt.to_local(), v.to_local()))
+        if k == "_extra_state":
+            self.assertEqual(1, v["extra_state"])
+            self.assertTrue(torch.equal(torch.tensor([0.0]), v["extra_state_tensor"]))
+    return sorted(state_dict) == ["_extra_state", "rdt", "sdt"]
+
+
+def test_distributed_tensor_planner(storage):
+    assert run_ranks(2, _distributed_tensor_planner, storage.name) == [True, True]
