@@ -173,7 +173,9 @@ def test_state_dict_json_and_manifest_roundtrip(storage, tmp_path, format):
     assert result.manifest["container"] == format
     assert result.manifest["versions"]["tensordict"] == tensordict.__version__
     assert result.manifest["metadata"] == {"run": "test"}
-    # dropped: the four asserts on the policy component's file names (module docstring)
+    # dropped: the four asserts on the policy component's file names (module docstring); instead:
+    if storage.name == "ckptstore":
+        assert result.manifest["components"]["policy"]["files"] == ["ckptstore-ref.json"]
     torch.testing.assert_close(source.weight, target.weight)
 
 
