@@ -14,7 +14,8 @@ module needs ``expecttest``, which is not installed. Differences from upstream:
 - ``test_dtype_mismatch_casting`` is not ported: it needs
   ``DefaultLoadPlanner(allow_unsafe_types=)``, which torch 2.14.1 does not have.
 - ``test_load_rowwise_to_colwise`` is not ported: it moves the model to CUDA.
-- the Rot13 / ZStandard tests pass their stream extension only to the peer's
+- the Rot13 and ZStandard tests (two upstream classes, one test here parametrized by
+  the extension) pass their stream extension only to the peer's
   storage (the extension transforms the peer's own files; ckptstore compresses its
   shards itself); their assertions are unchanged.
 - ``TestFormatUtils.test_online_torch_save_to_dcp`` is not ported: it needs 2 GPUs.
