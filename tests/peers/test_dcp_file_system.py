@@ -3,7 +3,8 @@
 Upstream: pytorch/pytorch test/distributed/checkpoint/test_file_system_checkpoint_cpu.py
 (commit 02dee1ad31d013c458c5071f1710da10a2d50392) and
 test/distributed/checkpoint/test_format_utils.py (commit 01767dfbcd73a48fa66f4d69d6849f162725e09d)
-and test/distributed/checkpoint/test_dtensor_checkpoint.py (commit 1f30f7461128ad4339c0627cde1440c185e32231).
+test/distributed/checkpoint/test_dtensor_checkpoint.py (commit 1f30f7461128ad4339c0627cde1440c185e32231)
+and test/distributed/checkpoint/e2e/test_e2e_save_and_load.py (commit 01357535d7c74848ba16d36179c2df92559e75ba).
 
 Every test runs twice (fixture ``storage``): with DCP's FileSystemWriter/FileSystemReader
 (the peer's storage) and with ckptstore's StoreWriter/StoreReader. The test bodies and
@@ -21,6 +22,13 @@ module needs ``expecttest``, which is not installed. Differences from upstream:
 - ``TestFormatUtils.test_online_torch_save_to_dcp`` is not ported: it needs 2 GPUs.
 - test_distributed_tensor_planner runs on CPU DTensors over gloo (upstream moves the
   module to CUDA and skips below 2 GPUs; nothing in it needs a GPU).
+- e2e: ``test_e2e`` and ``test_e2e_async_cached`` run with a DDP model on 2 CPU ranks
+  over gloo (upstream: FSDP/HSDP/DDP on 4 GPUs); the async one with the thread
+  checkpointer and ``cache_staged_state_dict=False`` only (the cached variant stages into
+  pinned memory, which needs CUDA; the process checkpointer cases too).
+  ``test_different_ordered_state_dict_keys`` runs on 2 CPU ranks (upstream: 4 GPUs).
+  Not ported: ``test_partial_load`` (FSDP on GPUs), ``test_overwrite`` (its subject is
+  FileSystemWriter's ``overwrite=`` option), ``TestNoCPU`` (NCCL).
 - format_utils' ``dcp_to_torch_save`` / ``torch_save_to_dcp`` construct a
   FileSystemReader/Writer inside; the ckptstore run calls the same DCP functions they
   call (``_load_state_dict`` with ``_EmptyStateDictLoadPlanner``, ``_save_state_dict``)
@@ -423,3 +431,293 @@ def _distributed_tensor_planner(rank: int, world: int, name: str) -> bool:
 
 def test_distributed_tensor_planner(storage):
     assert run_ranks(2, _distributed_tensor_planner, storage.name) == [True, True]
+
+
+# --- e2e/test_e2e_save_and_load.py -------------------------------------------------------------
+
+import time  # noqa: E402
+from concurrent.futures import Future  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from functools import partial  # noqa: E402
+from io import BytesIO  # noqa: E402
+
+import torch.distributed.checkpoint.state_dict_saver as saver  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+    _patch_model_state_dict,
+    _patch_optimizer_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # noqa: E402
+from torch.testing._internal.distributed.common_state_dict import VerifyStateDictMixin  # noqa: E402
+
+device_type = "cpu"
+
+
+def _assert_equal(a, b) -> None:
+    """torch's TestCase.assertEqual, as far as these tests use it: tensors with
+    ``assert_close``'s default tolerances, containers element by element, the rest with ``==``."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        torch.testing.assert_close(a, b)
+    elif isinstance(a, dict) and isinstance(b, dict):
+        assert set(a) == set(b), (sorted(map(str, a)), sorted(map(str, b)))
+        for k in a:
+            _assert_equal(a[k], b[k])
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert len(a) == len(b), (a, b)
+        for x, y in zip(a, b):
+            _assert_equal(x, y)
+    else:
+        assert a == b, (a, b)
+
+
+class _Verify(VerifyStateDictMixin, unittest.TestCase):
+    def assertEqual(self, first, second, msg=None):  # noqa: N802 (unittest's name)
+        _assert_equal(first, second)
+
+
+class TestDummyModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net1 = torch.nn.Linear(8, 16)
+        self.net2 = torch.nn.Linear(16, 32)
+        self.net3 = torch.nn.Linear(32, 64)
+        self.net4 = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        x = F.relu(self.net1(x))
+        x = F.relu(self.net2(x))
+        x = F.relu(self.net3(x))
+        return F.relu(self.net4(x))
+
+    def get_input(self):
+        return torch.rand(8, 8, device=device_type)
+
+
+class TestStatefulObj:
+    def __init__(self) -> None:
+        self.data = torch.rand(10, 10, device=device_type)
+
+    def state_dict(self):
+        return {"data": self.data}
+
+    def load_state_dict(self, state_dict):
+        self.data = state_dict["data"]
+
+    def __eq__(self, other):
+        return torch.equal(self.data, other.data)
+
+
+@dataclass
+class TestTrainState:
+    step: int = 0
+    current_loss: float = -1
+    losses: list = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        loss_bytes = BytesIO()
+        torch.save(self.losses, loss_bytes)
+        return {"step": torch.tensor(self.step, dtype=torch.int32), "current_loss": torch.tensor(self.current_loss, dtype=torch.float32), "losses": loss_bytes}
+
+    def load_state_dict(self, state_dict) -> None:
+        self.step = state_dict["step"].item()
+        self.current_loss = state_dict["current_loss"].item()
+        state_dict["losses"].seek(0)
+        self.losses = torch.load(state_dict["losses"])
+
+    def __eq__(self, other):
+        return self.step == other.step and self.current_loss == other.current_loss and self.losses == other.losses
+
+
+def _train(model, optim, train_steps=1):
+    torch.manual_seed(0)
+    loss = None
+    train_state = TestTrainState()
+    for _ in range(train_steps):
+        loss = model(model.get_input()).sum()
+        loss.backward()
+        train_state.step += 1
+        train_state.current_loss = torch.rand(1).item()
+        train_state.losses.append(train_state.current_loss)
+        optim.step()
+        optim.zero_grad()
+    return loss, train_state
+
+
+def _optim(model):
+    return torch.optim.Adam(model.parameters(), lr=0.1)
+
+
+def _create_model(ddp: bool):
+    dummy_model = TestDummyModel().to(device_type)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(dummy_model)
+        model.get_input = partial(TestDummyModel.get_input, model)
+    else:
+        model = dummy_model
+    optim = _optim(model)
+    if ddp:
+        _patch_model_state_dict(model)
+        _patch_optimizer_state_dict(model, optimizers=optim)
+    return model, optim
+
+
+def _run_e2e_test(rank: int, world: int, name: str, async_op: bool, cache_staged_state_dict: bool) -> bool:
+    self, storage = _Verify(), STORAGES[name]
+    temp_dir = _shared_path(rank)
+    model, optim = _create_model(ddp=False)
+    _train(model, optim, train_steps=2)
+    dist_model, dist_optim = _create_model(ddp=True)
+    _, original_train_state = _train(dist_model, dist_optim, train_steps=2)
+    original_stateful_obj = TestStatefulObj()
+    sd = {"model": dist_model, "optimizer": dist_optim, "s": original_stateful_obj, "train_state": original_train_state}
+    if async_op:
+        kwargs = {"cache_staged_state_dict": cache_staged_state_dict} if storage.name == "peer" else {}
+        writer = storage.writer(temp_dir, **kwargs)
+        stager = None
+        if not cache_staged_state_dict:
+            stager = DefaultStager(StagingOptions(use_async_staging=False, use_shared_memory=False, use_pinned_memory=False, use_non_blocking_copy=False))
+        response = saver.async_save(sd, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=stager)
+        if isinstance(response, Future):
+            save_future = response
+        else:
+            if not isinstance(response, AsyncSaveResponse):
+                raise AssertionError(f"Expected AsyncSaveResponse, got {type(response)}")
+            save_future = response.upload_completion
+        while not save_future.done():
+            time.sleep(0.05)
+        save_future.result()
+    else:
+        dcp.save(sd, storage_writer=storage.writer(temp_dir))
+    loaded_stateful_obj = TestStatefulObj()
+    loaded_train_state = TestTrainState()
+    dist_model, dist_optim = _create_model(ddp=True)
+    dcp.load(
+        state_dict={"model": dist_model, "optimizer": dist_optim, "s": loaded_stateful_obj, "train_state": loaded_train_state},
+        storage_reader=storage.reader(temp_dir),
+    )
+    self.assertEqual(original_stateful_obj, loaded_stateful_obj)
+    self.assertEqual(original_train_state, loaded_train_state)
+    loss, _ = _train(model, optim, train_steps=1)
+    dist_loss, _ = _train(dist_model, dist_optim, train_steps=1)
+    self.assertEqual(loss, dist_loss)
+    dist_msd, dist_osd = get_state_dict(dist_model, optimizers=dist_optim)
+    model_sd, _ = get_state_dict(model, optimizers=optim)
+    self._verify_msd(model_sd, dist_msd)
+    self._verify_osd_by_load(model, optim, _optim(model), dist_osd)
+    return True
+
+
+def test_e2e(storage, request):
+    _bytes_xfail(storage, request)
+    assert run_ranks(2, _run_e2e_test, storage.name, False, False, timeout=100) == [True, True]
+
+
+@pytest.mark.parametrize("cache_staged_state_dict", [False])  # True stages into pinned memory: CUDA
+def test_e2e_async_cached(storage, cache_staged_state_dict, request):
+    _bytes_xfail(storage, request)
+    assert run_ranks(2, _run_e2e_test, storage.name, True, cache_staged_state_dict, timeout=100) == [True, True]
+
+
+def test_stateful_and_non_stateful_loads(storage, tmp_path):
+    self = unittest.TestCase()
+
+    class StateDict(dict):
+        def __init__(self):
+            self.set_sd_item_called = False
+
+        def __setitem__(self, item, value):
+            self.set_sd_item_called = True
+            super().__setitem__(item, value)
+
+    class Foo(Stateful):
+        def __init__(self):
+            self.load_state_dict_called = False
+
+        def state_dict(self):
+            return {}
+
+        def load_state_dict(self, state_dict):
+            self.load_state_dict_called = True
+
+    temp_dir = str(tmp_path / "ckpt")
+    stateful_foo = Foo()
+    sd = StateDict()
+    sd["foo"] = stateful_foo
+    sd.set_sd_item_called = False
+    dcp.save(sd, storage_writer=storage.writer(temp_dir))
+    dcp.load(sd, storage_reader=storage.reader(temp_dir))
+    self.assertTrue(stateful_foo.load_state_dict_called)
+    self.assertFalse(sd.set_sd_item_called)
+    sd = StateDict()
+    sd["foo"] = {"replicated": torch.rand(10, 10), "bytes": [1, 2, 3, 4]}
+    sd.set_sd_item_called = False
+    dcp.save(sd, storage_writer=storage.writer(temp_dir))
+    dcp.load(sd, storage_reader=storage.reader(temp_dir))
+    self.assertTrue(sd.set_sd_item_called)
+
+
+def test_no_dist(storage, tmp_path):
+    temp_dir = str(tmp_path / "ckpt")
+    dcp.save({}, storage_writer=storage.writer(temp_dir))
+    dcp.load({}, storage_reader=storage.reader(temp_dir))
+
+
+def test_init_state_dict(storage, tmp_path):
+    self = _Verify()
+    temp_dir = str(tmp_path / "ckpt")
+    model = TestDummyModel()
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    state_dict_to_save = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optim)}
+    dcp.save(state_dict_to_save, storage_writer=storage.writer(temp_dir))
+    torch.manual_seed(0)
+    model_2 = TestDummyModel()
+    optim_2 = torch.optim.Adam(model_2.parameters(), lr=0.2)
+    msd = get_model_state_dict(model_2)
+    osd = get_optimizer_state_dict(model_2, optim_2)
+    state_dict_to_load = {"model": msd, "optimizer": osd}
+    dcp.load(state_dict_to_load, storage_reader=storage.reader(temp_dir))
+    self.assertTrue(msd is state_dict_to_load["model"])
+    self.assertTrue(osd is state_dict_to_load["optimizer"])
+    set_state_dict(model_2, optim_2, model_state_dict=state_dict_to_load["model"], optim_state_dict=state_dict_to_load["optimizer"])
+    self.assertEqual(msd, get_model_state_dict(model_2))
+    self.assertEqual(osd, get_optimizer_state_dict(model_2, optim_2))
+    self.assertEqual(optim_2.param_groups[0]["lr"], 0.1)
+
+
+class _Foo:
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        world_size = dist.get_world_size()
+        tl = [torch.ones(2, dtype=torch.int64, device=device_type) for _ in range(world_size)]
+        t = torch.arange(2, dtype=torch.int64, device=device_type) + 1 + 2 * dist.get_rank()
+        dist.all_gather(tl, t, async_op=False)
+
+
+class _Bar:
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state_dict):
+        tensor = torch.arange(2, dtype=torch.int64, device=device_type) + 1 + 2 * dist.get_rank()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+
+
+def _different_ordered_state_dict_keys(rank: int, world: int, name: str) -> bool:
+    storage = STORAGES[name]
+    temp_dir = _shared_path(rank)
+    sd = {"A": _Foo(), "B": _Bar()} if rank == 0 else {"B": _Bar(), "A": _Foo()}
+    dcp.save(sd, storage_writer=storage.writer(temp_dir))
+    dcp.load(sd, storage_reader=storage.reader(temp_dir))
+    return True
+
+
+def test_different_ordered_state_dict_keys(storage):
+    assert run_ranks(2, _different_ordered_state_dict_keys, storage.name) == [True, True]
