@@ -37,24 +37,42 @@ module needs ``expecttest``, which is not installed. Differences from upstream:
 
 from __future__ import annotations
 
+import os
 import tempfile
+import time
 import unittest
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from io import BytesIO
 from typing import IO, Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_saver as saver
+import torch.nn.functional as F
 from torch.distributed._shard import sharded_tensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor, state_dict_hook
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec, EnumerableShardingSpec, ShardingSpec, ShardMetadata
 from torch.distributed.checkpoint import load, load_state_dict, save, save_state_dict
 from torch.distributed.checkpoint._extension import ZStandard
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    _patch_model_state_dict,
+    _patch_optimizer_state_dict,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse, _save_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.testing._internal.distributed.checkpoint_utils import Rot13Example, get_test_extension_registry
+from torch.testing._internal.distributed.common_state_dict import VerifyStateDictMixin
 
 from ..test_dcp import run_ranks
 from ._backends import STORAGES, storage  # noqa: F401  (fixture)
@@ -180,15 +198,15 @@ def test_read_write_tensor_and_blob(storage, thread_count, ext, request):
 # --- TestDistributedStateDictSaveLoadWithSharedTensor (2 gloo ranks) ---------------------------
 
 
-def _shared_path(rank: int) -> str:
-    paths = [tempfile.mkdtemp()] if rank == 0 else [None]
+def _shared_path(rank: int, base: str) -> str:
+    paths = [tempfile.mkdtemp(dir=base)] if rank == 0 else [None]
     dist.broadcast_object_list(paths)
     return paths[0]
 
 
-def _read_write_shard_tensor(rank: int, world: int, name: str, thread_count: int) -> bool:
+def _read_write_shard_tensor(rank: int, world: int, base: str, name: str, thread_count: int) -> bool:
     self, storage = unittest.TestCase(), STORAGES[name]
-    path = _shared_path(rank)
+    path = _shared_path(rank, base)
     spec = ChunkShardingSpec(dim=0, placements=["rank:0", "rank:1"])
     model_to_save = MyShardedModel1(spec)
     model_to_save._register_state_dict_hook(state_dict_hook)
@@ -209,7 +227,7 @@ def _read_write_shard_tensor(rank: int, world: int, name: str, thread_count: int
 
 @pytest.mark.parametrize("thread_count", _THREAD_COUNTS)
 def test_read_write_shard_tensor(storage, thread_count):
-    assert run_ranks(2, _read_write_shard_tensor, storage.name, thread_count) == [True, True]
+    assert run_ranks(2, _read_write_shard_tensor, os.environ["DCP_TEST_TMP"], storage.name, thread_count) == [True, True]
 
 
 # --- TestDistributedReshardOnLoad (2 gloo ranks) -----------------------------------------------
@@ -239,9 +257,9 @@ def _reshard_specs() -> list:
     ]
 
 
-def _load_with_different_shard_plan(rank: int, world: int, name: str, thread_count: int) -> int:
+def _load_with_different_shard_plan(rank: int, world: int, base: str, name: str, thread_count: int) -> int:
     self, storage = unittest.TestCase(), STORAGES[name]
-    path = _shared_path(rank)
+    path = _shared_path(rank, base)
     self.assertEqual(2, dist.get_world_size())
     specs, pairs = _reshard_specs(), 0
     for s0 in specs:
@@ -271,12 +289,12 @@ def _load_with_different_shard_plan(rank: int, world: int, name: str, thread_cou
 
 @pytest.mark.parametrize("thread_count", _THREAD_COUNTS)
 def test_load_with_different_shard_plan(storage, thread_count):
-    assert run_ranks(2, _load_with_different_shard_plan, storage.name, thread_count, timeout=100) == [12, 12]
+    assert run_ranks(2, _load_with_different_shard_plan, os.environ["DCP_TEST_TMP"], storage.name, thread_count, timeout=100) == [12, 12]
 
 
-def _save_load_bytes(rank: int, world: int, name: str, thread_count: int) -> bool:
+def _save_load_bytes(rank: int, world: int, base: str, name: str, thread_count: int) -> bool:
     self, storage = unittest.TestCase(), STORAGES[name]
-    path = _shared_path(rank)
+    path = _shared_path(rank, base)
     state_dict_to_save = {"bytes0": [1], "bytes1": "string"}
     save_state_dict(state_dict=state_dict_to_save, storage_writer=storage.writer(path, thread_count))
     state_dict_to_load = {"bytes0": [2], "bytes1": "other"}
@@ -288,12 +306,12 @@ def _save_load_bytes(rank: int, world: int, name: str, thread_count: int) -> boo
 
 @pytest.mark.parametrize("thread_count", _THREAD_COUNTS)
 def test_save_load_bytes(storage, thread_count):
-    assert run_ranks(2, _save_load_bytes, storage.name, thread_count) == [True, True]
+    assert run_ranks(2, _save_load_bytes, os.environ["DCP_TEST_TMP"], storage.name, thread_count) == [True, True]
 
 
-def _switch_between_sharded_tensor_to_tensor(rank: int, world: int, name: str, thread_count: int) -> int:
+def _switch_between_sharded_tensor_to_tensor(rank: int, world: int, base: str, name: str, thread_count: int) -> int:
     self, storage = unittest.TestCase(), STORAGES[name]
-    path = _shared_path(rank)
+    path = _shared_path(rank, base)
     tensor_size = 32
     specs = [
         ChunkShardingSpec(dim=0, placements=["rank:0", "rank:1"]),
@@ -327,7 +345,7 @@ def _switch_between_sharded_tensor_to_tensor(rank: int, world: int, name: str, t
 
 @pytest.mark.parametrize("thread_count", _THREAD_COUNTS)
 def test_switch_between_sharded_tensor_to_tensor(storage, thread_count):
-    assert run_ranks(2, _switch_between_sharded_tensor_to_tensor, storage.name, thread_count, timeout=100) == [16, 16]
+    assert run_ranks(2, _switch_between_sharded_tensor_to_tensor, os.environ["DCP_TEST_TMP"], storage.name, thread_count, timeout=100) == [16, 16]
 
 
 # --- test_format_utils.py: TestFormatUtilsNoDist -----------------------------------------------
@@ -408,9 +426,9 @@ def _create_dtensor_model(tensor_to_shard, tensor_to_replicate):
     return DTensorModule(sharded_dt, replicated_dt), sharded_dt, replicated_dt
 
 
-def _distributed_tensor_planner(rank: int, world: int, name: str) -> bool:
+def _distributed_tensor_planner(rank: int, world: int, base: str, name: str) -> bool:
     self, storage = unittest.TestCase(), STORAGES[name]
-    path = _shared_path(rank)
+    path = _shared_path(rank, base)
     local_tensor = torch.arange(0, 4, dtype=torch.float32)
     local_tensor_2 = torch.arange(4, 8, dtype=torch.float32)
     model, sharded_dt, replicated_dt = _create_dtensor_model(local_tensor, local_tensor_2)
@@ -430,30 +448,10 @@ def _distributed_tensor_planner(rank: int, world: int, name: str) -> bool:
 
 
 def test_distributed_tensor_planner(storage):
-    assert run_ranks(2, _distributed_tensor_planner, storage.name) == [True, True]
+    assert run_ranks(2, _distributed_tensor_planner, os.environ["DCP_TEST_TMP"], storage.name) == [True, True]
 
 
 # --- e2e/test_e2e_save_and_load.py -------------------------------------------------------------
-
-import time  # noqa: E402
-from concurrent.futures import Future  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from functools import partial  # noqa: E402
-from io import BytesIO  # noqa: E402
-
-import torch.distributed.checkpoint.state_dict_saver as saver  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
-    _patch_model_state_dict,
-    _patch_optimizer_state_dict,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    get_state_dict,
-    set_state_dict,
-)
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse  # noqa: E402
-from torch.testing._internal.distributed.common_state_dict import VerifyStateDictMixin  # noqa: E402
 
 device_type = "cpu"
 
@@ -567,9 +565,9 @@ def _create_model(ddp: bool):
     return model, optim
 
 
-def _run_e2e_test(rank: int, world: int, name: str, async_op: bool, cache_staged_state_dict: bool) -> bool:
+def _run_e2e_test(rank: int, world: int, base: str, name: str, async_op: bool, cache_staged_state_dict: bool) -> bool:
     self, storage = _Verify(), STORAGES[name]
-    temp_dir = _shared_path(rank)
+    temp_dir = _shared_path(rank, base)
     model, optim = _create_model(ddp=False)
     _train(model, optim, train_steps=2)
     dist_model, dist_optim = _create_model(ddp=True)
@@ -615,13 +613,13 @@ def _run_e2e_test(rank: int, world: int, name: str, async_op: bool, cache_staged
 
 def test_e2e(storage, request):
     _bytes_xfail(storage, request)
-    assert run_ranks(2, _run_e2e_test, storage.name, False, False, timeout=100) == [True, True]
+    assert run_ranks(2, _run_e2e_test, os.environ["DCP_TEST_TMP"], storage.name, False, False, timeout=100) == [True, True]
 
 
 @pytest.mark.parametrize("cache_staged_state_dict", [False])  # True stages into pinned memory: CUDA
 def test_e2e_async_cached(storage, cache_staged_state_dict, request):
     _bytes_xfail(storage, request)
-    assert run_ranks(2, _run_e2e_test, storage.name, True, cache_staged_state_dict, timeout=100) == [True, True]
+    assert run_ranks(2, _run_e2e_test, os.environ["DCP_TEST_TMP"], storage.name, True, cache_staged_state_dict, timeout=100) == [True, True]
 
 
 def test_stateful_and_non_stateful_loads(storage, tmp_path):
@@ -710,9 +708,9 @@ class _Bar:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
 
 
-def _different_ordered_state_dict_keys(rank: int, world: int, name: str) -> bool:
+def _different_ordered_state_dict_keys(rank: int, world: int, base: str, name: str) -> bool:
     storage = STORAGES[name]
-    temp_dir = _shared_path(rank)
+    temp_dir = _shared_path(rank, base)
     sd = {"A": _Foo(), "B": _Bar()} if rank == 0 else {"B": _Bar(), "A": _Foo()}
     dcp.save(sd, storage_writer=storage.writer(temp_dir))
     dcp.load(sd, storage_reader=storage.reader(temp_dir))
@@ -720,4 +718,4 @@ def _different_ordered_state_dict_keys(rank: int, world: int, name: str) -> bool
 
 
 def test_different_ordered_state_dict_keys(storage):
-    assert run_ranks(2, _different_ordered_state_dict_keys, storage.name) == [True, True]
+    assert run_ranks(2, _different_ordered_state_dict_keys, os.environ["DCP_TEST_TMP"], storage.name) == [True, True]
