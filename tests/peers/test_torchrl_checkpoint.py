@@ -2,13 +2,14 @@
 
 Upstream: pytorch/rl test/test_checkpoint.py (commit 0b0a3c04528b93f2823bfa028a62701d2264df96)
 and test/test_rb.py ``TestStorages.test_storage_dumps_loads`` (the version stored as
-file id 452572178 in the reference index; CPU devices only).
+file id 452572178 in the reference index; CPU devices only), ``TestSamplers.test_prb_serialization``
+and ``TestSamplers.test_prb_new_sampler_with_loaded_storage`` (file id 54024425321).
 
 Every test runs twice (fixture ``storage``): with TorchRL's own adapters (the peer's
 storage) and with every component routed through a ckptstore store:
 ``use_store(checkpoint, store, ROUTED)`` for each Checkpoint, ``StoreRotation`` for
-``CheckpointRotation``, and ``Store.commit`` / ``Store.checkout(into=)`` for a storage's
-``dumps`` / ``loads``. ROUTED adds to use_store's default types (replay buffers, modules,
+``CheckpointRotation``, and ``Store.commit`` / ``Store.checkout(into=)`` for a storage's or a
+buffer's ``dumps``/``save`` / ``loads``/``load``. ROUTED adds to use_store's default types (replay buffers, modules,
 optimizers) the other values these tests checkpoint: ``GlobalRNGState`` and JSON values
 (dict, list, int, float, str, bool); a component given an explicit ``adapter=`` keeps it.
 
@@ -49,7 +50,7 @@ from torchrl.checkpoint import (
     CheckpointRotation,
     GlobalRNGState,
 )
-from torchrl.data import CompressedListStorage, LazyMemmapStorage, LazyTensorStorage, ReplayBuffer
+from torchrl.data import CompressedListStorage, LazyMemmapStorage, LazyTensorStorage, PrioritizedSampler, ReplayBuffer, TensorDictReplayBuffer
 
 from ckptstore import Store
 from ckptstore.torchrl_checkpoint import DEFAULT_TYPES, StoreRotation, use_store
@@ -594,3 +595,65 @@ def test_storage_dumps_loads(storage, storage_type, data_type, isinit, tmpdir, r
         assert_allclose_td(rb_storage[:], storage_recover[:])
     if data_type == "tc":
         assert rb_storage._storage.text == storage_recover._storage.text
+
+
+# --- test/test_rb.py: TestSamplers (serialization of a prioritized buffer) -------------------
+
+
+def test_prb_serialization(storage, tmpdir):
+    rb = ReplayBuffer(storage=LazyMemmapStorage(max_size=10), sampler=PrioritizedSampler(max_capacity=10, alpha=0.8, beta=0.6))
+    td = TensorDict(
+        {"observations": torch.zeros(1, 3), "actions": torch.zeros(1, 1), "rewards": torch.zeros(1, 1),
+         "next_observations": torch.zeros(1, 3), "terminations": torch.zeros(1, 1, dtype=torch.bool)},
+        batch_size=[1],
+    )
+    rb.extend(td)
+    storage.dumps(rb, tmpdir)
+    rb2 = ReplayBuffer(storage=LazyMemmapStorage(max_size=10), sampler=PrioritizedSampler(max_capacity=10, alpha=0.5, beta=0.5))
+    td = TensorDict(
+        {"observations": torch.ones(1, 3), "actions": torch.ones(1, 1), "rewards": torch.ones(1, 1),
+         "next_observations": torch.ones(1, 3), "terminations": torch.ones(1, 1, dtype=torch.bool)},
+        batch_size=[1],
+    )
+    rb2.extend(td)
+    storage.loads(rb2, tmpdir)
+    assert len(rb) == 1
+    assert rb.sampler._alpha == rb2.sampler._alpha
+    assert rb.sampler._beta == rb2.sampler._beta
+    assert rb.sampler._max_priority[0] == rb2.sampler._max_priority[0]
+    assert rb.sampler._max_priority[1] == rb2.sampler._max_priority[1]
+
+
+def test_prb_new_sampler_with_loaded_storage(storage, tmpdir):
+    device = torch.device("cpu")
+    original_rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(10, device=device), sampler=PrioritizedSampler(max_capacity=10, alpha=0.7, beta=0.5),
+        batch_size=2, priority_key="td_error",
+    )
+    data = TensorDict({"state": torch.ones(4, 2, dtype=torch.float32, device=device), "td_error": torch.ones(4) * 0.5}, batch_size=torch.Size((4,)))
+    original_rb.extend(data)
+    td = original_rb.sample()
+    td["td_error"] = torch.arange(2, device=device) + 1.0
+    original_rb.update_tensordict_priority(td)
+    original_priorities = torch.tensor([original_rb._sampler._sum_tree[i] for i in range(len(original_rb))])
+    storage.dumps(original_rb, tmpdir)
+    del original_rb
+    loaded_rb = TensorDictReplayBuffer(
+        storage=LazyTensorStorage(10, device=device), sampler=PrioritizedSampler(max_capacity=10, alpha=0.7, beta=0.5),
+        batch_size=2, priority_key="td_error",
+    )
+    storage.loads(loaded_rb, tmpdir)
+    new_rb_with_loaded_storage = TensorDictReplayBuffer(
+        storage=loaded_rb.storage, sampler=PrioritizedSampler(max_capacity=len(loaded_rb), alpha=0.7, beta=0.5),
+        batch_size=2, priority_key="td_error",
+    )
+    td = new_rb_with_loaded_storage.sample()
+    assert td.batch_size == torch.Size([2])
+    assert len(new_rb_with_loaded_storage) == 4
+    new_priorities = torch.tensor([new_rb_with_loaded_storage._sampler._sum_tree[i] for i in range(len(new_rb_with_loaded_storage))])
+    expected_default_priority = new_rb_with_loaded_storage._sampler.default_priority
+    expected_priorities = torch.full((len(new_rb_with_loaded_storage),), expected_default_priority, dtype=torch.float)
+    assert (new_priorities > 0).all(), "All priorities should be positive"
+    torch.testing.assert_close(new_priorities, expected_priorities, msg="New sampler should initialize with default priorities")
+    loaded_priorities = torch.tensor([loaded_rb._sampler._sum_tree[i] for i in range(len(loaded_rb))])
+    torch.testing.assert_close(loaded_priorities, original_priorities, msg="Loaded buffer should maintain original priorities")
