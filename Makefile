@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow bench bench-compare clean
+.PHONY: install demo test test-peers test-slow bench bench-compare clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/python -m pytest -q
+
+test-peers: $(STAMP)
+	$(BIN)/python -m pytest -q tests/peers
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow

@@ -262,3 +262,19 @@ def test_a_resumed_trainer_continues_its_frame_budget(tmp_path):
     trainer.train()
     collector.shutdown()
     assert (len(batches), trainer.collected_frames, hook.checkpointer.steps) == (4, 300, 6)
+
+
+def test_torchrl_checkpoint_through_the_store_returns_immutable_values(tmp_path):
+    """An int or str component routed through the store comes back in ``result.values``, as
+    with TorchRL's own JSON adapter (found by tests/peers: it used to be dropped silently)."""
+    from torchrl.checkpoint import Checkpoint
+
+    from ckptstore.torchrl_checkpoint import use_store
+
+    store = ckptstore.Store(tmp_path / "store")
+    use_store(Checkpoint(step=3, name="run-a", meta={"k": 1}), store, (int, str, dict)).save(tmp_path / "ckpt")
+    meta = {}
+    result = use_store(Checkpoint(step=0, name="", meta=meta), store, (int, str, dict)).load(tmp_path / "ckpt")
+    assert result.loaded == {"step", "name", "meta"}
+    assert result.values == {"step": 3, "name": "run-a"}
+    assert meta == {"k": 1}

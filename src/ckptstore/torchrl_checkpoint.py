@@ -65,7 +65,9 @@ class StoreCheckpointAdapter(CheckpointAdapter):
     tags it ``torchrl-checkpoint:<reference id>:<component>`` with a fresh random
     reference id, and writes ``{"store", "commit", "component", "ref"}`` to
     ``ckptstore-ref.json``; ``load`` checks that commit out into the live
-    component in place.
+    component in place, or returns the restored value when it cannot be restored
+    in place (an int, a str, a tuple...), which TorchRL reports in
+    ``CheckpointLoadResult.values``.
 
     Raises (on load): ContainerError if the reference file is missing or
     malformed; RefNotFoundError if the store lacks the commit.
@@ -92,8 +94,8 @@ class StoreCheckpointAdapter(CheckpointAdapter):
             commit = ref["commit"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ContainerError(f"{path / REF_FILE}: not a ckptstore reference ({exc})") from None
-        self.store.checkout(commit, into=component)
-        return None
+        restored = self.store.checkout(commit, into=component)
+        return None if restored is component else restored  # an immutable value (int, str...) comes back as a new one
 
 
 DEFAULT_TYPES = (ReplayBuffer, torch.nn.Module, torch.optim.Optimizer)
