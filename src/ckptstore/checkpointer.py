@@ -371,6 +371,12 @@ class Checkpointer:
                 f"Another commit moved the tag {ref!r}; give this Checkpointer its own latest_tag=..., or "
                 f"resume(ref=...) from one of its step tags"
             )
+        held = {path.split("/")[0] for path in [*record.components, *(leaf.path for leaf in record.leaves)] if path} - {"checkpointer"}
+        if held != set(self.components) if implicit else not held >= set(self.components):
+            raise TargetMismatchError(
+                f"{where} holds components {sorted(held)}, these objects are {sorted(self.components)}"
+                + (f". {separate}" if implicit else "; resume only those it holds: Checkpointer(..., components=[...])")
+            )
         target = {name: self.objects[name] for name in self.components}
         target["checkpointer"] = {}
         try:
