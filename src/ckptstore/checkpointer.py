@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from . import runs
+from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
 from .adapters.base import Adapter, ComponentState, capture, register_adapter
 from .errors import CkptStoreError, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
 from .store import CommitInfo, Store
@@ -82,7 +82,7 @@ class Checkpointer:
             plain tags ``step-<n>`` and ``latest`` (stores written before runs existed
             resume unchanged); an implicit :meth:`resume` of it refuses a commit made by
             another script or for other objects. While a Checkpointer lives it holds the
-            run's lease (:mod:`ckptstore.runs`): a second live one on the same run of the
+            run's lease (:mod:`ckptstore.run`): a second live one on the same run of the
             same store, in another process, is refused; in the same process the newer one
             takes over. :meth:`close` gives the run up, as does the end of the process.
         tag_format: tag for each scheduled commit, formatted with ``step``
@@ -145,9 +145,9 @@ class Checkpointer:
         push_attempts: int = 3,
         push_backoff: float = 1.0,
         run: str | None = None,
-        lease_seconds: float = runs.LEASE_SECONDS,
+        lease_seconds: float = LEASE_SECONDS,
     ):
-        self.run = runs.check_run(run)
+        self.run = check_run(run)
         self.dcp = dcp
         if dcp and isinstance(store, (str, os.PathLike, Store)):
             store = _DCPStore(store)  # every rank: no catalog is opened until a read needs it
@@ -168,8 +168,8 @@ class Checkpointer:
         self.store = store
         self.objects = objects
         self.every = every_n_steps
-        self.tag_format = None if tag_format is None else runs.run_tag(self.run, tag_format)
-        self.latest_tag = runs.run_tag(self.run, latest_tag)
+        self.tag_format = None if tag_format is None else run_tag(self.run, tag_format)
+        self.latest_tag = run_tag(self.run, latest_tag)
         self.components = names
         self.keep_last = keep_last
         self.steps = 0
@@ -180,7 +180,7 @@ class Checkpointer:
         self._tag_re = None if tag_format is None else re.compile(
             "^" + re.escape(self.tag_format).replace(re.escape("{step}"), r"(\d+)") + "$"
         )
-        self._lease: runs.Lease | None = None
+        self._lease: Lease | None = None
         self._closed = False
         self._lease_seconds = lease_seconds
         self._hold(create=False)
@@ -192,7 +192,7 @@ class Checkpointer:
         """Take the run's lease if not held yet (DCP mode: every rank builds the Checkpointer,
         and the run is not leased: docs/distributed.md)."""
         if self._lease is None and not self.dcp:
-            self._lease = runs.acquire(self.store, self.run, self._lease_seconds, create=create)
+            self._lease = acquire(self.store, self.run, self._lease_seconds, create=create)
             if self._lease is not None:
                 weakref.finalize(self, self._lease.release)
 
@@ -252,7 +252,7 @@ class Checkpointer:
         if self.dcp:
             return self._commit_dcp(tags, metadata)
         if self._closed:
-            raise RunBusyError(f"this Checkpointer of {runs.describe(self.run)} was closed: it commits no more")
+            raise RunBusyError(f"this Checkpointer of {describe(self.run)} was closed: it commits no more")
         self._hold(create=True)
         self._lease.check()
         info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata=self._metadata(metadata))
@@ -357,7 +357,7 @@ class Checkpointer:
                 return None
             ref = self.latest_tag
         record = self.store.record(ref)
-        where = f"{runs.describe(self.run)} of {self.store.location}: {ref!r} (commit {record.id[:12]}, step {record.metadata.get('step')})"
+        where = f"{describe(self.run)} of {self.store.location}: {ref!r} (commit {record.id[:12]}, step {record.metadata.get('step')})"
         separate = ("To start a separate experiment in this store, give it its own run: Checkpointer(..., run='<name>'); "
                     "to continue this run on purpose, resume(ref=...) explicitly")
         made_by, script = record.metadata.get("script"), _script()

@@ -212,7 +212,7 @@ def tags(store: StorePath = None, as_json: AsJson = False) -> None:
 @app.command("runs")
 def runs_cmd(store: StorePath = None, as_json: AsJson = False) -> None:
     """Runs (Checkpointer(run=...)) with their latest step, commit count and bytes."""
-    from .runs import DEFAULT_RUN, runs
+    from .run import DEFAULT_RUN, runs
 
     with open_store(store) as s:
         found = runs(s)

@@ -196,8 +196,11 @@ class BucketLease(Lease):
     (so of two processes taking generation ``gen`` one wins), and renewed every
     ``seconds / 3`` by a heartbeat thread that writes ``<gen>.<beat>`` objects. A generation
     whose newest object is older than ``seconds`` by the bucket's clock has expired: the
-    next process takes generation ``gen + 1``. A holder that sees a newer generation (it was
-    paused past ``seconds``, then taken over) has lost the lease, and its commits are refused."""
+    next process takes generation ``gen + 1``. Acquiring watches the holder: one that renews
+    is alive (refused at once, within about ``seconds / 3``), one that does not is waited
+    for until it expires (a restarted job after a kill waits at most ``seconds``). A holder
+    that sees a newer generation (it was paused past ``seconds``, then taken over) has lost
+    the lease, and its commits are refused."""
 
     _held: dict[str, BucketLease] = {}  # url/prefix -> the lease this process holds there
     _lock = threading.Lock()
@@ -230,14 +233,10 @@ class BucketLease(Lease):
                 previous._stop.set()
                 self.gen, previous.gen = previous.gen, None
             else:
-                gens = self._generations()
+                gens = self._wait_expired()
                 newest = max(gens, default=0)
-                if gens:
-                    age = self.backend.now() - max(o.mtime for o in gens[newest])
-                    if age < self.seconds:
-                        raise self._busy(newest, age)
                 if not self.backend.put_new(f"{self.prefix}/{newest + 1:012d}", json.dumps(self.holder).encode()):
-                    raise self._busy(newest + 1, 0.0)  # another process took it first
+                    raise self._busy(newest + 1)  # another process took it first
                 self.gen = newest + 1
                 for old in (o for g, objs in gens.items() for o in objs):
                     self.backend.delete(old.key)
@@ -249,14 +248,33 @@ class BucketLease(Lease):
     def url_key(self) -> str:
         return f"{self.backend.url}/{self.prefix}"
 
-    def _busy(self, gen: int, age: float) -> RunBusyError:
+    def _wait_expired(self) -> dict[int, list]:
+        """The generations on the bucket once the newest has expired (none: at once).
+        A holder that renews meanwhile is alive: RunBusyError, within about a third of
+        ``seconds``; a killed one is waited for until ``seconds`` after its last renewal."""
+        seen = None
+        while True:
+            gens = self._generations()
+            if not gens:
+                return gens
+            newest = max(gens)
+            state = (newest, frozenset(o.key for o in gens[newest]))
+            if seen is not None and state != seen:
+                raise self._busy(newest)  # it renewed (or was taken) while this one waited
+            seen = state
+            age = self.backend.now() - max(o.mtime for o in gens[newest])
+            if age >= self.seconds:
+                return gens
+            time.sleep(min(self.seconds / 6, self.seconds - age + 0.1))
+
+    def _busy(self, gen: int) -> RunBusyError:
         try:
             holder = json.loads(self.backend.get(f"{self.prefix}/{gen:012d}"))
         except (ObjectNotFoundError, ValueError):
             holder = None
         return RunBusyError(
             f"{self.where} is being written by another live Checkpointer: {_holder_text(holder)} "
-            f"(lease renewed {age:.0f} s ago; it expires {self.seconds:.0f} s after its last renewal if that process is gone). "
+            f"(it renews its lease every {self.seconds / 3:.3g} s). "
             "Stop that process, or give this one its own run: Checkpointer(..., run='<name>')"
         )
 
