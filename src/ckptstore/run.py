@@ -151,7 +151,7 @@ class FileLease(Lease):
 
     def __init__(self, store, run: str | None, seconds: float):
         super().__init__(store, run, seconds)
-        self.folder = Path(store.root) / "leases"
+        self.folder = Path(os.path.realpath(store.root)) / "leases"  # one key per store, however its path is spelled
         self.path = str(self.folder / f"{_segment(run)}.lock")
         self.fd: int | None = None
 
