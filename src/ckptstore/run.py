@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends.base import ref_segment
-from .errors import CkptStoreError, InvalidArgumentError, InvalidNameError, ObjectNotFoundError, RunBusyError
+from .errors import InvalidArgumentError, InvalidNameError, ObjectNotFoundError, RunBusyError, StoreWriteError
 from .packs import BLOB_HEADER
 from .records import check_tag
 
@@ -232,15 +232,17 @@ class BucketLease(Lease):
                 previous.lost = "a newer Checkpointer on the same run was made in this process"
                 previous._stop.set()
                 self.gen, previous.gen = previous.gen, None
-            else:
-                gens = self._wait_expired()
-                newest = max(gens, default=0)
-                if not self.backend.put_new(f"{self.prefix}/{newest + 1:012d}", json.dumps(self.holder).encode()):
-                    raise self._busy(newest + 1)  # another process took it first
-                self.gen = newest + 1
-                for old in (o for g, objs in gens.items() for o in objs):
-                    self.backend.delete(old.key)
-            BucketLease._held[key] = self
+                BucketLease._held[key] = self
+        if self.gen is None:
+            gens = self._wait_expired()
+            newest = max(gens, default=0)
+            if not self.backend.put_new(f"{self.prefix}/{newest + 1:012d}", json.dumps(self.holder).encode()):
+                raise self._busy(newest + 1)  # another process took it first
+            self.gen = newest + 1
+            for old in (o for g, objs in gens.items() for o in objs):
+                self.backend.delete(old.key)
+            with BucketLease._lock:
+                BucketLease._held[key] = self
         self._thread = threading.Thread(target=self._renew, name="ckptstore-lease", daemon=True)
         self._thread.start()
 
@@ -291,8 +293,8 @@ class BucketLease(Lease):
                     self.backend.delete(last)
                 last = f"{self.prefix}/{gen:012d}.{beat:08d}"
                 self._poll()
-            except CkptStoreError:
-                continue  # the next beat tries again; a takeover is what check() reports, not a missed beat
+            except Exception:  # noqa: BLE001 - the next beat tries again; a takeover is what check() reports
+                continue
 
     def _poll(self) -> None:
         """Notes in :attr:`lost` a newer generation on the bucket (one listing request)."""
@@ -319,25 +321,31 @@ class BucketLease(Lease):
             try:
                 for o in self._generations().get(gen, ()):
                     self.backend.delete(o.key)
-            except CkptStoreError:
-                pass  # it expires by itself
+            except Exception:  # noqa: BLE001 - (the store was closed first, or the bucket failed) it expires by itself
+                pass
 
 
 def acquire(store, run: str | None, seconds: float = LEASE_SECONDS, create: bool = True) -> Lease | None:
     """Take the lease of run ``run`` of ``store`` for this process; ``None`` when the store's
     folder does not exist and not ``create`` (the first commit takes it: nothing is created
-    by a Checkpointer that only reads).
+    by a Checkpointer that only reads), or when it cannot be written and not ``create``.
 
     In one process, a newer lease on the same run takes over from the older one (whose
     :meth:`Lease.check` then raises): re-running a notebook cell replaces its Checkpointer.
 
     Raises:
         RunBusyError: another live process holds it (names its pid and host).
+        StoreWriteError: (``create``) the lease file cannot be written (a read-only store).
         InvalidArgumentError: ``seconds`` not > 0 (object storage).
     """
     bucket = hasattr(store, "backend")
     if not bucket and not create and not Path(store.root).is_dir():
         return None
     lease = (BucketLease if bucket else FileLease)(store, run, seconds)
-    lease.acquire()
+    try:
+        lease.acquire()
+    except OSError as exc:  # a store folder this process cannot write: reading it needs no lease, committing does
+        if not create:
+            return None
+        raise StoreWriteError(f"cannot take the lease of {lease.where} in {Path(store.root) / 'leases'}: {exc}") from None
     return lease
