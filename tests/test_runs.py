@@ -286,4 +286,5 @@ def test_a_lease_on_object_storage_is_renewed_and_expires_when_its_holder_is_kil
     assert taken.commit().tags == ("exp-a/step-0", "exp-a/latest")
     taken.close()
     with ckptstore.Store(url) as s:
-        assert [(r.name, r.latest_step, r.commits) for r in runs(s)] == [("exp-a", 0, 1)]
+        assert [(r.name, r.latest_step, r.commits, r.bytes) for r in runs(s)] == [("exp-a", 0, 1, s.du()["stored_bytes"])]
+        assert s.backend.list("leases") == []  # closed: the lease is gone, not left to expire
