@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -18,23 +18,22 @@ import torch
 
 import ckptstore
 from ckptstore import Checkpointer
-from ckptstore.errors import InvalidNameError, RunBusyError, TargetMismatchError
+from ckptstore.errors import InvalidNameError, RunBusyError
 from ckptstore.packs import BLOB_HEADER
 from ckptstore.run import runs
 
 from .test_cli import cli
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-MAIN_SRC = "/work/main/src"  # main's code, to write a store "the old way" (skipped where absent)
 
 
 def _ckpt(store, objects, **kw) -> Checkpointer:
     return Checkpointer(store, objects, every_n_steps=100, on_signal=(), **kw)
 
 
-def _python(code: str, *args: str, src: str = SRC, script: Path | None = None, **kw) -> subprocess.Popen:
+def _python(code: str, *args: str, script: Path | None = None, **kw) -> subprocess.Popen:
     """A real child interpreter running ``code`` (as ``script`` when given: its name is the run's script)."""
-    env = {**os.environ, "PYTHONPATH": src}
+    env = {**os.environ, "PYTHONPATH": SRC}
     if script is not None:
         script.write_text(textwrap.dedent(code))
         argv = [sys.executable, str(script), *args]
@@ -137,32 +136,30 @@ def test_runs_lists_latest_step_commits_and_bytes(tmp_path, monkeypatch, capsys)
     ]
 
 
-_OLD_RUN = """
-import sys, torch, ckptstore
-torch.manual_seed(0)
-w, rng = torch.randn(64), ckptstore.RNGState()
-ckpt = ckptstore.Checkpointer(sys.argv[1], {"w": w, "rng": rng}, every_n_steps=100, on_signal=())
-for _ in range(5):
-    w.add_(torch.randn(64))
-    ckpt.step(100)
-torch.save(w, sys.argv[2])
-"""
+#: A store written by main's code before runs existed (commit 4766831), with this script:
+#:     torch.manual_seed(0); w, rng = torch.randn(64), ckptstore.RNGState()
+#:     ckpt = ckptstore.Checkpointer(path, {"w": w, "rng": rng}, every_n_steps=100, on_signal=())
+#:     for _ in range(5): w.add_(torch.randn(64)); ckpt.step(100)
+#: and beside it the raw float32 bytes of w at step 500 and of the next 8 draws of torch.randn.
+BEFORE_RUNS = Path(__file__).parent / "fixtures" / "default_run_before_runs"
 
 
-@pytest.mark.skipif(not Path(MAIN_SRC, "ckptstore").is_dir(), reason="main's code is not checked out here")
-def test_a_store_written_by_the_old_code_resumes_exactly(tmp_path):
+def test_a_store_written_before_runs_existed_resumes_exactly(tmp_path):
     """The single-run script needs no change: a store written before runs existed (plain
-    `latest` / `step-N`, main's code in a real process) resumes bit-exactly, and the next
+    `latest` / `step-N`) resumes bit-exactly (parameters and RNG stream), and the next
     commits continue its lineage and prune its step tags."""
     path = tmp_path / "s"
-    _done(_python(_OLD_RUN, str(path), str(tmp_path / "w.pt"), src=MAIN_SRC))
+    shutil.copytree(BEFORE_RUNS, path)
+    expected = BEFORE_RUNS.with_suffix(".expected").read_bytes()
     store = ckptstore.Store(path)
     old_latest = store.resolve("latest")
     assert sorted(store.tags()) == ["latest", "step-300", "step-400", "step-500"]
+    assert store.info("latest").metadata == {"step": 500}
     w = torch.zeros(64)
     ckpt = _ckpt(store, {"w": w, "rng": ckptstore.RNGState()})
     assert ckpt.resume() == 500
-    assert torch.equal(w, torch.load(tmp_path / "w.pt"))
+    assert w.numpy().tobytes() == expected[:256]
+    assert torch.randn(8).numpy().tobytes() == expected[256:]
     info = ckpt.step(100)
     assert info.parents == (old_latest,)
     assert sorted(store.tags()) == ["latest", "step-400", "step-500", "step-600"]
