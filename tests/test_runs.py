@@ -69,8 +69,9 @@ def test_runs_namespace_tags_lineage_and_retention(tmp_path):
         assert [c.parents for c in log] == [(p,) for p in ids[-2::-1]] + [()]
         assert {c.metadata["run"] for c in log} == {run}
     assert a.latest_tag == "exp-a/latest" and b.tag_format == "exp-b/step-{step}"
-    with pytest.raises(InvalidNameError, match="without '/'"):
-        _ckpt(store, {"w": wa}, run="a/b")
+    for bad in ("a/b", "", " a", "-a", 3):
+        with pytest.raises(InvalidNameError, match="invalid"):
+            _ckpt(store, {"w": wa}, run=bad)
 
 
 def test_gc_keep_last_keeps_each_runs_newest_commits(tmp_path, monkeypatch, capsys):

@@ -35,14 +35,13 @@ def check_run(run: Any) -> str | None:
     """``run`` if it can name a run (``None``: the default run): a tag name without ``/``.
 
     Raises:
-        InvalidNameError: not a str, contains ``/``, or not valid as a tag prefix.
+        InvalidNameError: not a str, empty, contains ``/`` or edge spaces, or not valid as a tag prefix.
     """
     if run is None:
         return None
-    if type(run) is not str or "/" in run:
+    if type(run) is not str or not run or "/" in run or run != run.strip():
         raise InvalidNameError(f"invalid run name {run!r}: a tag name without '/' (its tags are '<run>/step-<n>', '<run>/latest')")
-    check_tag(run)
-    check_tag(f"{run}/latest")
+    check_tag(f"{run}/latest")  # (control characters, a leading '-', too long)
     return run
 
 
