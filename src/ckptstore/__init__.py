@@ -21,13 +21,14 @@ __version__ = "0.1.0"
 _LAZY = {
     "Adapter": "adapters", "ComponentState": "adapters", "Json": "adapters", "RNGState": "adapters", "register_adapter": "adapters",
     "NamedOptimizer": "adapters.torch_nn", "Checkpointer": "checkpointer", "Progress": "checkpointer",
-    "CommitInfo": "store", "IOStats": "store", "Store": "store",
+    "CommitInfo": "store", "IOStats": "store", "Store": "store", "RunInfo": "run", "runs": "run",
 }
 
 if TYPE_CHECKING:
     from .adapters import Adapter, ComponentState, Json, RNGState, register_adapter
     from .adapters.torch_nn import NamedOptimizer
     from .checkpointer import Checkpointer, Progress
+    from .run import RunInfo, runs
     from .store import CommitInfo, IOStats, Store
 
 
@@ -42,4 +43,4 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
-__all__ = ["Adapter", "Checkpointer", "CommitInfo", "ComponentState", "IOStats", "Json", "NamedOptimizer", "Progress", "RNGState", "Store", "__version__", "errors", "register_adapter"]
+__all__ = ["Adapter", "Checkpointer", "CommitInfo", "ComponentState", "IOStats", "Json", "NamedOptimizer", "Progress", "RNGState", "RunInfo", "Store", "__version__", "errors", "register_adapter", "runs"]

@@ -22,12 +22,14 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
 from .adapters.base import Adapter, ComponentState, capture, register_adapter
-from .errors import CkptStoreError, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, TargetMismatchError
+from .errors import CkptStoreError, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
 from .store import CommitInfo, Store
 
 
@@ -72,9 +74,20 @@ class Checkpointer:
         objects: ``{name: object}``; each becomes component ``<name>`` (a replay
             buffer ``rb`` gives ``rb/storage``, ``rb/writer``, ``rb/sampler``).
         every_n_steps: commit when the step count crosses a multiple of this.
+        run: the run this Checkpointer writes (docs/training.md, "Runs that share a
+            store"): its tags are ``<run>/<tag_format>`` and ``<run>/<latest_tag>``
+            (``exp-a/step-1000``, ``exp-a/latest``), so its lineage (parents come from its
+            own tags) and its retention (``keep_last``) are its own, and its commits'
+            metadata say ``"run": run``. ``None`` (default): the default run, with the
+            plain tags ``step-<n>`` and ``latest`` (stores written before runs existed
+            resume unchanged); an implicit :meth:`resume` of it refuses a commit made by
+            another script or for other objects. While a Checkpointer lives it holds the
+            run's lease (:mod:`ckptstore.run`): a second live one on the same run of the
+            same store, in another process, is refused; in the same process the newer one
+            takes over. :meth:`close` gives the run up, as does the end of the process.
         tag_format: tag for each scheduled commit, formatted with ``step``
-            (``None``: only ``latest_tag`` moves).
-        latest_tag: rewritten atomically by every commit.
+            (``None``: only ``latest_tag`` moves); prefixed with ``<run>/``.
+        latest_tag: rewritten atomically by every commit; prefixed with ``<run>/``.
         components: names of ``objects`` to commit (default: all).
         keep_last: after each commit, delete this checkpointer's ``tag_format``
             tags beyond the newest ``keep_last`` (``latest_tag`` always stays;
@@ -102,13 +115,18 @@ class Checkpointer:
             With ``dcp``, the coordinator (rank 0) pushes after each of its commits; on
             the other ranks nothing is pushed and :meth:`wait_pushed` returns ``None``.
 
-    The step count itself is committed as component ``checkpointer``.
+        lease_seconds: on object storage, how long the run's lease lasts without renewal
+            (it is renewed every third of it): a killed holder blocks the run that long.
+
+    The step count itself is committed as component ``checkpointer``. Attributes
+    ``latest_tag`` and ``tag_format`` hold the full (run-prefixed) names.
 
     Raises:
         InvalidArgumentError: ``objects`` not a non-empty dict with str keys,
             ``every_n_steps`` < 1, ``keep_last`` < 1, unknown component names, or a name ``checkpointer``.
         UnsupportedTypeError / InvalidNameError: an object that cannot be committed
-            (checked here, not at the first due step).
+            (checked here, not at the first due step), or a bad run name.
+        RunBusyError: another live process writes the same run of this store (names its pid and host).
     """
 
     def __init__(
@@ -126,7 +144,10 @@ class Checkpointer:
         push_to: str | os.PathLike | None = None,
         push_attempts: int = 3,
         push_backoff: float = 1.0,
+        run: str | None = None,
+        lease_seconds: float = LEASE_SECONDS,
     ):
+        self.run = check_run(run)
         self.dcp = dcp
         if dcp and isinstance(store, (str, os.PathLike, Store)):
             store = _DCPStore(store)  # every rank: no catalog is opened until a read needs it
@@ -147,21 +168,51 @@ class Checkpointer:
         self.store = store
         self.objects = objects
         self.every = every_n_steps
-        self.tag_format = tag_format
-        self.latest_tag = latest_tag
+        self.tag_format = None if tag_format is None else run_tag(self.run, tag_format)
+        self.latest_tag = run_tag(self.run, latest_tag)
         self.components = names
         self.keep_last = keep_last
         self.steps = 0
         self.stop_requested: int | None = None  # the signal received, until the next step commits
-        self._pusher = None if push_to is None else _Pusher(store.location, push_to, latest_tag, push_attempts, push_backoff)
+        self._pusher = None if push_to is None else _Pusher(store.location, push_to, self.latest_tag, push_attempts, push_backoff)
         if not dcp:
             capture(self._state(), store.registry)  # every object must be committable now, not after 1000 steps
         self._tag_re = None if tag_format is None else re.compile(
-            "^" + re.escape(tag_format).replace(re.escape("{step}"), r"(\d+)") + "$"
+            "^" + re.escape(self.tag_format).replace(re.escape("{step}"), r"(\d+)") + "$"
         )
+        self._lease: Lease | None = None
+        self._closed = False
+        self._lease_seconds = lease_seconds
+        self._hold(create=False)
         if on_signal and _in_main_thread():
             for signum in on_signal:
                 signal.signal(signum, self._request_stop)
+
+    def _hold(self, create: bool) -> None:
+        """Take the run's lease if not held yet (DCP mode: every rank builds the Checkpointer,
+        and the run is not leased: docs/distributed.md)."""
+        if self._lease is None and not self.dcp:
+            self._lease = acquire(self.store, self.run, self._lease_seconds, create=create)
+            if self._lease is not None:
+                weakref.finalize(self, self._lease.release)
+
+    def close(self) -> None:
+        """Give the run's lease up (the store stays open; idempotent). The Checkpointer
+        commits no more: :meth:`commit` raises RunBusyError afterwards."""
+        self._closed = True
+        if self._lease is not None:
+            self._lease.release()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _metadata(self, metadata: dict | None) -> dict:
+        """The commit metadata: the step, the run (named runs only) and the script, then the caller's."""
+        script = _script()
+        return {"step": self.steps, **(metadata or {}), **({} if self.run is None else {"run": self.run}), **({"script": script} if script else {})}
 
     def _request_stop(self, signum, frame) -> None:
         self.stop_requested = signum
@@ -191,11 +242,20 @@ class Checkpointer:
 
     def commit(self, metadata: dict | None = None) -> CommitInfo:
         """Commit now: the selected objects and the step count; moves the tags,
-        then deletes this checkpointer's step tags past ``keep_last``."""
+        then deletes this checkpointer's step tags past ``keep_last``.
+
+        Raises:
+            RunBusyError: this Checkpointer no longer holds its run (closed, superseded by a
+                newer one in this process, or its lease on object storage taken over).
+        """
         tags = ([self.tag_format.format(step=self.steps)] if self.tag_format else []) + [self.latest_tag]
         if self.dcp:
             return self._commit_dcp(tags, metadata)
-        info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata={"step": self.steps, **(metadata or {})})
+        if self._closed:
+            raise RunBusyError(f"this Checkpointer of {describe(self.run)} was closed: it commits no more")
+        self._hold(create=True)
+        self._lease.check()
+        info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata=self._metadata(metadata))
         self._prune(self.store)
         if self._pusher is not None:
             self._pusher.request()
@@ -230,7 +290,7 @@ class Checkpointer:
         from .dcp import StoreWriter
 
         writer = StoreWriter(self.store.path, tags[0], tags=tags[1:], message=f"step {self.steps}",
-                             metadata={"step": self.steps, **(metadata or {})})
+                             metadata=self._metadata(metadata))
         dcp.save(self._state(), storage_writer=writer)
         info = writer.commit_info
         if info is not None:  # the coordinator prunes and pushes
@@ -271,9 +331,18 @@ class Checkpointer:
         yet (a fresh run). Plain values in ``objects`` (ints, dicts of numbers)
         are replaced in the ``objects`` dict.
 
+        Without ``ref`` the run's latest commit must be this run's: for the default run,
+        one made by the same script (``"script"`` in its metadata: the main module's name,
+        e.g. ``train`` for ``python train.py`` or ``python -m train``; commits from before
+        runs existed have none and pass), and for every run one whose components fit
+        ``objects``. An explicit ``ref`` (``resume("latest")``) skips the script check.
+
         Raises:
             RefNotFoundError: an explicit ``ref`` that does not exist.
-            TargetMismatchError, IntegrityError, ...: as :meth:`Store.checkout`.
+            TargetMismatchError: the latest commit was made by another script, or its
+                state does not fit ``objects`` (the message names the run and how to
+                start a separate one); nothing was restored.
+            IntegrityError, ...: as :meth:`Store.checkout`.
         """
         if self.dcp:
             return self._resume_dcp(ref)
@@ -281,11 +350,19 @@ class Checkpointer:
             tags = self.store.tags()
         except NotAStoreError as exc:
             raise NotAStoreError(f"{exc}. Resuming reads only: for a new run, open the store with Store(path, create=True)") from None
-        if ref is None:
+        self._hold(create=False)
+        implicit = ref is None
+        if implicit:
             if self.latest_tag not in tags:
                 return None
             ref = self.latest_tag
         record = self.store.record(ref)
+        where = f"{describe(self.run)} of {self.store.location}: {ref!r} (commit {record.id[:12]}, step {record.metadata.get('step')})"
+        separate = ("To start a separate experiment in this store, give it its own run: Checkpointer(..., run='<name>'); "
+                    "to continue this run on purpose, resume(ref=...) explicitly")
+        made_by, script = record.metadata.get("script"), _script()
+        if implicit and self.run is None and made_by is not None and script is not None and made_by != script:
+            raise TargetMismatchError(f"{where} was made by script {made_by!r}, this is {script!r}. {separate}")
         if not any(leaf.path == "checkpointer/step" for leaf in record.leaves):
             held = sorted({leaf.path.split("/")[0] for leaf in record.leaves})
             raise TargetMismatchError(
@@ -294,9 +371,20 @@ class Checkpointer:
                 f"Another commit moved the tag {ref!r}; give this Checkpointer its own latest_tag=..., or "
                 f"resume(ref=...) from one of its step tags"
             )
+        held = {path.split("/")[0] for path in [*record.components, *(leaf.path for leaf in record.leaves)] if path} - {"checkpointer"}
+        if held != set(self.components) if implicit else not held >= set(self.components):
+            raise TargetMismatchError(
+                f"{where} holds components {sorted(held)}, these objects are {sorted(self.components)}"
+                + (f". {separate}" if implicit else "; resume only those it holds: Checkpointer(..., components=[...])")
+            )
         target = {name: self.objects[name] for name in self.components}
         target["checkpointer"] = {}
-        self.store.checkout(ref, into=target)
+        try:
+            self.store.checkout(ref, into=target)
+        except TargetMismatchError as exc:
+            if not implicit:
+                raise
+            raise type(exc)(f"{where} does not fit these objects: {exc}. {separate}") from None
         for name in self.components:
             self.objects[name] = target[name]
         self.steps = target["checkpointer"]["step"]
@@ -378,6 +466,18 @@ class _Pusher:
             with self._cond:
                 self._served = target
                 self._cond.notify_all()
+
+
+def _script() -> str | None:
+    """The running script's name: ``train`` for ``python train.py``, ``python -m train`` or
+    ``python -m pkg.train`` (the last part); ``None`` for ``python -c`` and interactive sessions."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        parts = spec.name.split(".")
+        return parts[-2] if parts[-1] == "__main__" and len(parts) > 1 else parts[-1]
+    path = getattr(main, "__file__", None)
+    return os.path.splitext(os.path.basename(path))[0] if path else None
 
 
 def _in_main_thread() -> bool:

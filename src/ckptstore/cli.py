@@ -209,6 +209,22 @@ def tags(store: StorePath = None, as_json: AsJson = False) -> None:
     console.file.write("\n".join(lines) + "\n")
 
 
+@app.command("runs")
+def runs_cmd(store: StorePath = None, as_json: AsJson = False) -> None:
+    """Runs (Checkpointer(run=...)) with their latest step, commit count and bytes."""
+    from .run import DEFAULT_RUN, runs
+
+    with open_store(store) as s:
+        found = runs(s)
+    if as_json:
+        emit_json([dataclasses.asdict(r) for r in found])
+        return
+    out = table("run", "latest step", "commit", "commits", "bytes", numeric=("latest step", "commits", "bytes"), whole=("commit",))
+    for r in found:
+        out.add_row(DEFAULT_RUN if r.name is None else r.name, str(r.latest_step), r.latest_commit[:12], str(r.commits), fmt_bytes(r.bytes))
+    console.print(out)
+
+
 @app.command("tag")
 def tag_cmd(
     name: Annotated[str, typer.Argument(help="Tag to create or move.")],

@@ -41,6 +41,11 @@ class ResourceLimitError(CkptStoreError):
     nothing stored is at fault, so it is never reported as damage."""
 
 
+class RunBusyError(CkptStoreError):
+    """Another live Checkpointer (named by pid and host) holds the lease of the run, or
+    this one lost it to a newer one; nothing was committed."""
+
+
 class InvalidArgumentError(CkptStoreError):
     """An argument that does not parse: a duration, a glob, a fraction."""
 

@@ -86,7 +86,7 @@ if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or 
 
 CATALOG = "catalog.sqlite"
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/")  # a URL scheme (s3:/ once a path mangled s3://), not a folder
-_STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|\.v\d+\.bak)?|blobs|tmp|gc\.lock)$")
+_STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")  # leases: ckptstore.run
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
 
 
