@@ -1225,14 +1225,14 @@ class Store:
     def _find_commit(self, ref: str) -> str:
         """The commit a full id or unique id prefix ``ref`` names, from the index."""
         ref_l = ref.lower()
-        if len(ref_l) >= 4 and all(c in "0123456789abcdef" for c in ref_l):
+        if len(ref_l) >= records.MIN_PREFIX and all(c in "0123456789abcdef" for c in ref_l):
             rows = self.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
             if len(rows) == 1:
                 return rows[0]["id"]
             if len(rows) > 1:
                 ids = ", ".join(r["id"][:12] for r in rows)
                 raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix: matches {ids}")
-        raise RefNotFoundError(f"no tag or commit named {ref!r} in {self.root}")
+        raise RefNotFoundError(records.unknown_ref(ref, self.root))
 
     def tags(self) -> dict[str, str]:
         """``{tag name: commit id}``, sorted by name (on object storage: the refs as on the
