@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -425,3 +427,30 @@ def test_cached_blob_ids_freed_and_reused_by_gc_are_rewritten(tmp_path):
     assert_bit_equal(store.checkout("a")["storage", "data", "obs"], rb.storage._storage["obs"])
     assert store.fsck(deep=True).ok
     store.close()
+
+
+def test_restore_warns_for_each_hyperparameter_it_overrides(store):
+    """A sampler built with alpha=0.9 gets the committed 0.7: a HyperparameterOverrideWarning
+    names alpha and both values; a target built with the committed values gets none."""
+    from torchrl.data.replay_buffers import PrioritizedSampler
+
+    from ckptstore.errors import HyperparameterOverrideWarning
+
+    rb = make_buffer("lazy", "prioritized")
+    fill(rb, "prioritized")
+    cid = store.commit({"rb": rb}).id
+    other = TensorDictPrioritizedReplayBuffer(alpha=0.9, beta=0.5, storage=LazyTensorStorage(CAP), batch_size=8, priority_key="td_error")
+    with pytest.warns(HyperparameterOverrideWarning) as caught:
+        store.checkout(cid, into={"rb": other})
+    assert [str(w.message) for w in caught if w.category is HyperparameterOverrideWarning] == [
+        "rb/sampler/alpha: the restore sets alpha to the committed 0.7; the target was built with 0.9"]
+    assert other.sampler._alpha == 0.7
+    sampler = PrioritizedSampler(CAP, alpha=0.7, beta=0.1, eps=1e-3)
+    wo = SamplerWithoutReplacement(shuffle=False)
+    with pytest.warns(HyperparameterOverrideWarning) as caught:
+        store.checkout(store.commit({"s": rb.sampler, "w": SamplerWithoutReplacement()}).id, into={"s": sampler, "w": wo})
+    assert sorted(str(w.message).split(":")[0] for w in caught if w.category is HyperparameterOverrideWarning) == ["s/beta", "s/eps", "w/shuffle"]
+    same = make_buffer("lazy", "prioritized")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HyperparameterOverrideWarning)
+        store.checkout(cid, into={"rb": same})

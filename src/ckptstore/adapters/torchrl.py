@@ -14,6 +14,7 @@ layouts below are ckptstore's own, versioned independently of TorchRL's
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from itertools import pairwise
 from typing import Any
@@ -40,7 +41,7 @@ from torchrl.objectives.utils import TargetNetUpdater
 from torchrl.trainers import Trainer
 
 from .. import jsonvalue
-from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
+from ..errors import HyperparameterOverrideWarning, ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
 from .base import (
     Adapter,
     ComponentState,
@@ -142,6 +143,18 @@ def _expect(obj: Any, cls: type, state: ComponentState) -> None:
 
 
 # --- storage ----------------------------------------------------------------------
+
+
+def _warn_overrides(state: ComponentState, built: dict[str, Any]) -> None:
+    """Warn (HyperparameterOverrideWarning) for each hyperparameter in ``built`` (leaf name:
+    the target's value) that the restore replaces with a different committed value."""
+    for key, value in built.items():
+        stored = state.json(key)
+        if stored != value:
+            warnings.warn(
+                f"{state.where(key)}: the restore sets {key} to the committed {stored!r}; the target was built with {value!r}",
+                HyperparameterOverrideWarning, stacklevel=2,
+            )
 
 
 def _storage_leaves(data: Any, path: str) -> dict[str, torch.Tensor]:
@@ -537,6 +550,7 @@ class SamplerWithoutReplacementAdapter(Adapter):
                 raise TargetMismatchError(f"{state.where('sample_list')}: indices must be int64 within [0, {length})")
 
     def from_state(self, obj: SamplerWithoutReplacement, state: ComponentState) -> SamplerWithoutReplacement:
+        _warn_overrides(state, {"drop_last": bool(obj.drop_last), "shuffle": bool(obj.shuffle)})
         obj._sample_list = state.tensor("sample_list").clone() if state.is_tensor("sample_list") else None
         obj.len_storage = state.json("len_storage")
         obj.drop_last = state.json("drop_last")
@@ -608,6 +622,7 @@ class PrioritizedSamplerAdapter(Adapter):
                 raise ShapeMismatchError(f"{state.where(key)}: stored {dtype} {list(shape)}, target trees are {obj.dtype} [{obj._max_capacity}]")
 
     def from_state(self, obj: PrioritizedSampler, state: ComponentState) -> PrioritizedSampler:
+        _warn_overrides(state, {"alpha": float(obj._alpha), "beta": float(obj._beta), "eps": float(obj._eps)})
         obj._init()
         obj._alpha, obj._beta, obj._eps = state.json("alpha"), state.json("beta"), state.json("eps")
         index = torch.arange(obj._max_capacity, dtype=torch.long)
