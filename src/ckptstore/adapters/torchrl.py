@@ -25,6 +25,7 @@ from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.checkpoint import GlobalRNGState
 from torchrl.collectors import BaseCollector
 from torchrl.data.replay_buffers import (
+    LazyMemmapStorage,
     ListStorage,
     PrioritizedSampler,
     PrioritizedSliceSampler,
@@ -428,12 +429,26 @@ class TensorStorageAdapter(Adapter):
             raise TargetMismatchError(f"{state.where('data')}: an initialised storage with no data")
         return td
 
+    @staticmethod
+    def _init(obj: TensorStorage, template: Any) -> None:
+        """Initialise a lazy storage from ``template``. A ``LazyMemmapStorage`` whose
+        ``scratch_dir`` already holds the memmap files (those of the run being resumed)
+        reuses them, as ``existsok=True`` would: the restore then writes every stored row."""
+        existsok = getattr(obj, "existsok", None)
+        if isinstance(obj, LazyMemmapStorage):
+            obj.existsok = True
+        try:
+            obj._init(template)
+        finally:
+            if isinstance(obj, LazyMemmapStorage):
+                obj.existsok = existsok
+
     def from_state(self, obj: TensorStorage, state: ComponentState) -> TensorStorage:
         if not state.json("initialized"):
             obj._len = 0
             return obj
         if not obj.initialized:
-            obj._init(self._template(state))
+            self._init(obj, self._template(state))
         target = _storage_leaves(obj._storage, state.where(""))
         for key, leaf in _stored_keys(state).items():
             dtype, shape = state.spec(leaf)
