@@ -13,6 +13,7 @@ layouts below are ckptstore's own, versioned independently of TorchRL's
 
 from __future__ import annotations
 
+import json
 import threading
 import warnings
 import weakref
@@ -853,20 +854,90 @@ class GlobalRNGStateAdapter(RNGStateAdapter):
         _expect(obj, GlobalRNGState, state)
 
 
+def _gym_layers(env: Any) -> list:
+    """The gym(nasium) environment a TorchRL ``GymEnv`` wraps (under any ``TransformedEnv``):
+    its wrapper chain, outermost first (``TimeLimit``, ..., ``CartPoleEnv``); empty for
+    other environments (batched, DMControl, custom ``EnvBase``)."""
+    layer = getattr(getattr(env, "base_env", env), "_env", None)
+    layers = []
+    while layer is not None and hasattr(layer, "unwrapped") and len(layers) < 64:
+        layers.append(layer)
+        layer = None if layer is layer.unwrapped else getattr(layer, "env", None)
+    return layers
+
+
+def _is_json_number(v: Any) -> bool:
+    return type(v) is bool or (type(v) is int and -(1 << 63) <= v < 1 << 63) or (type(v) is float and np.isfinite(v))
+
+
+def _gym_state(layers: list) -> dict[str, dict]:
+    """Per wrapper layer (``"0"`` outermost): its class, its plain attributes (``values``: numbers, strings,
+    None; ``arrays``: numeric numpy arrays as tensors) and its numpy generators' states
+    (``generators``: JSON text). Anything else a layer holds (a physics engine's objects,
+    a renderer) is not stored."""
+    out = {}
+    for i, layer in enumerate(layers):
+        values, arrays, generators = {}, {}, {}
+        for key, v in vars(layer).items():
+            if isinstance(v, np.generic):
+                v = v.item()
+            if v is None or type(v) is str or _is_json_number(v):
+                values[key] = v
+            elif isinstance(v, np.ndarray) and v.dtype.kind in "biuf" and v.ndim <= 8:
+                arrays[key] = torch.from_numpy(np.ascontiguousarray(v).copy())
+            elif isinstance(v, np.random.Generator):
+                generators[key] = json.dumps(v.bit_generator.state)
+        out[str(i)] = {"class": f"{type(layer).__module__}.{type(layer).__qualname__}", "values": values, "arrays": arrays, "generators": generators}
+    return out
+
+
+def _set_gym_state(layers: list, stored: dict[str, dict], where: str) -> None:
+    """Write :func:`_gym_state`'s output back into the target's wrapper layers."""
+    stored = [stored[str(i)] for i in range(len(stored))]
+    classes = [f"{type(x).__module__}.{type(x).__qualname__}" for x in layers]
+    if classes != [x["class"] for x in stored]:
+        raise TargetMismatchError(f"{where}: stored an environment {[x['class'] for x in stored]}, target is {classes}")
+    for layer, state in zip(layers, stored):
+        for key, value in state.get("values", {}).items():
+            setattr(layer, key, value)
+        for key, value in state.get("arrays", {}).items():
+            setattr(layer, key, value.numpy().copy())
+        for key, text in state.get("generators", {}).items():
+            generator_state = json.loads(text)
+            generator = getattr(layer, key, None)
+            if not isinstance(generator, np.random.Generator) or type(generator.bit_generator).__name__ != generator_state["bit_generator"]:
+                generator = np.random.Generator(getattr(np.random, generator_state["bit_generator"])())
+            generator.bit_generator.state = generator_state
+            setattr(layer, key, generator)
+
+
 @register_adapter
 class TrainerAdapter(Adapter):
     """A TorchRL ``Trainer``'s progress: ``state`` (collected frames, optimisation
     steps, last log and save) and its collector's ``state_dict()`` (frames and
-    iterations so far, the collector's policy weights), so that ``trainer.train()``
-    continues where it stopped. The loss module and optimizer are components of
-    their own (commit them beside the trainer)."""
+    iterations so far, the collector's policy weights, its environment transforms'
+    state such as ``ObservationNorm``'s or ``VecNorm``'s statistics), so that
+    ``trainer.train()`` continues where it stopped. Also, for a single-process
+    collector, the environment's step in progress: ``carrier`` (the collector's
+    pending TensorDict, the next observation, as tensors; ``carrier_batch_size``)
+    and, for a gym(nasium) environment, ``env``: per wrapper layer its plain
+    attributes, numpy arrays (CartPole's ``state``, ``TimeLimit``'s elapsed steps)
+    and numpy generator states (the reset RNG). The loss module and optimizer are
+    components of their own (commit them beside the trainer); docs/training.md says
+    where a resume is bit-identical and where not."""
 
     name = "torchrl.trainer"
     types = (Trainer,)
 
     def to_state(self, obj: Trainer) -> dict:
         sd = obj.state_dict()
-        return plain({"state": sd["state"], "collector": sd["collector"]})
+        state = plain({"state": sd["state"], "collector": sd["collector"]})
+        carrier = getattr(obj.collector, "_carrier", None)
+        if isinstance(carrier, TensorDict):
+            state["carrier"] = carrier.to_dict()
+            state["carrier_batch_size"] = list(carrier.batch_size)
+            state["env"] = _gym_state(_gym_layers(obj.collector.env))
+        return state
 
     def check(self, obj: Any, state: ComponentState) -> None:
         same_class(obj, state)
@@ -876,4 +947,7 @@ class TrainerAdapter(Adapter):
         obj.collector.load_state_dict(tree["collector"])
         for key, value in tree["state"].items():
             setattr(obj, key, value)
+        if "carrier" in tree and hasattr(obj.collector, "_carrier"):
+            obj.collector._carrier = TensorDict(tree["carrier"], batch_size=tree["carrier_batch_size"])
+            _set_gym_state(_gym_layers(obj.collector.env), tree.get("env") or {}, state.where("env"))
         return obj
