@@ -316,3 +316,26 @@ def test_a_resumed_trainer_equals_an_uninterrupted_one_bit_exactly(tmp_path):
     assert sorted(whole[2]["_extra_state"]) == ["observation_count", "observation_ssq", "observation_sum"]
     for key, value in whole[2]["_extra_state"].items():  # VecNorm's running statistics
         assert_bit_equal(stats["_extra_state"][key], value)
+
+
+def test_a_trainer_commit_refuses_another_environment(tmp_path):
+    """The committed environment state names its wrapper classes: restoring into a trainer
+    over another environment raises before anything is changed."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import GymEnv
+    from torchrl.trainers import Trainer
+
+    _, _, collector, trainer = dqn_trainer(100)
+    with ckptstore.Store(tmp_path / "s") as s:
+        cid = s.commit({"trainer": trainer}).id
+        assert "trainer/env/2/arrays/state" in {leaf["path"] for leaf in s.show(cid)["leaves"]}  # CartPole's physics state
+        env = GymEnv("Pendulum-v1")
+        other_collector = Collector(env, None, frames_per_batch=50, total_frames=100)
+        other = Trainer(collector=other_collector, total_frames=100, frame_skip=1, optim_steps_per_batch=1, loss_module=trainer.loss_module,
+                        optimizer=trainer.optimizer, progress_bar=False, save_trainer_file=None)
+        frames = other_collector._frames
+        with pytest.raises(ckptstore.errors.TargetMismatchError, match="stored an environment"):
+            s.checkout(cid, into={"trainer": other})
+        assert other_collector._frames == frames
+    collector.shutdown()
+    other_collector.shutdown()

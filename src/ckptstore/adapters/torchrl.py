@@ -866,6 +866,13 @@ def _gym_layers(env: Any) -> list:
     return layers
 
 
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+_BIT_GENERATORS = ("MT19937", "PCG64", "PCG64DXSM", "Philox", "SFC64")  # numpy's; a stored name is one of them
+
+
 def _is_json_number(v: Any) -> bool:
     return type(v) is bool or (type(v) is int and -(1 << 63) <= v < 1 << 63) or (type(v) is float and np.isfinite(v))
 
@@ -887,17 +894,28 @@ def _gym_state(layers: list) -> dict[str, dict]:
                 arrays[key] = torch.from_numpy(np.ascontiguousarray(v).copy())
             elif isinstance(v, np.random.Generator):
                 generators[key] = json.dumps(v.bit_generator.state)
-        out[str(i)] = {"class": f"{type(layer).__module__}.{type(layer).__qualname__}", "values": values, "arrays": arrays, "generators": generators}
+        out[str(i)] = {"class": _class_name(layer), "values": values, "arrays": arrays, "generators": generators}
     return out
 
 
-def _set_gym_state(layers: list, stored: dict[str, dict], where: str) -> None:
-    """Write :func:`_gym_state`'s output back into the target's wrapper layers."""
-    stored = [stored[str(i)] for i in range(len(stored))]
-    classes = [f"{type(x).__module__}.{type(x).__qualname__}" for x in layers]
-    if classes != [x["class"] for x in stored]:
-        raise TargetMismatchError(f"{where}: stored an environment {[x['class'] for x in stored]}, target is {classes}")
-    for layer, state in zip(layers, stored):
+def _check_gym_state(layers: list, state: ComponentState) -> None:
+    """Raise TargetMismatchError unless the stored ``env`` fits the target's wrapper layers
+    (the same classes, known numpy bit generators)."""
+    stored = [state.json(f"env/{i}/class") for i in range(sum(k.endswith("/class") for k in state.keys("env")))]
+    if stored != [_class_name(x) for x in layers]:
+        raise TargetMismatchError(f"{state.where('env')}: stored an environment {stored}, target is {[_class_name(x) for x in layers]}")
+    for key in state.keys("env"):
+        if "/generators/" in key:
+            text = state.json(key)
+            name = json.loads(text).get("bit_generator") if type(text) is str and text.startswith("{") else None
+            if name not in _BIT_GENERATORS:
+                raise TargetMismatchError(f"{state.where(key)}: not a numpy generator state")
+
+
+def _set_gym_state(layers: list, stored: dict[str, dict]) -> None:
+    """Write :func:`_gym_state`'s output (checked by :func:`_check_gym_state`) back into the target's wrapper layers."""
+    for i, layer in enumerate(layers):
+        state = stored[str(i)]
         for key, value in state.get("values", {}).items():
             setattr(layer, key, value)
         for key, value in state.get("arrays", {}).items():
@@ -941,6 +959,8 @@ class TrainerAdapter(Adapter):
 
     def check(self, obj: Any, state: ComponentState) -> None:
         same_class(obj, state)
+        if state.has("carrier_batch_size") and hasattr(obj.collector, "_carrier"):
+            _check_gym_state(_gym_layers(obj.collector.env), state)
 
     def from_state(self, obj: Trainer, state: ComponentState) -> Trainer:
         tree = state.tree()
@@ -949,5 +969,5 @@ class TrainerAdapter(Adapter):
             setattr(obj, key, value)
         if "carrier" in tree and hasattr(obj.collector, "_carrier"):
             obj.collector._carrier = TensorDict(tree["carrier"], batch_size=tree["carrier_batch_size"])
-            _set_gym_state(_gym_layers(obj.collector.env), tree.get("env") or {}, state.where("env"))
+            _set_gym_state(_gym_layers(obj.collector.env), tree.get("env") or {})
         return obj
