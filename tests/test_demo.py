@@ -40,7 +40,7 @@ def test_a_second_demo_in_the_same_store_starts_its_own_lineage(tmp_path, monkey
     for _ in range(2):
         code, out, err = cli(monkeypatch, capsys, "demo", "--store", str(tmp_path / "s"), "--frames", "500", "--every", "250")
         assert code == 0, err
-    assert "inf" not in out and "starts a new lineage" in out
+    assert "inf" not in out and "all held" in out and "starts a new lineage" in out
     with ckptstore.Store(tmp_path / "s") as s:
         second = s.log("latest")
         assert [len(c.parents) for c in second] == [1, 0] and second[0].parents == (second[1].id,)

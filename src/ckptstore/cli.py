@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import progress
-from .units import counted, fmt_bytes, ratio
+from .units import counted, dedup, fmt_bytes, ratio
 from .errors import CkptStoreError, GCLockedError
 from .store import CommitInfo, Store
 
@@ -177,7 +177,7 @@ def commit_table(infos: list[CommitInfo], title: str | None = None) -> Table:
         row = {
             "commit": c.id[:12], "tags": ", ".join(c.tags), "parents": ", ".join(p[:12] for p in c.parents),
             "time": fmt_time(c.created_at, short=not wide), "message": c.message, "logical": fmt_bytes(c.logical_bytes), "new": fmt_bytes(c.new_bytes),
-            "stored": fmt_bytes(c.stored_bytes), "dedup": ratio(c.dedup_ratio), "seconds": f"{c.seconds:.3f}",
+            "stored": fmt_bytes(c.stored_bytes), "dedup": dedup(c.logical_bytes, c.new_bytes, c.dedup_ratio), "seconds": f"{c.seconds:.3f}",
         }
         t.add_row(*(row[col] for col in cols))
     return t

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from . import RNGState, Store
 from .errors import NotAStoreError
-from .units import counted, fmt_bytes, ratio
+from .units import counted, dedup, fmt_bytes, ratio
 
 CAPACITY = 10_000
 BATCH = 64
@@ -120,8 +120,8 @@ def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, c
     for col in ("tag", "commit", "logical", "new", "stored", "dedup", "seconds"):
         table.add_column(col, justify="left" if col in ("tag", "commit") else "right")
     for c in commits:
-        dedup = ratio(c.dedup_ratio) if c.new_bytes else "all held"  # nothing new: an earlier run with this seed stored it all
-        table.add_row(c.tags[0], c.id[:12], fmt_bytes(c.logical_bytes), fmt_bytes(c.new_bytes), fmt_bytes(c.stored_bytes), dedup, f"{c.seconds:.3f}")
+        table.add_row(c.tags[0], c.id[:12], fmt_bytes(c.logical_bytes), fmt_bytes(c.new_bytes), fmt_bytes(c.stored_bytes),
+                      dedup(c.logical_bytes, c.new_bytes, c.dedup_ratio), f"{c.seconds:.3f}")
     console.print(table)
 
     # Partial checkout: the sampler's state only.

@@ -22,3 +22,9 @@ def ratio(x: float | None) -> str:
 def counted(n: int, noun: str, plural: str | None = None) -> str:
     """``"1 commit"``, ``"2 commits"``: ``n`` and ``noun``, plural (``noun + "s"`` unless given) unless ``n`` is 1."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def dedup(logical: int, new: int, value: float | None) -> str:
+    """A commit's dedup ratio (logical / new bytes, ``value``) as :func:`ratio` prints it;
+    ``"all held"`` when it added no new bytes (the store held every shard) instead of ``"inf"``."""
+    return "all held" if logical and not new else ratio(value)
