@@ -339,3 +339,17 @@ def test_a_trainer_commit_refuses_another_environment(tmp_path):
         assert other_collector._frames == frames
     collector.shutdown()
     other_collector.shutdown()
+
+
+def test_a_run_committed_without_rng_still_resumes(tmp_path):
+    """A run whose latest commit has no ``rng`` component (an earlier hook's) resumes under
+    the hook as before, without the RNG streams, instead of failing on the missing component."""
+    from ckptstore.torchrl_checkpoint import CheckpointerHook
+
+    actor, optim, collector, trainer = dqn_trainer(100)
+    with ckptstore.Store(tmp_path / "s") as store:
+        Checkpointer(store, {"policy": actor, "optim": optim, "trainer": trainer}, every_n_steps=1).commit()
+        hook = CheckpointerHook(Checkpointer(store, {"policy": actor, "optim": optim}, every_n_steps=1))
+        hook.register(trainer)
+        assert hook.checkpointer.components == ["policy", "optim", "trainer"] and hook.checkpointer.resume() == 0
+    collector.shutdown()

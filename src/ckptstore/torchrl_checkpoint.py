@@ -47,7 +47,7 @@ from torchrl.trainers import TrainerHookBase
 
 from .adapters.rng import RNGState
 from .checkpointer import Checkpointer
-from .errors import ContainerError, RefNotFoundError
+from .errors import CkptStoreError, ContainerError, RefNotFoundError
 from .store import Store
 
 REF_FILE = "ckptstore-ref.json"
@@ -203,9 +203,18 @@ class CheckpointerHook(TrainerHookBase):
         if "trainer" not in ckpt.objects:
             ckpt.objects["trainer"] = trainer
             ckpt.components.append("trainer")
-        if not any(isinstance(obj, RNGState) for obj in ckpt.objects.values()) and "rng" not in ckpt.objects:
+        if not any(isinstance(obj, RNGState) for obj in ckpt.objects.values()) and "rng" not in ckpt.objects and self._resumes_with_rng():
             ckpt.objects["rng"] = RNGState()
             ckpt.components.append("rng")
+
+    def _resumes_with_rng(self) -> bool:
+        """False when the run's latest commit was made without an ``rng`` component (by an
+        earlier ckptstore): the run resumes from it, without the RNG streams, as it was."""
+        store, tag = self.checkpointer.store, self.checkpointer.latest_tag
+        try:
+            return not isinstance(store, Store) or tag not in store.tags() or "rng" in store.components(tag)
+        except CkptStoreError:  # no store yet: a new run
+            return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.checkpointer.steps}
