@@ -627,7 +627,7 @@ def test_recover_rebuilds_the_cache_and_names_what_the_bucket_cannot_give_back(u
         assert_bit_equal(again.checkout("a")["w"], torch.full((1000,), 0.0))
     _raw_put(url, index_key(pack[ids[0]]), b"not an index")
     code, out, err = cli(monkeypatch, capsys, "recover", "--store", url)
-    assert code == 1 and "recovered 1 commits, 1 tags" in out and f"tag c: it names commit {ids[2]}" in out
+    assert code == 1 and "recovered 1 commit, 1 tag" in out and f"tag c: it names commit {ids[2]}" in out
     assert f"rewritten on the bucket (1):\n  {index_key(pack[ids[0]])}\n" in out  # the one write recover makes is said
     assert err.strip().splitlines() == [
         "error: recover could not restore 2 tag(s) and 2 commit(s) the packs hold (0 unreadable pack(s) or record(s)); see the list above"

@@ -236,3 +236,86 @@ def test_object_storage_mistakes_get_one_line_hints(s3_server, tmp_path, monkeyp
     monkeypatch.delenv("AWS_ALLOW_HTTP")
     code, _, err = cli(monkeypatch, capsys, "tags", "--store", "s3://ckpt/x")
     assert code != 0 and "AWS_ALLOW_HTTP=true" in err and len(err.strip().splitlines()) == 1
+
+
+def cli_at(width: int, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """:func:`cli` on a console ``width`` columns wide (as ``COLUMNS=width``)."""
+    monkeypatch.setattr("sys.argv", ["ckptstore", *args])
+    monkeypatch.setattr(cli_module, "console", Console(width=width, highlight=False))
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def long_leaf(tmp_path):
+    """Two commits of a state whose one changed leaf has a 60-character path."""
+    name = "encoder/" + "a_rather_long_module_name_" * 2 + "w"
+    with ckptstore.Store(tmp_path / "s", shard_bytes=4096) as s:
+        a = s.commit({name: torch.zeros(4096), "n": 1}, tag="t")
+        b = s.commit({name: torch.cat([torch.zeros(3072), torch.ones(1024)]), "n": 1}, tag="t")
+    return tmp_path / "s", a.id, b.id
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_diff_shows_every_column_at_any_width(long_leaf, width, monkeypatch, capsys):
+    path, a, b = long_leaf
+    code, out, err = cli_at(width, monkeypatch, capsys, "diff", a, b, "--store", str(path))
+    assert code == 0, err
+    lines = out.splitlines()
+    assert all(len(line) <= width for line in lines)
+    header = next(line for line in lines if "leaf" in line)
+    assert "new bytes" in header and "changed" in header
+    row = next(line for line in lines if "│ changed" in line)
+    assert row.rstrip(" │").endswith("4.0 KiB")  # the leaf's new bytes: one 4 KiB shard
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_show_says_which_columns_a_narrow_terminal_drops(filled, width, monkeypatch, capsys):
+    path, _, b = filled
+    code, out, err = cli_at(width, monkeypatch, capsys, "show", "t", "--store", str(path))
+    assert code == 0, err
+    text = " ".join(out.split())  # the caption may wrap
+    if width == 80:
+        assert "not shown at 80 columns: kind, shards, shared w/ parent (120 columns or --json show them)" in text
+        assert "not shown at 80 columns: parents, stored, dedup, seconds" in text
+    else:
+        assert "not shown" not in text and "shared w/ parent" in text and "parents" in text
+
+
+def test_diff_json_lists_what_the_text_lists(filled, monkeypatch, capsys):
+    path, a, b = filled
+    for extra, statuses in (((), {"w": "changed", "n": "changed"}), (("--all",), {"w": "changed", "n": "changed"})):
+        code, out, _ = cli(monkeypatch, capsys, "diff", a.id, a.id, "--store", str(path), "--json", *extra)
+        listed = json.loads(out)
+        assert listed["counts"] == {"added": 0, "removed": 0, "changed": 0, "unchanged": 2}
+        assert [x["path"] for x in listed["leaves"]] == (["n", "w"] if extra else [])
+        code, out, _ = cli(monkeypatch, capsys, "diff", a.id, a.id, "--store", str(path), *extra)
+        assert ("│ unchanged" in out) == bool(extra)
+        code, out, _ = cli(monkeypatch, capsys, "diff", a.id, b.id, "--store", str(path), "--json", *extra)
+        assert {x["path"]: x["status"] for x in json.loads(out)["leaves"]} == statuses
+
+
+def test_messages_state_rules_and_counts_in_words(filled, monkeypatch, capsys):
+    path, a, _ = filled
+    code, out, err = cli(monkeypatch, capsys, "show", "733", "--store", str(path))
+    assert (code, err) == (1, f"error: no tag or commit named '733' in {path} (a commit id prefix needs at least 4 hex digits)\n")
+    code, out, err = cli(monkeypatch, capsys, "show", "nope", "--store", str(path))
+    assert err == f"error: no tag or commit named 'nope' in {path}\n"
+    code, out, err = cli(monkeypatch, capsys, "verify", a.id, "--store", str(path))
+    assert code == 0 and out.splitlines()[-1].startswith("ok: 1 commit, 1 blob rehashed")
+    for args in (("gc", "-h"), ("-h",), ("show", "--help")):
+        code, out, _ = cli(monkeypatch, capsys, *args)
+        assert code == 0 and "Show this message and exit" in out and "<bool>" not in out, args
+
+
+def test_usage_errors_point_to_the_subcommands_help(filled, monkeypatch, capsys):
+    path, _, _ = filled
+    for args, hint in ((("show", "--store", str(path)), "see ckptstore show --help"), (("gc", "--keep-last", "x"), "see ckptstore gc --help"),
+                       (("nosuchcmd",), "see ckptstore --help"), (("--nope",), "see ckptstore --help")):
+        code, out, err = cli(monkeypatch, capsys, *args)
+        assert code == 2 and err.count("\n") == 1 and err.rstrip().endswith(f"({hint})"), err

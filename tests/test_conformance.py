@@ -533,7 +533,7 @@ def test_cli_push_pull_export_recover(home, s3_server, tmp_path, monkeypatch, ca
         assert code == 0 and (json.loads(out)["commits_copied"], json.loads(out)["blobs_copied"]) == ([], 0)
     other = home.other()
     code, out, _ = cli(monkeypatch, capsys, "pull", bucket, "t", "--store", other)
-    assert code == 0 and out.startswith(f"pulled {second[:12]}: 2 commit(s), 9 blob(s)")
+    assert code == 0 and out.startswith(f"pulled {second[:12]}: 2 commits, 9 blobs")
     code, out, _ = cli(monkeypatch, capsys, "export", "t", str(tmp_path / "x.zip"), "--store", other)
     assert code == 0 and (tmp_path / "x.zip").is_file()
     code, _, err = cli(monkeypatch, capsys, "push", bucket, "nope", "--store", loc)
@@ -714,7 +714,8 @@ def test_cli_commands_print_the_same_on_both_homes(home, tmp_path, monkeypatch, 
     assert (shown["commit"]["id"], [(x["path"], x["shards"], x["shared_with_parent"]) for x in shown["leaves"]]) == (
         second, [("a", 4, 3), ("b", 4, 4), ("cfg/lr", 0, 0), ("cfg/name", 0, 0)])
     d = as_json("diff", "old", "t")
-    assert (d["a"], d["b"], d["new_bytes"], [x["status"] for x in d["leaves"]]) == (first, second, SHARD, ["changed", "unchanged", "unchanged", "unchanged"])
+    assert (d["a"], d["b"], d["new_bytes"], [x["status"] for x in d["leaves"]]) == (first, second, SHARD, ["changed"])
+    assert [x["status"] for x in as_json("diff", "old", "t", "--all")["leaves"]] == ["changed", "unchanged", "unchanged", "unchanged"]
     code, out, _ = run("diff", "old", "t")
     assert code == 0 and out.splitlines()[-1] == f"0 added, 0 removed, 1 changed, 3 unchanged; {fmt_bytes(SHARD)} new in {second[:12]}"
     du = as_json("du")
@@ -722,7 +723,7 @@ def test_cli_commands_print_the_same_on_both_homes(home, tmp_path, monkeypatch, 
     v = as_json("verify", "t")
     assert (v["ok"], v["commits"], v["blobs_checked"], v["bytes_checked"]) == (True, 1, 8, 8 * SHARD)
     code, out, _ = run("verify", "old")
-    assert code == 0 and out.splitlines()[-1].startswith(f"ok: 1 commits, 8 blobs rehashed ({fmt_bytes(8 * SHARD)})")
+    assert code == 0 and out.splitlines()[-1].startswith(f"ok: 1 commit, 8 blobs rehashed ({fmt_bytes(8 * SHARD)})")
     f = as_json("fsck", "--deep")
     assert (f["ok"], f["commits"], f["blobs_checked"], f["damaged_commits"]) == (True, 2, 9, [])
     assert run("delete-tag", "old2") == (0, f"deleted old2 (was {first})\n", "")

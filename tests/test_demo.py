@@ -32,3 +32,16 @@ def test_demo_never_writes_into_the_users_store(tmp_path, monkeypatch, capsys):
         assert s.tags() == {"latest": cid} and len(s.log()) == 1
     with ckptstore.Store(tmp_path / "runs" / "demo-store", create=False) as s:
         assert set(s.tags()) == {"step-250", "step-500", "latest"}
+
+
+def test_a_second_demo_in_the_same_store_starts_its_own_lineage(tmp_path, monkeypatch, capsys):
+    """Run twice into one store: the second run's first commit has no parent (not the first
+    run's ``latest`` and ``step-250`` as two parents), and its dedup is never printed as ``inf``."""
+    for _ in range(2):
+        code, out, err = cli(monkeypatch, capsys, "demo", "--store", str(tmp_path / "s"), "--frames", "500", "--every", "250")
+        assert code == 0, err
+    assert "inf" not in out and "all held" in out and "starts a new lineage" in out
+    with ckptstore.Store(tmp_path / "s") as s:
+        second = s.log("latest")
+        assert [len(c.parents) for c in second] == [1, 0] and second[0].parents == (second[1].id,)
+        assert len(s.log()) == 4 and [c.new_bytes for c in second] == [0, 0]  # the same seed: the same states

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -425,3 +427,68 @@ def test_cached_blob_ids_freed_and_reused_by_gc_are_rewritten(tmp_path):
     assert_bit_equal(store.checkout("a")["storage", "data", "obs"], rb.storage._storage["obs"])
     assert store.fsck(deep=True).ok
     store.close()
+
+
+def test_restore_warns_for_each_hyperparameter_it_overrides(store):
+    """A sampler built with alpha=0.9 gets the committed 0.7: a HyperparameterOverrideWarning
+    names alpha and both values; a target built with the committed values gets none."""
+    from torchrl.data.replay_buffers import PrioritizedSampler
+
+    from ckptstore.errors import HyperparameterOverrideWarning
+
+    rb = make_buffer("lazy", "prioritized")
+    fill(rb, "prioritized")
+    cid = store.commit({"rb": rb}).id
+    other = TensorDictPrioritizedReplayBuffer(alpha=0.9, beta=0.5, storage=LazyTensorStorage(CAP), batch_size=8, priority_key="td_error")
+    with pytest.warns(HyperparameterOverrideWarning) as caught:
+        store.checkout(cid, into={"rb": other})
+    assert [str(w.message) for w in caught if w.category is HyperparameterOverrideWarning] == [
+        "rb/sampler/alpha: the restore sets alpha to the committed 0.7; the target was built with 0.9"]
+    assert other.sampler._alpha == 0.7
+    sampler = PrioritizedSampler(CAP, alpha=0.7, beta=0.1, eps=1e-3)
+    wo = SamplerWithoutReplacement(shuffle=False)
+    with pytest.warns(HyperparameterOverrideWarning) as caught:
+        store.checkout(store.commit({"s": rb.sampler, "w": SamplerWithoutReplacement()}).id, into={"s": sampler, "w": wo})
+    assert sorted(str(w.message).split(":")[0] for w in caught if w.category is HyperparameterOverrideWarning) == ["s/beta", "s/eps", "w/shuffle"]
+    same = make_buffer("lazy", "prioritized")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HyperparameterOverrideWarning)
+        store.checkout(cid, into={"rb": same})
+
+
+@pytest.mark.parametrize("fresh_process", [False, True])
+def test_resume_into_a_scratch_dir_that_holds_the_memmap_files(tmp_path, fresh_process):
+    """The documented resume (build the buffer as in training, check out into it) into a
+    LazyMemmapStorage(scratch_dir=...) whose folder still holds the interrupted run's
+    memmap files: they are reused and hold exactly the committed rows."""
+    scratch = tmp_path / "scratch"
+    rb = TensorDictReplayBuffer(storage=LazyMemmapStorage(CAP, scratch_dir=scratch), batch_size=8)
+    fill(rb, "random")
+    with ckptstore.Store(tmp_path / "s") as s:
+        s.commit({"rb": rb}, tag="t")
+    expected = storage_of(rb).clone()
+    rb.extend(chunk(500, 10))  # the run went on after its last commit: the files now differ
+    assert (scratch / "obs.memmap").exists()
+    if fresh_process:
+        run_fresh(f"""
+import torch, ckptstore
+from torchrl.data import LazyMemmapStorage, TensorDictReplayBuffer
+rb = TensorDictReplayBuffer(storage=LazyMemmapStorage({CAP}, scratch_dir={str(scratch)!r}), batch_size=8)
+with ckptstore.Store({str(tmp_path / "s")!r}) as s:
+    s.checkout("t", into={{"rb": rb}})
+assert len(rb) == {CAP} and rb.writer._cursor == {90 % CAP}
+import numpy as np
+data = rb.storage._storage[:{CAP}]
+np.savez({str(tmp_path / "got.npz")!r}, obs=data["obs"].numpy(), act=data["act"].numpy(), r=data["next", "r"].numpy())
+""")
+        with np.load(tmp_path / "got.npz", allow_pickle=False) as z:
+            got = TensorDict({"obs": torch.from_numpy(z["obs"]), "act": torch.from_numpy(z["act"]), "next": {"r": torch.from_numpy(z["r"])}}, [CAP])
+    else:
+        rb2 = TensorDictReplayBuffer(storage=LazyMemmapStorage(CAP, scratch_dir=scratch), batch_size=8)
+        with ckptstore.Store(tmp_path / "s") as s:
+            s.checkout("t", into={"rb": rb2})
+        assert rb2.storage.existsok is False  # the target's own setting, put back
+        got = storage_of(rb2)
+    assert_bit_equal(got["obs"], expected["obs"])
+    assert_bit_equal(got["act"], expected["act"])
+    assert_bit_equal(got["next", "r"], expected["next", "r"])

@@ -185,16 +185,20 @@ def test_torchrl_checkpoint_through_the_store(tmp_path):
     store.close()
 
 
-def dqn_trainer(total_frames: int):
-    """A real TorchRL Trainer: DQN on CartPole, 50 frames per batch, one optimisation step per batch."""
+def dqn_trainer(total_frames: int, vecnorm: bool = False):
+    """A real TorchRL Trainer: DQN on CartPole (seeded; with ``vecnorm``, observations through
+    a ``VecNorm`` transform), 50 frames per batch, one optimisation step per batch."""
     from torchrl.collectors import Collector
-    from torchrl.envs import GymEnv
+    from torchrl.envs import GymEnv, TransformedEnv, VecNorm
     from torchrl.modules import MLP, QValueActor
     from torchrl.objectives import DQNLoss
     from torchrl.trainers import Trainer
 
     torch.manual_seed(0)
     env = GymEnv("CartPole-v1")
+    if vecnorm:
+        env = TransformedEnv(env, VecNorm(in_keys=["observation"], decay=0.9))
+    env.set_seed(0)
     actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"], spec=env.action_spec)
     loss = DQNLoss(actor, action_space=env.action_spec)
     optim = torch.optim.Adam(loss.parameters(), lr=1e-3)
@@ -278,3 +282,74 @@ def test_torchrl_checkpoint_through_the_store_returns_immutable_values(tmp_path)
     assert result.loaded == {"step", "name", "meta"}
     assert result.values == {"step": 3, "name": "run-a"}
     assert meta == {"k": 1}
+
+
+def test_a_resumed_trainer_equals_an_uninterrupted_one_bit_exactly(tmp_path):
+    """Interrupted after 2 of 6 batches and resumed in fresh objects, the Trainer ends with
+    exactly the parameters, optimizer state and VecNorm statistics of a run never
+    interrupted: the environment's step in progress, its RNG and its transforms' state
+    are in the commit."""
+    from ckptstore.torchrl_checkpoint import CheckpointerHook
+
+    def build(store):
+        actor, optim, collector, trainer = dqn_trainer(300, vecnorm=True)
+        hook = CheckpointerHook(Checkpointer(ckptstore.Store(store, create=True), {"policy": actor, "optim": optim}, every_n_steps=2))
+        hook.register(trainer)
+        return actor, optim, collector.env.transform, trainer, hook  # train() shuts the collector down
+
+    actor, optim, vecnorm, trainer, hook = build(tmp_path / "whole")
+    trainer.train()
+    whole = ({k: v.clone() for k, v in actor.state_dict().items()}, optim.state_dict()["state"], vecnorm.state_dict())
+    actor, optim, vecnorm, trainer, hook = build(tmp_path / "parts")
+    trainer.register_op("post_steps", lambda: hook.checkpointer.steps == 2 and trainer.request_stop("preempted"))
+    trainer.train()
+    actor, optim, vecnorm, trainer, hook = build(tmp_path / "parts")
+    assert hook.checkpointer.resume() == 2
+    trainer.train()
+    stats = vecnorm.state_dict()
+    assert trainer.collected_frames == 300 and hook.checkpointer.steps == 6
+    for key, value in whole[0].items():
+        assert_bit_equal(actor.state_dict()[key], value)
+    for i, state in whole[1].items():
+        for key, value in state.items():
+            assert_bit_equal(optim.state_dict()["state"][i][key], value)
+    assert sorted(whole[2]["_extra_state"]) == ["observation_count", "observation_ssq", "observation_sum"]
+    for key, value in whole[2]["_extra_state"].items():  # VecNorm's running statistics
+        assert_bit_equal(stats["_extra_state"][key], value)
+
+
+def test_a_trainer_commit_refuses_another_environment(tmp_path):
+    """The committed environment state names its wrapper classes: restoring into a trainer
+    over another environment raises before anything is changed."""
+    from torchrl.collectors import Collector
+    from torchrl.envs import GymEnv
+    from torchrl.trainers import Trainer
+
+    _, _, collector, trainer = dqn_trainer(100)
+    with ckptstore.Store(tmp_path / "s") as s:
+        cid = s.commit({"trainer": trainer}).id
+        assert "trainer/env/2/arrays/state" in {leaf["path"] for leaf in s.show(cid)["leaves"]}  # CartPole's physics state
+        env = GymEnv("Pendulum-v1")
+        other_collector = Collector(env, None, frames_per_batch=50, total_frames=100)
+        other = Trainer(collector=other_collector, total_frames=100, frame_skip=1, optim_steps_per_batch=1, loss_module=trainer.loss_module,
+                        optimizer=trainer.optimizer, progress_bar=False, save_trainer_file=None)
+        frames = other_collector._frames
+        with pytest.raises(ckptstore.errors.TargetMismatchError, match="stored an environment"):
+            s.checkout(cid, into={"trainer": other})
+        assert other_collector._frames == frames
+    collector.shutdown()
+    other_collector.shutdown()
+
+
+def test_a_run_committed_without_rng_still_resumes(tmp_path):
+    """A run whose latest commit has no ``rng`` component (an earlier hook's) resumes under
+    the hook as before, without the RNG streams, instead of failing on the missing component."""
+    from ckptstore.torchrl_checkpoint import CheckpointerHook
+
+    actor, optim, collector, trainer = dqn_trainer(100)
+    with ckptstore.Store(tmp_path / "s") as store:
+        Checkpointer(store, {"policy": actor, "optim": optim, "trainer": trainer}, every_n_steps=1).commit()
+        hook = CheckpointerHook(Checkpointer(store, {"policy": actor, "optim": optim}, every_n_steps=1))
+        hook.register(trainer)
+        assert hook.checkpointer.components == ["policy", "optim", "trainer"] and hook.checkpointer.resume() == 0
+    collector.shutdown()

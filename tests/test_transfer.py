@@ -107,7 +107,7 @@ def test_cli_push_and_pull(tmp_path, monkeypatch, capsys):
     local = ckptstore.Store(tmp_path / "local", create=True)
     info = local.commit(state(), tag="latest")
     code, out, _ = cli(monkeypatch, capsys, "push", str(tmp_path / "remote"), "latest", "--store", str(tmp_path / "local"))
-    assert code == 0 and out.startswith(f"pushed {info.id[:12]}: 1 commit(s), 5 blob(s)")
+    assert code == 0 and out.startswith(f"pushed {info.id[:12]}: 1 commit, 5 blobs")
     code, out, _ = cli(monkeypatch, capsys, "pull", str(tmp_path / "remote"), "latest", "--store", str(tmp_path / "other"), "--json")
     assert code == 0 and json.loads(out)["commit"] == info.id
     ckptstore.Store(tmp_path / "remote").commit(state(3), tag="latest")

@@ -12,10 +12,16 @@ The schema version is ``PRAGMA user_version``. Opening an older catalog copies
 it to ``catalog.sqlite.v<N>.bak`` and runs the ordered migrations N -> N+1 in one
 transaction; a newer one is refused, never downgraded. Tables are created
 through sqlite-utils.
+
+Room for the journal: a writable catalog keeps ``catalog.sqlite-reserve``
+(:data:`RESERVE_BYTES`, allocated, never read) beside it. A GC releases it first,
+so that on a full disk SQLite has room for its WAL and the GC frees space; the
+next writable open allocates it again when there is room (docs/operations.md).
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import time
@@ -34,6 +40,7 @@ from .records import commit_id, commit_text
 if TYPE_CHECKING:
     import sqlite_utils
 
+RESERVE_BYTES = 4 << 20  # 4 MiB: a GC's WAL frames (about 1000 changed 4 KiB pages) and the 32 KiB -shm
 BUSY_TIMEOUT_MS = 10_000
 BUSY_RETRIES = 6
 _CHUNK = 4000  # bound on SQL variables per statement (SQLite allows 32766)
@@ -221,6 +228,47 @@ class CatalogMissing(CkptStoreError):
 def _uri(path: Path, **params: str) -> str:
     query = "&".join(f"{k}={v}" for k, v in params.items())
     return f"file:{quote(str(path.absolute()))}?{query}"
+
+
+def reserve_path(catalog: Path) -> Path:
+    """``catalog.sqlite-reserve``: the room kept for the journal of ``catalog``."""
+    return catalog.with_name(catalog.name + "-reserve")
+
+
+def keep_reserve(catalog: Path, size: int = RESERVE_BYTES) -> bool:
+    """Make sure ``size`` bytes are allocated (``posix_fallocate``, not a sparse file) in
+    the reserve beside ``catalog``; False when there is no room or no permission now
+    (no partial reserve is left then; a later open tries again)."""
+    path = reserve_path(catalog)
+    try:
+        if path.stat().st_blocks * 512 >= size:
+            return True
+    except FileNotFoundError:
+        pass
+    except OSError:
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+        return True
+    except OSError:
+        release_reserve(catalog)
+        return False
+
+
+def release_reserve(catalog: Path) -> int:
+    """Delete the reserve beside ``catalog``; the bytes it held (0 when there was none or it
+    cannot be deleted here)."""
+    path = reserve_path(catalog)
+    try:
+        held = path.stat().st_blocks * 512
+        path.unlink()
+    except OSError:
+        return 0
+    return held
 
 
 class Catalog:

@@ -27,7 +27,7 @@ from rich.table import Table
 from rich.text import Text
 
 from . import progress
-from .units import fmt_bytes, ratio
+from .units import counted, dedup, fmt_bytes, ratio
 from .errors import CkptStoreError, GCLockedError
 from .store import CommitInfo, Store
 
@@ -120,6 +120,22 @@ def emit_json(data: Any) -> None:
 _NARROW = 120  # below this many columns, tables drop their least needed columns
 
 
+def hidden(every: list[str], shown: list[str]) -> str | None:
+    """The caption that names the columns a narrow terminal drops (None when all are shown)."""
+    left_out = [c for c in every if c not in shown]
+    if not left_out:
+        return None
+    return f"not shown at {console.width} columns: {', '.join(left_out)} ({_NARROW} columns or --json show them)"
+
+
+def fitted(rows: list[list[str]], headers: list[str], flexible: int) -> int:
+    """The width the ``flexible`` column (index) can have so that every other column of a
+    table of ``rows`` fits on the console whole (at least 12 characters, at most its longest cell)."""
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    others = sum(w + 3 for i, w in enumerate(widths) if i != flexible) + 4  # padding and borders
+    return max(12, min(widths[flexible], console.width - others))
+
+
 def visible(text: str) -> str:
     """``text`` with characters a terminal would act on or cannot print (control
     characters, escape sequences, lone surrogates) written as Python escapes, so keys
@@ -156,11 +172,12 @@ def commit_table(infos: list[CommitInfo], title: str | None = None) -> Table:
     cols = ["commit", "tags", *(["parents"] if wide else []), "time", "message", *sizes, *(["stored", "dedup", "seconds"] if wide else [])]
     t = table(*cols, title=title, numeric=("logical", "new", "stored", "dedup", "seconds"), whole=("commit", "parents", "time"),
               min_width={"tags": longest})
+    t.caption = hidden(["commit", "tags", "parents", "time", "message", "logical", "new", "stored", "dedup", "seconds"], cols)
     for c in infos:
         row = {
             "commit": c.id[:12], "tags": ", ".join(c.tags), "parents": ", ".join(p[:12] for p in c.parents),
             "time": fmt_time(c.created_at, short=not wide), "message": c.message, "logical": fmt_bytes(c.logical_bytes), "new": fmt_bytes(c.new_bytes),
-            "stored": fmt_bytes(c.stored_bytes), "dedup": ratio(c.dedup_ratio), "seconds": f"{c.seconds:.3f}",
+            "stored": fmt_bytes(c.stored_bytes), "dedup": dedup(c.logical_bytes, c.new_bytes, c.dedup_ratio), "seconds": f"{c.seconds:.3f}",
         }
         t.add_row(*(row[col] for col in cols))
     return t
@@ -247,7 +264,7 @@ def _transfer_done(report, as_json: bool, direction: str) -> None:
         return
     moved = f"; {report.tag} -> {report.commit}" if report.tag else ""
     console.print(
-        f"{direction} {report.commit[:12]}: {len(report.commits_copied)} commit(s), {report.blobs_copied} blob(s), "
+        f"{direction} {report.commit[:12]}: {counted(len(report.commits_copied), 'commit')}, {counted(report.blobs_copied, 'blob')}, "
         f"{fmt_bytes(report.bytes_copied)} copied{moved}"
     )
 
@@ -319,17 +336,18 @@ def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefi
     for path, c in detail["components"].items():
         comps.add_row(path or "<root>", c["adapter"], str(c["version"]), str(c["meta"].get("class", "")))
     console.print(comps)
-    wide = console.width >= _NARROW
-    cols = ["leaf", *(["kind"] if wide else []), "dtype", "shape", "logical", "stored", *(["shards", "shared w/ parent"] if wide else [])]
-    longest = min(max((len(leaf["path"]) for leaf in detail["leaves"]), default=6), max(20, console.width - 50))
-    leaves = table(*cols, title="leaves", numeric=("logical", "stored", "shards", "shared w/ parent"), min_width={"leaf": longest})
-    for leaf in detail["leaves"]:
-        row = {
+    every = ["leaf", "kind", "dtype", "shape", "logical", "stored", "shards", "shared w/ parent"]
+    cols = every if console.width >= _NARROW else ["leaf", "dtype", "shape", "logical", "stored"]
+    rows = [[
+        {
             "leaf": leaf["path"] or "<root>", "kind": leaf["kind"], "dtype": leaf["dtype"] or leaf["kind"],
             "shape": "" if leaf["shape"] is None else str(leaf["shape"]), "logical": fmt_bytes(leaf["logical_bytes"]),
             "stored": fmt_bytes(leaf["stored_bytes"]), "shards": str(leaf["shards"]), "shared w/ parent": str(leaf["shared_with_parent"]),
-        }
-        leaves.add_row(*(row[c] for c in cols))
+        }[c] for c in cols] for leaf in detail["leaves"]]
+    leaves = table(*cols, title="leaves", numeric=("logical", "stored", "shards", "shared w/ parent"), min_width={"leaf": fitted(rows, cols, 0)})
+    leaves.caption = hidden(every, cols)
+    for row in rows:
+        leaves.add_row(*row)
     console.print(leaves)
     for c in detail["components"].values():
         if c["adapter"] == "dcp" and isinstance(c["meta"].get("items"), dict):
@@ -359,24 +377,26 @@ def diff(
     a: Annotated[str, typer.Argument(help="Old commit or tag.")],
     b: Annotated[str, typer.Argument(help="New commit or tag.")],
     store: StorePath = None,
-    all_leaves: Annotated[bool, typer.Option("--all", metavar="", help="Also list unchanged leaves.")] = False,
+    all_leaves: Annotated[bool, typer.Option("--all", metavar="", help="Also list unchanged leaves (text and --json).")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Leaf by leaf: added, removed, changed or unchanged; shards changed; new bytes."""
     with open_store(store) as s:
         report = s.diff(a, b)
+    statuses = ("added", "removed", "changed", "unchanged")
+    listed = [leaf for leaf in report.leaves if leaf.status != "unchanged" or all_leaves]
     if as_json:
-        emit_json(report)
+        emit_json({**dataclasses.asdict(report), "leaves": listed, "counts": {s: report.count(s) for s in statuses}})
         return
-    longest = min(max((len(leaf.path) for leaf in report.leaves), default=6), max(20, console.width - 50))
-    out = table("leaf", "status", "dtype", "shape", "shards", "changed", "new bytes", title=f"{report.a[:12]} -> {report.b[:12]}",
-                numeric=("shards", "changed", "new bytes"), min_width={"leaf": longest})
-    for leaf in report.leaves:
-        if leaf.status != "unchanged" or all_leaves:
-            out.add_row(leaf.path or "<root>", leaf.status, leaf.dtype or leaf.kind, "" if leaf.shape is None else str(leaf.shape),
-                        str(leaf.shards), str(leaf.shards_changed), fmt_bytes(leaf.new_bytes))
+    headers = ["leaf", "status", "dtype", "shape", "shards", "changed", "new bytes"]
+    rows = [[leaf.path or "<root>", leaf.status, leaf.dtype or leaf.kind, "" if leaf.shape is None else str(leaf.shape),
+             str(leaf.shards), str(leaf.shards_changed), fmt_bytes(leaf.new_bytes)] for leaf in listed]
+    out = table(*headers, title=f"{report.a[:12]} -> {report.b[:12]}", numeric=("shards", "changed", "new bytes"),
+                min_width={"leaf": fitted(rows, headers, 0)})
+    for row in rows:
+        out.add_row(*row)
     console.print(out)
-    counts = ", ".join(f"{report.count(s)} {s}" for s in ("added", "removed", "changed", "unchanged"))
+    counts = ", ".join(f"{report.count(s)} {s}" for s in statuses)
     console.print(f"{counts}; {fmt_bytes(report.new_bytes)} new in {report.b[:12]}")
 
 
@@ -418,9 +438,9 @@ def gc(
         return
     verb = "would free" if report.dry_run else "freed"
     console.print(
-        f"gc {verb}: {report.commits_dropped} commits, {report.blobs_deleted} blobs ({fmt_bytes(report.blob_bytes)} in packs), "
-        f"{report.packs_deleted} packs deleted, {report.packs_repacked} repacked, {report.orphans_removed} orphan packs, "
-        f"{report.tmp_removed} tmp files; {fmt_bytes(report.bytes_freed)} freed on disk, {fmt_bytes(report.bytes_pending)} "
+        f"gc {verb}: {counted(report.commits_dropped, 'commit')}, {counted(report.blobs_deleted, 'blob')} ({fmt_bytes(report.blob_bytes)} in packs), "
+        f"{counted(report.packs_deleted, 'pack')} deleted, {report.packs_repacked} repacked, {counted(report.orphans_removed, 'orphan pack')}, "
+        f"{counted(report.tmp_removed, 'tmp file')}; {fmt_bytes(report.bytes_freed)} freed on disk, {fmt_bytes(report.bytes_pending)} "
         "pending the grace period"
     )
     console.print("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in report.seconds.items()))
@@ -443,9 +463,9 @@ def _print_fsck(report, as_json: bool) -> None:
         if report.missing_indexes:
             console.print(f"packs without .idx (walked instead; GC rebuilds or removes them): {len(report.missing_indexes)}")
         console.print(
-            f"{'ok' if report.ok else 'NOT OK'}: {report.commits} commits, {report.blobs_checked} blobs rehashed "
-            f"({fmt_bytes(report.bytes_checked)}); orphans: {len(report.orphan_packs)} packs, "
-            f"{report.unreferenced_blobs} unreferenced blobs, {report.tmp_files} tmp files"
+            f"{'ok' if report.ok else 'NOT OK'}: {counted(report.commits, 'commit')}, {counted(report.blobs_checked, 'blob')} rehashed "
+            f"({fmt_bytes(report.bytes_checked)}); orphans: {counted(len(report.orphan_packs), 'pack')}, "
+            f"{counted(report.unreferenced_blobs, 'unreferenced blob')}, {counted(report.tmp_files, 'tmp file')}"
         )
     if not report.ok:
         raise SystemExit(1)
@@ -488,7 +508,8 @@ def recover(
         emit_json({**dataclasses.asdict(report), "ok": report.ok})
     else:
         console.print(
-            f"recovered {report.commits} commits, {len(report.tags)} tags, {report.blobs} blobs from {report.packs} packs "
+            f"recovered {counted(report.commits, 'commit')}, {counted(len(report.tags), 'tag')}, {counted(report.blobs, 'blob')} "
+            f"from {counted(report.packs, 'pack')} "
             f"in {report.seconds:.2f} s"
         )
         for t, cid in report.tags.items():
@@ -584,13 +605,27 @@ def demo(
     run(store, frames=frames, every=every, seed=seed, console=console)
 
 
+def command():
+    """The click group typer builds from ``app``, its flags (``-h/--help``, ``--install-completion``...)
+    shown without a ``<bool>`` type: they take no value."""
+    group = typer.main.get_command(app)
+    for cmd in (group, *group.commands.values()):
+        help_option = cmd.get_help_option(typer.Context(cmd, **app.info.context_settings))
+        for option in (*cmd.params, help_option):
+            if getattr(option, "is_flag", False):
+                option.metavar = ""
+    return group
+
+
 def main() -> None:
     """Entry point: one-line errors, non-zero exit (2 for usage errors, as click)."""
     try:
-        code = app(standalone_mode=False)  # click's own usage errors come here, not as a boxed message
+        code = command()(prog_name="ckptstore", standalone_mode=False)  # click's own usage errors come here, not as a boxed message
     except typer.TyperException as exc:  # click's errors, vendored by typer
         if exc.format_message():  # empty when the help was printed instead (no arguments)
-            err.print(f"error: {exc.format_message()} (see ckptstore --help)", soft_wrap=True, markup=False)
+            ctx = getattr(exc, "ctx", None)  # a usage error's: the subcommand whose help explains it
+            where = ctx.command_path if ctx is not None else "ckptstore"
+            err.print(f"error: {exc.format_message()} (see {where} --help)", soft_wrap=True, markup=False)
         raise SystemExit(exc.exit_code) from None
     except typer.Abort:
         err.print("error: aborted", soft_wrap=True)

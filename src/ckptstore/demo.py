@@ -24,7 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import RNGState, Store
-from .units import fmt_bytes, ratio
+from .errors import NotAStoreError
+from .units import counted, dedup, fmt_bytes, ratio
 
 CAPACITY = 10_000
 BATCH = 64
@@ -84,6 +85,12 @@ def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, c
     explore = policy[1]
     commits, seen, updates = [], 0, 0
     console.print(f"[bold]ckptstore demo[/bold]: CartPole-v1, DQN, prioritized replay over LazyMemmapStorage({CAPACITY}), store {store.root}")
+    try:
+        earlier = len(store.log())
+    except NotAStoreError:  # a new store: the first commit creates it
+        earlier = 0
+    if earlier:  # a previous demo run: this one starts a lineage of its own and moves the tags to it
+        console.print(f"the store holds {earlier} commits of earlier runs: this run starts a new lineage (its first commit has no parent)")
     with _progress(console) as bar:
         task = bar.add_task("collect + train", total=frames)
         for data in collector:
@@ -102,7 +109,9 @@ def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, c
                     updates += 1
             if seen % every == 0:
                 state = {"rb": rb, "policy": actor, "optim": optim, "rng": RNGState(), "progress": {"frames": seen, "updates": updates}}
-                info = store.commit(state, tag=[f"step-{seen}", "latest"], message=f"after {seen} frames", metadata={"frames": seen, "updates": updates})
+                parents = [commits[-1].id] if commits else []  # this run's previous commit, never an earlier run's
+                info = store.commit(state, tag=[f"step-{seen}", "latest"], message=f"after {seen} frames", metadata={"frames": seen, "updates": updates},
+                                    parents=parents)
                 commits.append(info)
                 bar.console.print(f"committed step-{seen} as {info.id[:12]}: {info.shards_new} of {info.shards_total} shards new")
             bar.update(task, completed=seen)
@@ -111,7 +120,8 @@ def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, c
     for col in ("tag", "commit", "logical", "new", "stored", "dedup", "seconds"):
         table.add_column(col, justify="left" if col in ("tag", "commit") else "right")
     for c in commits:
-        table.add_row(c.tags[0], c.id[:12], fmt_bytes(c.logical_bytes), fmt_bytes(c.new_bytes), fmt_bytes(c.stored_bytes), ratio(c.dedup_ratio), f"{c.seconds:.3f}")
+        table.add_row(c.tags[0], c.id[:12], fmt_bytes(c.logical_bytes), fmt_bytes(c.new_bytes), fmt_bytes(c.stored_bytes),
+                      dedup(c.logical_bytes, c.new_bytes, c.dedup_ratio), f"{c.seconds:.3f}")
     console.print(table)
 
     # Partial checkout: the sampler's state only.
@@ -156,7 +166,7 @@ def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, c
     console.print(lineage)
     usage = store.du()
     console.print(
-        f"store: {usage['commits']} commits, logical {fmt_bytes(usage['logical_bytes'])}, unique {fmt_bytes(usage['unique_bytes'])}, "
+        f"store: {counted(usage['commits'], 'commit')}, logical {fmt_bytes(usage['logical_bytes'])}, unique {fmt_bytes(usage['unique_bytes'])}, "
         f"stored {fmt_bytes(usage['stored_bytes'])}, dedup {ratio(usage['dedup_ratio'])}"
     )
     store.close()

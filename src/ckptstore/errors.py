@@ -182,3 +182,9 @@ class PushFailedWarning(UserWarning):
 class ReflogWarning(UserWarning):
     """A tag moved on object storage but its reflog record could not be written after the
     client's retries: the move stands (the commit is returned), only its history entry is missing."""
+
+
+class HyperparameterOverrideWarning(UserWarning):
+    """A restore set a hyperparameter (a prioritized sampler's ``alpha``, ``beta`` or
+    ``eps``, a sampler's ``shuffle`` or ``drop_last``) to the committed value, replacing a
+    different one the target was built with; the message names the leaf and both values."""

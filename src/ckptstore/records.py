@@ -303,6 +303,15 @@ def check_message(message: Any, metadata: Any) -> dict:
 
 
 _LOOKS_LIKE_ID = re.compile(r"^[0-9a-fA-F]{4,32}$")
+MIN_PREFIX = 4  # the fewest hex digits read as a commit id prefix (as git: fewer are too easily a mistyped tag)
+
+
+def unknown_ref(ref: str, where: object) -> str:
+    """The message for a ``ref`` that names no tag and no commit in ``where``; it states
+    the prefix rule when ``ref`` is hex digits too few to be read as one."""
+    short = re.fullmatch(r"[0-9a-fA-F]{1,%d}" % (MIN_PREFIX - 1), ref)
+    rule = f" (a commit id prefix needs at least {MIN_PREFIX} hex digits)" if short else ""
+    return f"no tag or commit named {ref!r} in {where}{rule}"
 
 
 def check_tag(name: Any) -> str:

@@ -73,7 +73,7 @@ from .packs import (
     entry_header,
     pack_header,
 )
-from .records import KIND_COMMIT, CommitRecord, commit_id, parse_commit, recreate
+from .records import KIND_COMMIT, MIN_PREFIX, CommitRecord, commit_id, parse_commit, recreate, unknown_ref
 from .threads import Pool
 from .transfer import TransferReport, missing_lineage
 
@@ -721,14 +721,14 @@ def resolve(backend: Backend, ref: str) -> tuple[str, str | None]:
     low = ref.lower()
     if _CID.fullmatch(low) and backend.head(commit_key(low)) is not None:
         return low, None
-    if len(low) >= 4 and _HEX.fullmatch(low):
+    if len(low) >= MIN_PREFIX and _HEX.fullmatch(low):
         found = [o.key.rsplit("/", 1)[1] for o in backend.list(f"commits/{low[:2]}")]
         found = [c for c in found if c.startswith(low)]
         if len(found) == 1:
             return found[0], None
         if found:
             raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix in {backend.url}: matches {', '.join(c[:12] for c in found[:10])}")
-    raise RefNotFoundError(f"no tag or commit named {ref!r} in {backend.url}")
+    raise RefNotFoundError(unknown_ref(ref, backend.url))
 
 
 def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> TransferReport:

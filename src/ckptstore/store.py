@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, progress, records
-from .catalog import Catalog, CatalogMissing, damaged
+from .catalog import Catalog, CatalogMissing, damaged, keep_reserve, release_reserve
 from .diff import DiffReport, diff_commits
 from .errors import (
     AdapterError,
@@ -86,7 +86,7 @@ if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or 
 
 CATALOG = "catalog.sqlite"
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/")  # a URL scheme (s3:/ once a path mangled s3://), not a folder
-_STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")  # leases: ckptstore.run
+_STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|-reserve|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")  # leases: ckptstore.run
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
 
 
@@ -426,6 +426,8 @@ class Store:
                 cat.close()
                 raise
             self._catalog = cat
+        if cat.writable:
+            keep_reserve(self.root / CATALOG)  # room for the journal when the disk fills up
         if cat.migrated_from is not None and cat.writable:
             self._backfill_records()
         return cat
@@ -1225,14 +1227,14 @@ class Store:
     def _find_commit(self, ref: str) -> str:
         """The commit a full id or unique id prefix ``ref`` names, from the index."""
         ref_l = ref.lower()
-        if len(ref_l) >= 4 and all(c in "0123456789abcdef" for c in ref_l):
+        if len(ref_l) >= records.MIN_PREFIX and all(c in "0123456789abcdef" for c in ref_l):
             rows = self.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
             if len(rows) == 1:
                 return rows[0]["id"]
             if len(rows) > 1:
                 ids = ", ".join(r["id"][:12] for r in rows)
                 raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix: matches {ids}")
-        raise RefNotFoundError(f"no tag or commit named {ref!r} in {self.root}")
+        raise RefNotFoundError(records.unknown_ref(ref, self.root))
 
     def tags(self) -> dict[str, str]:
         """``{tag name: commit id}``, sorted by name (on object storage: the refs as on the
@@ -1544,8 +1546,17 @@ class Store:
             GCLockedError: another GC is running on this store.
             InvalidArgumentError: a duration, glob, count or size that does not parse.
         """
-        report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run,
-                         small_pack_bytes=small_pack_bytes)
+        if not dry_run and release_reserve(self.root / CATALOG) and not self.catalog.writable:
+            with self._catalog_lock:  # a full disk: with the reserve's room, the catalog opens for writing
+                self._catalog.close()
+                self._catalog = None
+            self._open(create=False)
+        try:
+            report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run,
+                             small_pack_bytes=small_pack_bytes)
+        finally:
+            if not dry_run and self.catalog.writable:
+                keep_reserve(self.root / CATALOG)  # back, from the room the GC freed
         self.forget_hashes()
         return report
 

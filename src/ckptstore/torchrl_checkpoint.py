@@ -45,8 +45,9 @@ from torchrl.checkpoint import Checkpoint, CheckpointAdapter, CheckpointRotation
 from torchrl.data import ReplayBuffer
 from torchrl.trainers import TrainerHookBase
 
+from .adapters.rng import RNGState
 from .checkpointer import Checkpointer
-from .errors import ContainerError, RefNotFoundError
+from .errors import CkptStoreError, ContainerError, RefNotFoundError
 from .store import Store
 
 REF_FILE = "ckptstore-ref.json"
@@ -183,9 +184,11 @@ class CheckpointerHook(TrainerHookBase):
     """A TorchRL ``Trainer`` hook calling ``checkpointer.step()`` after each batch's
     optimisation steps (``post_steps``). :meth:`register` also adds the trainer
     itself to the checkpointer's objects (component ``trainer``: its counters, its
-    collector's frame count, loss module and optimizer), so that
-    ``hook.checkpointer.resume()`` before ``trainer.train()`` continues the run
-    where it stopped instead of starting its frame budget again."""
+    collector's frame count and pending step, its environment's state; see
+    :class:`ckptstore.adapters.torchrl.TrainerAdapter`) and, unless one is there, the
+    global RNG streams (component ``rng``), so that ``hook.checkpointer.resume()``
+    before ``trainer.train()`` continues the run where it stopped instead of
+    starting its frame budget again (bit-identically where docs/training.md says so)."""
 
     def __init__(self, checkpointer: Checkpointer):
         self.checkpointer = checkpointer
@@ -200,6 +203,18 @@ class CheckpointerHook(TrainerHookBase):
         if "trainer" not in ckpt.objects:
             ckpt.objects["trainer"] = trainer
             ckpt.components.append("trainer")
+        if not any(isinstance(obj, RNGState) for obj in ckpt.objects.values()) and "rng" not in ckpt.objects and self._resumes_with_rng():
+            ckpt.objects["rng"] = RNGState()
+            ckpt.components.append("rng")
+
+    def _resumes_with_rng(self) -> bool:
+        """False when the run's latest commit was made without an ``rng`` component (by an
+        earlier ckptstore): the run resumes from it, without the RNG streams, as it was."""
+        store, tag = self.checkpointer.store, self.checkpointer.latest_tag
+        try:
+            return not isinstance(store, Store) or tag not in store.tags() or "rng" in store.components(tag)
+        except CkptStoreError:  # no store yet: a new run
+            return True
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps": self.checkpointer.steps}

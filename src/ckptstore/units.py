@@ -1,4 +1,4 @@
-"""Figures as people read them: byte counts in binary units and ratios (the command line's and the demo's tables)."""
+"""Figures as people read them: byte counts in binary units, ratios and counted nouns (the command line's and the demo's tables)."""
 
 from __future__ import annotations
 
@@ -17,3 +17,14 @@ def fmt_bytes(n: float | None) -> str:
 def ratio(x: float | None) -> str:
     """A ratio as ``"2.5x"``; ``"-"`` for ``None``, ``"inf"`` for infinity."""
     return "-" if x is None else ("inf" if x == float("inf") else f"{x:.1f}x")
+
+
+def counted(n: int, noun: str, plural: str | None = None) -> str:
+    """``"1 commit"``, ``"2 commits"``: ``n`` and ``noun``, plural (``noun + "s"`` unless given) unless ``n`` is 1."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def dedup(logical: int, new: int, value: float | None) -> str:
+    """A commit's dedup ratio (logical / new bytes, ``value``) as :func:`ratio` prints it;
+    ``"all held"`` when it added no new bytes (the store held every shard) instead of ``"inf"``."""
+    return "all held" if logical and not new else ratio(value)
