@@ -404,8 +404,8 @@ def gc(
     console.print(
         f"gc {verb}: {report.commits_dropped} commits, {report.blobs_deleted} blobs ({fmt_bytes(report.blob_bytes)} in packs), "
         f"{report.packs_deleted} packs deleted, {report.packs_repacked} repacked, {report.orphans_removed} orphan packs, "
-        f"{report.tmp_removed} tmp files; {fmt_bytes(report.bytes_freed)} freed on disk, {fmt_bytes(report.bytes_pending)} "
-        "pending the grace period"
+        f"{report.tmp_removed} tmp files; {fmt_bytes(report.bytes_freed)} freed on disk; pending the grace period: "
+        f"{report.commits_pending} commits, {report.blobs_pending} blobs, {fmt_bytes(report.bytes_pending)}"
     )
     console.print("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in report.seconds.items()))
     for why in report.withheld:

@@ -91,9 +91,12 @@ def check_glob(pattern: str) -> str:
 class GCReport:
     """What a GC run freed (or, with ``dry_run``, would free).
 
-    Byte counts are bytes on disk: ``bytes_freed`` counts pack and temporary files
-    unlinked in this run; ``bytes_pending`` counts retired packs whose grace
-    period has not passed yet (a later run unlinks them).
+    Byte counts are bytes on disk (in the bucket): ``bytes_freed`` counts pack and
+    temporary files (objects) deleted in this run. ``commits_pending``,
+    ``blobs_pending`` and ``bytes_pending`` count what waits for the grace period:
+    what a run with a grace period of 0 (``--grace 0 --dry-run``) would drop
+    beyond what this run drops (commits, blobs, bytes freed); 0 with a grace period of 0.
+    Both homes fill the same fields (:func:`pending`).
     """
 
     dry_run: bool
@@ -108,10 +111,32 @@ class GCReport:
     reflog_removed: int = 0  # object storage: ref-move records whose commits were all dropped
     tmp_removed: int = 0
     bytes_freed: int = 0
+    commits_pending: int = 0
+    blobs_pending: int = 0
     bytes_pending: int = 0
     dropped: list[str] = field(default_factory=list)
     withheld: list[str] = field(default_factory=list)  # what this run would not collect, and why
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+def pack_kind(size: int, live: int, n: int, repack_below: float, small_pack_bytes: int) -> str | None:
+    """What a GC does with a pack older than the grace period, on either home: ``"dead"`` (no
+    live entry: deleted), ``"half"`` (live bytes below ``repack_below`` of ``size``: its live
+    entries are copied out, then it goes), ``"small"`` (below ``small_pack_bytes``: merged into
+    large ones, if :func:`choose_repacks` takes it) or None (kept). Sizes in bytes."""
+    if n <= 0:
+        return "dead"
+    if live < repack_below * size:
+        return "half"
+    if size < small_pack_bytes:
+        return "small"
+    return None
+
+
+def choose_repacks(half: list, small: list) -> tuple[list, list]:
+    """``(half-dead, small)`` packs to rewrite: the small ones only when there are at least two
+    packs to rewrite (one alone would gain nothing)."""
+    return half, small if len(half) + len(small) >= 2 else []
 
 
 @contextmanager
@@ -371,22 +396,17 @@ class Collector:
         cutoff = self.now - self.grace
         half, small = [], []
         for p in sorted(self.pack_stats(), key=lambda r: (r["created_at"], r["id"])):
-            if p["retired_at"] is not None or p["n"] <= 0 or p["created_at"] > cutoff:
+            if p["retired_at"] is not None or p["created_at"] > cutoff:
                 continue
-            if p["live"] < self.repack_below * p["size"]:
-                group = half
-            elif p["size"] < self.small_pack_bytes:
-                group = small
-            else:
-                continue
+            kind = pack_kind(p["size"], p["live"], p["n"], self.repack_below, self.small_pack_bytes)
+            if kind not in ("half", "small"):
+                continue  # dead packs go in delete_packs
             fd = _unlocked(pack_path(self.store.root, p["id"]))
             if fd is None:
                 continue  # held by a running process (or gone): left for a later run
             os.close(fd)  # nothing locks a pack again once it has its final name
-            group.append(p)
-        if len(half) + len(small) < 2:
-            small = []
-        return half, small
+            (half if kind == "half" else small).append(p)
+        return choose_repacks(half, small)
 
     def repack(self, report: GCReport) -> None:
         """Rewrite the half-dead and the small packs (:meth:`repack_candidates`) into new
@@ -455,20 +475,13 @@ class Collector:
         if report.dry_run:
             for p in empty:
                 retired = self.now if p["id"] in self.repacked_now else p["retired_at"]
-                if (retired or self.now) > cutoff:
-                    report.bytes_pending += p["size"]
-                else:
+                if (retired or self.now) <= cutoff:
                     report.bytes_freed += p["size"]
                     report.packs_deleted += 1
             return
         with self.cat.write():
             self.cat.chunked(f"UPDATE packs SET retired_at = {self.now!r} WHERE retired_at IS NULL AND id IN ({{}})", [p["id"] for p in empty])
-        due = []
-        for p in empty:
-            if (p["retired_at"] or self.now) > cutoff:
-                report.bytes_pending += p["size"]
-            else:
-                due.append(p["id"])
+        due = [p["id"] for p in empty if (p["retired_at"] or self.now) <= cutoff]
         folders: set[Path] = set()
         for i in range(0, len(due), _BATCH_PACKS):
             batch = due[i : i + _BATCH_PACKS]
@@ -518,6 +531,14 @@ class Collector:
                 report.tmp_removed += 1
 
 
+def pending(report: GCReport, at_grace_0: GCReport) -> None:
+    """Fill ``report``'s ``*_pending`` fields: what ``at_grace_0`` (a dry run with a grace
+    period of 0 over the same state, on either home) drops beyond what ``report`` does."""
+    report.commits_pending = max(0, at_grace_0.commits_dropped - report.commits_dropped)
+    report.blobs_pending = max(0, at_grace_0.blobs_deleted - report.blobs_deleted)
+    report.bytes_pending = max(0, at_grace_0.bytes_freed - report.bytes_freed)
+
+
 def _unlink(path: Path, sync: bool = True) -> int:
     """Unlink ``path`` (and, with ``sync``, fsync its folder); its size in bytes, 0 if it was gone."""
     try:
@@ -537,9 +558,19 @@ def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...]
     c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below, small_pack_bytes)
     report = GCReport(dry_run=dry_run)
     with gc_lock(store.root, read_only_ok=dry_run):
-        for phase, step in (("commits", c.drop_commits), ("blobs", c.delete_blobs), ("repack", c.repack),
-                            ("packs", c.delete_packs), ("leftovers", c.leftovers)):
-            t0 = time.perf_counter()
-            step(report)
-            report.seconds[phase] = time.perf_counter() - t0
+        # what waits for the grace period: a grace-0 dry run over the same state, before this run changes it
+        at_grace_0 = _run(Collector(store, keep_last, list(keep_tags), keep_within, 0.0, repack_below, small_pack_bytes),
+                          GCReport(dry_run=True)) if c.grace > 0 else None
+        _run(c, report)
+    if at_grace_0 is not None:
+        pending(report, at_grace_0)
+    return report
+
+
+def _run(c: Collector, report: GCReport) -> GCReport:
+    for phase, step in (("commits", c.drop_commits), ("blobs", c.delete_blobs), ("repack", c.repack),
+                        ("packs", c.delete_packs), ("leftovers", c.leftovers)):
+        t0 = time.perf_counter()
+        step(report)
+        report.seconds[phase] = time.perf_counter() - t0
     return report

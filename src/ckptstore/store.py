@@ -1579,7 +1579,7 @@ class Store:
 
         ``path`` may be ``s3://bucket/prefix``: the local cache (that store's index) is
         rebuilt from the bucket's objects, every record checked against its id, and damaged
-        pack indexes rebuilt from their packs (:func:`ckptstore.bucketgc.recover`; the same
+        pack indexes rebuilt from their packs (:func:`ckptstore.recover.recover_bucket`; the same
         report; ``force`` changes nothing there: the cache holds only copies).
 
         For a store whose ``catalog.sqlite`` was deleted or damaged beyond
