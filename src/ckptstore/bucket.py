@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from .backends import Backend, open_backend
+from .bucketgc import BucketGC
 from .errors import (
     BlobCorruptError,
     BlobMissingError,
     CatalogCorruptError,
-    InvalidArgumentError,
     IntegrityError,
     NotAStoreError,
     ObjectNotFoundError,
@@ -56,7 +56,7 @@ from .errors import (
     RefConflictError,
     RefNotFoundError,
 )
-from .gc import SMALL_PACK_BYTES
+from .fsck import BucketFsck
 from .layout import RANDOM, address, digest
 from .packindex import index_key, pack_key
 from .packs import (
@@ -749,41 +749,23 @@ class BucketStore(Store):
 
     # --- maintenance ----------------------------------------------------------------------------
 
-    def gc(self, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=None, dry_run: bool = False,
-           small_pack_bytes: int = SMALL_PACK_BYTES):
-        """Two-phase GC on the bucket (:func:`ckptstore.bucketgc.collect`); ``grace`` defaults to 24 hours."""
-        from .bucketgc import DEFAULT_GRACE, collect
-
+    def gc_home(self) -> BucketGC:
+        """This home's side of the GC protocol (:class:`ckptstore.bucketgc.BucketGC`: lock-free
+        mark and sweep; ``grace`` defaults to 24 hours)."""
         self._need_store()
-        report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within,
-                         grace=DEFAULT_GRACE if grace is None else grace, dry_run=dry_run, small_pack_bytes=small_pack_bytes)
-        self.forget_hashes()
-        return report
+        return BucketGC(self)
 
-    def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False):
-        """Check the bucket's own objects (:func:`ckptstore.fsck.check_bucket`): every tag names
-        a commit whose record verifies, every blob of every commit is in a pack the bucket
-        holds; ``deep`` trusts nothing the cache holds and rereads and rehashes the blobs;
-        ``repair`` (implies ``deep``) rebuilds damaged or missing pack indexes from their
-        packs and rewrites a damaged marker."""
-        from .fsck import check_bucket as check
-
-        if not 0 < sample <= 1:  # the local store's refusal (ckptstore.fsck.check), before any request
-            raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
+    def fsck_home(self) -> BucketFsck:
+        """This home's side of fsck (:class:`ckptstore.fsck.BucketFsck`): the bucket's own objects;
+        ``verify`` reads the commit's record from the bucket too (nothing of the cache is
+        trusted, and the commit is not copied into it first)."""
         self._need_store()
-        return check(self, deep=deep or sample < 1, sample=sample, repair=repair)
+        return BucketFsck(self, self._bucket_commit)
 
-    def verify(self, ref: str):
-        """Reread and rehash every blob of one commit from the bucket (the record too: nothing
-        of the cache is trusted, and the commit is not copied into it first)."""
-        from .fsck import check_bucket as check
-
-        self._need_store()
+    def _bucket_commit(self, ref: str) -> str:
+        """The commit id ``ref`` (a tag or a full id) names on the bucket."""
         cid = ref if type(ref) is str and _CID.fullmatch(ref) else None
-        if cid is None:
-            cid = self.refs.read(ref) or resolve_remote(self.backend, ref)[0]
-        return check(self, deep=True, commit=cid)
-
+        return cid if cid is not None else self.refs.read(ref) or resolve_remote(self.backend, ref)[0]
 
 
 def recover(url: str, force: bool = False):

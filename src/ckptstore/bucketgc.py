@@ -1,4 +1,5 @@
-"""GC and fsck of a store on object storage (docs/design.md, "GC on object storage").
+"""The bucket's side of the GC protocol (:func:`ckptstore.gc.collect`): mark and sweep on object storage
+(docs/design.md, "GC on object storage").
 
 GC has no lock: any number of writers, and other GCs, may run beside it on any machine.
 It never deletes in the run that decided to, except with a grace period of 0 (which may
@@ -40,10 +41,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from .errors import IntegrityError, ObjectNotFoundError
-from .gc import REPACK_BELOW, SMALL_PACK_BYTES, Collector, GCReport, choose_repacks, pack_kind, pending
+from .gc import Collector, GCReport, choose_repacks, pack_kind
 from .layout import RANDOM
 from .packindex import index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, check_entry
@@ -197,71 +199,74 @@ def _plan(st: _State, cutoff: float, repack_below: float, small_pack_bytes: int,
     return plan
 
 
-def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=DEFAULT_GRACE, dry_run: bool = False,
-            repack_below: float = REPACK_BELOW, small_pack_bytes: int = SMALL_PACK_BYTES) -> GCReport:
-    """One GC run over a :class:`~ckptstore.bucket.BucketStore` (see the module docstring).
+class BucketGC:
+    """The bucket's side of a GC (the module docstring): no lock, a mark of what is garbage,
+    swept a grace period later; what waits for the grace period (:func:`ckptstore.gc.pending`)
+    is a second decision over the state the mark read, at a grace period of 0 (no more
+    requests). A dry run reports what this run's mark takes as freed (a sweep a grace
+    period later deletes it).
 
-    Returns:
-        A :class:`~ckptstore.gc.GCReport`: ``commits_dropped`` (records deleted, or marked
-        in a dry run: ``dropped`` names them), ``blobs_deleted`` and ``blob_bytes`` (of the
-        packs deleted), ``packs_repacked`` (half-dead), ``packs_consolidated`` (small packs
-        merged), ``packs_deleted``, ``orphans_removed`` (objects without their pair),
-        ``bytes_freed`` (bytes deleted from the bucket) and the ``*_pending`` fields (what
-        waits for the grace period, :func:`ckptstore.gc.pending`). A dry run reports what
-        this run's mark takes as freed (a sweep a grace period later deletes it).
-
-    Raises:
-        InvalidArgumentError: a bad count, glob, duration, threshold or size.
-        BackendError: the storage failed (what was deleted stays deleted; run again).
+    Its report (:class:`~ckptstore.gc.GCReport`, the local fields): ``commits_dropped``
+    (records deleted, or marked in a dry run: ``dropped`` names them), ``blobs_deleted`` and
+    ``blob_bytes`` (of the packs deleted), ``packs_repacked`` (half-dead), ``packs_consolidated``
+    (small packs merged), ``packs_deleted``, ``orphans_removed`` (objects without their pair),
+    ``bytes_freed`` (bytes deleted from the bucket) and the ``*_pending`` fields.
+    ``BackendError``: the storage failed (what was deleted stays deleted; run again).
     """
-    c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below, small_pack_bytes)
-    grace = c.grace
-    report = GCReport(dry_run=dry_run)
-    backend = store.backend
-    t0 = time.perf_counter()
-    st = _state(store, c)
-    plan = _plan(st, st.now - grace - (MTIME_STEP if grace > 0 else 0.0), repack_below, c.small_pack_bytes)
-    at_grace_0 = _plan(st, st.now, repack_below, c.small_pack_bytes, at_grace_0=True) if grace > 0 else plan
-    if st.blind:
-        report.withheld.append(f"no pack is collected while tags name commits whose record is missing or damaged: "
-                               f"{', '.join(st.blind)} (`ckptstore fsck --deep` lists them)")
-    reflog = _dead_reflog(store, st, st.now - grace - (MTIME_STEP if grace > 0 else 0.0))
-    report.seconds["mark"] = time.perf_counter() - t0
-    if dry_run:
-        report.dropped = plan.commits
-        report.commits_dropped = len(plan.commits)
-        report.packs_deleted = len(plan.packs)
-        report.packs_repacked, report.packs_consolidated = len(plan.repack), len(plan.small)
-        report.blobs_deleted, report.blob_bytes, report.bytes_freed = plan.blobs, plan.blob_bytes, plan.bytes
-        pending(report, _as_report(at_grace_0))
-        return report
-    t0 = time.perf_counter()
-    dead = set(plan.dead)
-    for pid in st.bad_indexes:
-        if pid in st.entries and pid not in dead:
-            repair_index(backend, pid, st.entries[pid])
-            report.indexes_repaired += 1
-    if plan.repack or plan.small:
-        writer = store.pack_writer()
-        with writer:
-            for pid, live in plan.repack + plan.small:
-                bufs = backend.get_ranges(pack_key(pid), [(e.loc.offset, e.loc.offset + BLOB_HEADER.size + e.loc.stored_len) for e in live])
-                for e, buf in zip(live, bufs):
-                    payload = check_entry(buf, e.loc, f"{backend.url}: pack {pid}")
-                    writer.append_encoded(e.loc.digest, e.loc.raw_len, e.loc.codec, bytes(payload))
-            writer.finish()
-        report.packs_repacked, report.packs_consolidated = len(plan.repack), len(plan.small)
-        store.refresh_index()
-    if plan.packs or plan.commits or plan.orphans or reflog:
-        mark = {"at": st.now, "commits": plan.commits, "objects": plan.orphans, "packs": plan.packs, "reflog": reflog}
-        backend.put_new(f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json", json.dumps(mark, sort_keys=True).encode())
-    report.seconds["repack"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _sweep(store, c, grace, report)
-    report.seconds["sweep"] = time.perf_counter() - t0
-    if grace > 0:
-        pending(report, _as_report(at_grace_0))
-    return report
+
+    default_grace = DEFAULT_GRACE
+
+    def __init__(self, store):
+        self.store = store
+
+    def lock(self, dry_run: bool):
+        return nullcontext()  # any number of writers and GCs run beside it
+
+    def run(self, c: Collector, report: GCReport) -> GCReport | None:
+        store, grace, dry_run = self.store, c.grace, report.dry_run
+        repack_below, backend = c.repack_below, store.backend
+        t0 = time.perf_counter()
+        st = _state(store, c)
+        cutoff = st.now - grace - (MTIME_STEP if grace > 0 else 0.0)  # a grace period above 0 waits out the whole second
+        plan = _plan(st, cutoff, repack_below, c.small_pack_bytes)
+        at_grace_0 = _plan(st, st.now, repack_below, c.small_pack_bytes, at_grace_0=True) if grace > 0 else plan
+        if st.blind:
+            report.withheld.append(f"no pack is collected while tags name commits whose record is missing or damaged: "
+                                   f"{', '.join(st.blind)} (`ckptstore fsck --deep` lists them)")
+        reflog = _dead_reflog(store, st, cutoff)
+        report.seconds["mark"] = time.perf_counter() - t0
+        if dry_run:
+            report.dropped = plan.commits
+            report.commits_dropped = len(plan.commits)
+            report.packs_deleted = len(plan.packs)
+            report.packs_repacked, report.packs_consolidated = len(plan.repack), len(plan.small)
+            report.blobs_deleted, report.blob_bytes, report.bytes_freed = plan.blobs, plan.blob_bytes, plan.bytes
+            return _as_report(at_grace_0)
+        t0 = time.perf_counter()
+        dead = set(plan.dead)
+        for pid in st.bad_indexes:
+            if pid in st.entries and pid not in dead:
+                repair_index(backend, pid, st.entries[pid])
+                report.indexes_repaired += 1
+        if plan.repack or plan.small:
+            writer = store.pack_writer()
+            with writer:
+                for pid, live in plan.repack + plan.small:
+                    bufs = backend.get_ranges(pack_key(pid), [(e.loc.offset, e.loc.offset + BLOB_HEADER.size + e.loc.stored_len) for e in live])
+                    for e, buf in zip(live, bufs):
+                        payload = check_entry(buf, e.loc, f"{backend.url}: pack {pid}")
+                        writer.append_encoded(e.loc.digest, e.loc.raw_len, e.loc.codec, bytes(payload))
+                writer.finish()
+            report.packs_repacked, report.packs_consolidated = len(plan.repack), len(plan.small)
+            store.refresh_index()
+        if plan.packs or plan.commits or plan.orphans or reflog:
+            mark = {"at": st.now, "commits": plan.commits, "objects": plan.orphans, "packs": plan.packs, "reflog": reflog}
+            backend.put_new(f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json", json.dumps(mark, sort_keys=True).encode())
+        report.seconds["repack"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _sweep(store, c, grace, report)
+        report.seconds["sweep"] = time.perf_counter() - t0
+        return _as_report(at_grace_0) if grace > 0 else None
 
 
 def _as_report(plan: _Plan) -> GCReport:

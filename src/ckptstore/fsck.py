@@ -62,6 +62,50 @@ class FsckReport:
         return not self.problems
 
 
+def check_sample(sample: float) -> float:
+    """Validate ``sample`` (0 < sample <= 1), before any read on either home. Raises InvalidArgumentError."""
+    if not 0 < sample <= 1:
+        raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
+    return sample
+
+
+def run(store, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
+    """``fsck`` on either home: ``sample`` < 1 implies ``deep``, ``repair`` implies it too;
+    the home's side (``store.fsck_home()``: :class:`LocalFsck` or :class:`BucketFsck`) checks."""
+    check_sample(sample)
+    return store.fsck_home().check(deep=deep or sample < 1, sample=sample, repair=repair)
+
+
+class LocalFsck:
+    """A local store's side of fsck: its catalog against its packs (:func:`check`)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def check(self, deep: bool, sample: float, repair: bool) -> FsckReport:
+        if repair:
+            raise InvalidArgumentError(f"{self.store.root}: a local store has no pack indexes to repair; its index is the catalog, "
+                                       "rebuilt from the packs by `ckptstore recover`")
+        return check(self.store, deep=deep, sample=sample)
+
+    def verify(self, ref: str) -> FsckReport:
+        return check(self.store, deep=True, commit=self.store.resolve(ref))
+
+
+class BucketFsck:
+    """A bucket store's side of fsck: the bucket's own objects, never the cache (:func:`check_bucket`);
+    ``verify`` resolves the ref on the bucket (a tag, or a full id), copying nothing into the cache."""
+
+    def __init__(self, store, resolve):
+        self.store, self.resolve = store, resolve
+
+    def check(self, deep: bool, sample: float, repair: bool) -> FsckReport:
+        return check_bucket(self.store, deep=deep, sample=sample, repair=repair)
+
+    def verify(self, ref: str) -> FsckReport:
+        return check_bucket(self.store, deep=True, commit=self.resolve(ref))
+
+
 def _loc(r) -> BlobLoc:
     return BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
 
@@ -86,8 +130,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         ResourceLimitError: the process ran out of file descriptors (never reported
             as damage).
     """
-    if not 0 < sample <= 1:
-        raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
+    check_sample(sample)
     cat = store.catalog
     rep = FsckReport()
     where, params = ("WHERE commit_id = ?", (commit,)) if commit else ("", ())

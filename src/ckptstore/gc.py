@@ -194,6 +194,7 @@ class Collector:
             raise InvalidArgumentError(f"invalid small-pack size {small_pack_bytes!r}: must be a whole number of bytes >= 0")
         self.store = store
         self.cat = store.catalog
+        self.options = (keep_last, keep_tags, keep_within, repack_below, small_pack_bytes)
         # a merged pack of up to pack_bytes must not count as small again (or every run rewrites it)
         self.small_pack_bytes = min(small_pack_bytes, store.pack_bytes // 2)
         self.keep_last = max(keep_last, 1)
@@ -204,6 +205,11 @@ class Collector:
         self.now = time.time()
         self.doomed: dict[str, tuple[int, int]] = {}  # dry run: pack -> (entries, bytes) the real run would delete
         self.repacked_now: set[str] = set()  # dry run: packs the real run would repack (and so retire now)
+
+    def at_grace_0(self) -> Collector:
+        """The same run with a grace period of 0 (what :func:`pending` compares with)."""
+        keep_last, keep_tags, keep_within, repack_below, small_pack_bytes = self.options
+        return Collector(self.store, keep_last, keep_tags, keep_within, 0.0, repack_below, small_pack_bytes)
 
     # --- commits -----------------------------------------------------------------------
 
@@ -551,17 +557,46 @@ def _unlink(path: Path, sync: bool = True) -> int:
         return 0
 
 
-def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...] = (), keep_within: str | float | None = None,
-            grace: str | float = DEFAULT_GRACE, dry_run: bool = False, repack_below: float = REPACK_BELOW,
-            small_pack_bytes: int = SMALL_PACK_BYTES) -> GCReport:
-    """Run one GC over ``store``; see the module docstring and :meth:`Store.gc`."""
-    c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below, small_pack_bytes)
-    report = GCReport(dry_run=dry_run)
-    with gc_lock(store.root, read_only_ok=dry_run):
-        # what waits for the grace period: a grace-0 dry run over the same state, before this run changes it
-        at_grace_0 = _run(Collector(store, keep_last, list(keep_tags), keep_within, 0.0, repack_below, small_pack_bytes),
-                          GCReport(dry_run=True)) if c.grace > 0 else None
+class LocalGC:
+    """The local home's side of a GC (steps 1 to 5 above): ``gc.lock``, catalog transactions,
+    packs retired, then unlinked a grace period later. What waits for the grace period
+    (:func:`pending`) is a dry run with a grace period of 0, inside the same lock, before
+    this run changes anything."""
+
+    default_grace = DEFAULT_GRACE
+
+    def __init__(self, store):
+        self.store = store
+
+    def lock(self, dry_run: bool):
+        return gc_lock(self.store.root, read_only_ok=dry_run)
+
+    def run(self, c: Collector, report: GCReport) -> GCReport | None:
+        """Fill ``report``; returns the grace-0 dry run's report (None when ``c`` has a grace period of 0)."""
+        at_grace_0 = _run(c.at_grace_0(), GCReport(dry_run=True)) if c.grace > 0 else None
         _run(c, report)
+        return at_grace_0
+
+
+def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...] = (), keep_within: str | float | None = None,
+            grace: str | float | None = None, dry_run: bool = False, repack_below: float = REPACK_BELOW,
+            small_pack_bytes: int = SMALL_PACK_BYTES) -> GCReport:
+    """Run one GC over ``store``, on either home (see the module docstring and :meth:`Store.gc`).
+
+    The protocol is the same on both: the arguments are checked, the retained commits and
+    the packs to delete, repack or merge follow one set of rules (:meth:`Collector.retained`,
+    :func:`pack_kind`, :func:`choose_repacks`), and the report has the same fields with
+    the same meaning (:func:`pending`). The home's side (``store.gc_home()``: :class:`LocalGC`,
+    or :class:`ckptstore.bucketgc.BucketGC` on object storage) holds what differs: how runs
+    exclude each other, how commits and packs are dropped, and its default grace period
+    (``grace=None``).
+    """
+    home = store.gc_home()
+    c = Collector(store, keep_last, list(keep_tags), keep_within, home.default_grace if grace is None else grace, repack_below,
+                  small_pack_bytes)
+    report = GCReport(dry_run=dry_run)
+    with home.lock(dry_run):
+        at_grace_0 = home.run(c, report)
     if at_grace_0 is not None:
         pending(report, at_grace_0)
     return report

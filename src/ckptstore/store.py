@@ -54,8 +54,9 @@ from .errors import (
     StoreWriteError,
     UnsupportedTypeError,
 )
-from .fsck import FsckReport, check
-from .gc import DEFAULT_GRACE, SMALL_PACK_BYTES, GCReport, collect
+from .fsck import FsckReport, LocalFsck
+from .fsck import run as run_fsck
+from .gc import SMALL_PACK_BYTES, GCReport, LocalGC, collect
 from .layout import (
     DEFAULT_SHARD_BYTES,
     ShardPlan,
@@ -1525,7 +1526,7 @@ class Store:
         keep_last: int = 1,
         keep_tags: Sequence[str] = (),
         keep_within: str | float | None = None,
-        grace: str | float = DEFAULT_GRACE,
+        grace: str | float | None = None,
         dry_run: bool = False,
         small_pack_bytes: int = SMALL_PACK_BYTES,
     ) -> GCReport:
@@ -1535,19 +1536,26 @@ class Store:
         are kept (the whole lineage for tags matching a ``keep_tags`` glob), and
         commits younger than ``keep_within`` or than the grace period. Blobs no
         kept commit references are deleted once older than ``grace`` (seconds or
-        ``"30m"``, ``"1h"``, ``"7d"``; default 1 hour), safely beside running
-        commits. Packs smaller than ``small_pack_bytes`` (default 4 MiB, at most half of
-        ``pack_bytes``) and older than ``grace`` are merged into large ones, blobs and
-        records alike (0 turns that off). See :mod:`ckptstore.gc`.
+        ``"30m"``, ``"1h"``, ``"7d"``; default 1 hour, 24 hours on object storage),
+        safely beside running commits. Packs smaller than ``small_pack_bytes`` (default
+        4 MiB, at most half of ``pack_bytes``) and older than ``grace`` are merged into
+        large ones, blobs and records alike (0 turns that off). The report's
+        ``*_pending`` fields count what waits for the grace period. One protocol on
+        both homes: see :func:`ckptstore.gc.collect`.
 
         Raises:
-            GCLockedError: another GC is running on this store.
+            GCLockedError: another GC is running on this (local) store.
             InvalidArgumentError: a duration, glob, count or size that does not parse.
+            BackendError: object storage failed (what was deleted stays deleted; run again).
         """
         report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run,
                          small_pack_bytes=small_pack_bytes)
         self.forget_hashes()
         return report
+
+    def gc_home(self) -> LocalGC:
+        """This home's side of the GC protocol (:func:`ckptstore.gc.collect`)."""
+        return LocalGC(self)
 
     def forget_hashes(self) -> None:
         """Drop the shard hashes and blob ids kept from this store's last commits of live
@@ -1556,22 +1564,25 @@ class Store:
         self._digest_cache = {}
 
     def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
-        """Check the catalog and the blobs; ``deep`` rereads and rehashes blobs.
-        ``sample`` < 1 rereads that fraction of them (and implies ``deep``). See :mod:`ckptstore.fsck`.
+        """Check the store; ``deep`` rereads and rehashes blobs. ``sample`` < 1 rereads that
+        fraction of them (and implies ``deep``). One protocol and one :class:`FsckReport` on
+        both homes (:func:`ckptstore.fsck.run`; a local store: :func:`ckptstore.fsck.check`,
+        on object storage :func:`ckptstore.fsck.check_bucket`).
 
         Raises:
-            InvalidArgumentError: ``repair`` on a local store: its index is the catalog,
-                rebuilt by :meth:`recover` (``repair`` is for stores on object storage,
-                whose pack indexes and marker are objects).
+            InvalidArgumentError: ``sample`` outside (0, 1]; ``repair`` on a local store: its
+                index is the catalog, rebuilt by :meth:`recover` (``repair`` is for stores on
+                object storage, whose pack indexes and marker are objects).
         """
-        if repair:
-            raise InvalidArgumentError(f"{self.root}: a local store has no pack indexes to repair; its index is the catalog, "
-                                       "rebuilt from the packs by `ckptstore recover`")
-        return check(self, deep=deep or sample < 1, sample=sample)
+        return run_fsck(self, deep=deep, sample=sample, repair=repair)
 
     def verify(self, ref: str) -> FsckReport:
         """Reread and rehash every blob of one commit; ``report.ok`` tells."""
-        return check(self, deep=True, commit=self.resolve(ref))
+        return self.fsck_home().verify(ref)
+
+    def fsck_home(self) -> LocalFsck:
+        """This home's side of fsck (:func:`ckptstore.fsck.run`)."""
+        return LocalFsck(self)
 
     @staticmethod
     def recover(path: str | os.PathLike, force: bool = False) -> RecoverReport:
