@@ -1,6 +1,9 @@
-"""Garbage collection: retention, then blobs, packs and temporary files.
+"""Garbage collection on both homes: one entry (:func:`collect`), one report (:class:`GCReport`),
+one set of rules (retention :meth:`Collector.retained`, the pack rules :func:`pack_kind` and
+:func:`choose_repacks`, what is :func:`pending`); the home's side does the rest: :class:`LocalGC`
+here (below), :class:`ckptstore.bucketgc.BucketGC` on object storage (mark and sweep).
 
-Protocol (``shared/design/ARCHITECTURE.md``, GC section), as built:
+The local protocol (``shared/design/ARCHITECTURE.md``, GC section), as built:
 
 1. **Lock.** An exclusive ``flock`` on ``<store>/gc.lock``; a second GC fails at
    once with :class:`~ckptstore.errors.GCLockedError`.

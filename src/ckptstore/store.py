@@ -49,7 +49,6 @@ from .errors import (
     InvalidArgumentError,
     InvalidNameError,
     NotAStoreError,
-    PartialPathError,
     RefNotFoundError,
     StoreWriteError,
     UnsupportedTypeError,
@@ -61,13 +60,10 @@ from .layout import (
     DEFAULT_SHARD_BYTES,
     ShardPlan,
     address,
-    check_path,
     check_shape,
     digest,
     itemsize,
-    keypath,
     sample_unchanged,
-    split,
     under,
 )
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter, pack_path
@@ -79,10 +75,9 @@ from .threads import Pool
 if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or checkout: catalog-only use never imports torch
     import torch
 
-    from .adapters import ComponentState, Registry
+    from .adapters import Registry
     from .adapters.base import Captured
     from .backends import Backend
-    from .checkout import BlobReader
     from .transfer import TransferReport
 
 CATALOG = "catalog.sqlite"
@@ -1719,62 +1714,6 @@ class Store:
         """The current location of the blob at ``loc`` (a GC may have repacked it), or ``None``."""
         return self._locate([(loc.digest, loc.raw_len)]).get((loc.digest, loc.raw_len))
 
-    def _select(self, cid: str, partial: Iterable[str] | None, comps: dict[str, dict]) -> list[str] | None:
-        """Normalise ``partial`` prefixes and check each matches something."""
-        if partial is None:
-            return None
-        if isinstance(partial, str):
-            partial = [partial]
-        partial = list(partial)
-        if not partial:
-            raise PartialPathError("partial is empty: name at least one path prefix, or pass None to read everything")
-        prefixes = []
-        for p in partial:
-            if type(p) is tuple:  # keys, escaped here: ("rb", "x/y") is "rb/x%2Fy"
-                try:
-                    p = keypath(*p)
-                except TypeError as exc:
-                    raise PartialPathError(f"partial path {p!r}: {exc}") from None
-            elif type(p) is not str or not jsonvalue.is_text(p):
-                raise PartialPathError(f"partial prefixes must be strings (escaped paths) or tuples of keys, got {p!r}")
-            if not p:
-                return None
-            try:
-                check_path(p)
-            except ValueError as exc:
-                raise PartialPathError(f"partial: {exc}") from None
-            hit = any(under(c, p) for c in comps) or any(under(r.path, p) for r in self.record(cid).leaves)
-            if not hit:
-                names = ", ".join(c or "<root>" for c in comps) or "(none)"
-                hint = " (a key holding '/' or '%' is written escaped, 'x%2Fy', '50%25', or given as a tuple of keys)" if "%" in p or "/" in p else ""
-                raise PartialPathError(f"partial path {p!r} matches nothing in commit {cid[:12]}; components: {names}{hint}")
-            prefixes.append(p)
-        return prefixes
-
-    def _states(self, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: BlobReader) -> dict[str, ComponentState]:
-        from .adapters import ComponentState
-
-        if prefixes is not None and "" in prefixes:
-            prefixes = None
-        states: dict[str, ComponentState] = {}
-        for c, row in comps.items():
-            if prefixes is None or any(under(c, p) or under(p, c) for p in prefixes):
-                states[c] = ComponentState(c, row["adapter"], row["version"], row["meta"])
-        for rec in self.manifest(cid, prefixes):
-            state = states.get(rec.component)
-            if state is None:
-                raise IntegrityError(f"commit {cid}, leaf {rec.path}: its component {rec.component!r} is not in the catalog")
-            rel = rec.path[len(rec.component) + 1 :] if rec.component else rec.path
-            if rec.path == rec.component:
-                rel = ""
-            if rec.kind == "tensor":
-                state.leaves[rel] = reader.lazy(rec)
-            elif rec.kind == "json":
-                state.leaves[rel] = rec.value
-            else:
-                raise IntegrityError(f"commit {cid}, leaf {rec.path}: unknown leaf kind {rec.kind!r}")
-        return states
-
     def checkout(
         self, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True, map_location: Any = None
     ) -> Any:
@@ -1809,67 +1748,10 @@ class Store:
             IntegrityError: a missing or corrupt blob (names leaf, blob, commit).
             AdapterVersionError: state written by a newer adapter version.
         """
-        from .checkout import BlobReader, plan_restore, restore
+        from .checkout import checkout_ref  # torch loads on first checkout
 
         with paused_gc():
-            with self.catalog.read():
-                cid = self.resolve(ref)
-                comps = self.components(cid)
-                prefixes = self._select(cid, partial, comps)
-                reader = BlobReader(self, cid, verify, sparse=prefixes is not None)
-                if into is None:
-                    states = self._states(cid, prefixes, comps, reader)
-                else:
-                    plan = plan_restore(into, comps, prefixes, self.registry, cid)
-                    if not plan.steps:
-                        return into
-                    states = self._states(cid, plan.paths, comps, reader)
-            try:
-                if into is None:
-                    return self._as_tensordict(states, reader, map_location)
-                return restore(into, plan, states, self.registry, reader)
-            finally:
-                reader.close()
-
-    def _as_tensordict(self, states: dict[str, ComponentState], reader: BlobReader, map_location: Any = None) -> Any:
-        import torch
-        from tensordict import TensorDict
-
-        from .adapters import join, migrate
-
-        reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))
-        for path, state in states.items():  # older adapter versions: show the state as it is now
-            try:
-                adapter = self.registry.named(state.adapter, path)
-            except AdapterError:
-                continue  # an adapter this process does not have: the raw state still reads
-            states[path] = migrate(adapter, state)
-        if map_location is not None:
-            device = str(torch.device(map_location))
-            for state in states.values():
-                if "device" in state.meta:  # a copy: the parsed record is shared
-                    state.meta = {**state.meta, "device": device}
-                state.leaves = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.leaves.items()}
-        if len(states) == 1 and "" in states:
-            only = states[""]
-            if only.adapter == "tensordict":
-                return self.registry.named("tensordict", "").build(only)
-            if only.adapter == "numpy":
-                return self.registry.named("numpy", "").from_state(None, only)
-            if list(only.leaves) == [""]:
-                return only.value("")
-        out = TensorDict({}, batch_size=[])
-        for state in states.values():
-            if state.adapter == "tensordict" and state.path:
-                out.set(split(state.path), self.registry.named("tensordict", state.path).build(state))
-                continue
-            for rel, value in state.leaves.items():
-                key = split(join(state.path, rel))
-                if isinstance(value, torch.Tensor):
-                    out.set(key, value)
-                else:
-                    out.set_non_tensor(key, value)
-        return out
+            return checkout_ref(self, ref, partial, into, verify, map_location)
 
 
 #: Validate a tag name (returns it); raises InvalidNameError. Public for integrations that
