@@ -72,12 +72,13 @@ class _State:
     needs: dict  # commit id -> blob addresses, for every record on the bucket (a pack stays while a record stays)
     now: float  # the server's clock when the state was read (invariant 5)
     blind: list  # commits a tag names whose record cannot be read: what they need is unknown, so no pack goes
-    retained_at_grace_0: set = None  # what a grace period of 0 retains (for what is pending): ``retained`` at grace 0
-    live_at_grace_0: set = None
+    retained_at_grace_0: set  # what a grace period of 0 retains (for what is pending)
+    live_at_grace_0: set
 
 
-def _state(store, c: Collector) -> _State:
-    """Mirror the bucket into the cache and compute liveness (reads every ref, record and ``.idx``).
+def _state(store, c: Collector, at_grace_0: bool = False) -> _State:
+    """Mirror the bucket into the cache and compute liveness (reads every ref, record and ``.idx``);
+    ``at_grace_0``: also what a grace period of 0 retains (``retained_at_grace_0``, ``live_at_grace_0``).
 
     Liveness comes from the records alone (invariant 4): a pack's entries come from its
     ``.idx`` or, where that is missing or damaged, from the pack itself; a pack that
@@ -91,14 +92,15 @@ def _state(store, c: Collector) -> _State:
     c.now = now + MTIME_STEP
     with store.catalog.read():  # one snapshot: a writer sharing this cache folder may add commits meanwhile
         retained = c.retained()
-        grace, c.grace = c.grace, 0.0
-        try:
-            retained0 = c.retained() if grace > 0 else set(retained)
-        finally:
-            c.grace = grace
+        if at_grace_0 and c.grace > 0:
+            zero = c.at_grace_0()
+            zero.now = c.now
+            retained0 = zero.retained()
+        else:
+            retained0 = set(retained)
     keys_of = lambda commits: {k for cid in commits if store.has_cached(cid) for leaf in store.record(cid).leaves for k in leaf.keys}
     live = keys_of(retained)
-    live0 = keys_of(retained0) if grace > 0 else set(live)
+    live0 = keys_of(retained0) if retained0 != retained else set(live)
     objects = {o.key: o for o in backend.list("blobs")}
     objects.update({o.key: o for o in backend.list("commits")})
     packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in objects.items() if k.endswith(".pack")}
@@ -226,7 +228,7 @@ class BucketGC:
         store, grace, dry_run = self.store, c.grace, report.dry_run
         repack_below, backend = c.repack_below, store.backend
         t0 = time.perf_counter()
-        st = _state(store, c)
+        st = _state(store, c, at_grace_0=True)
         cutoff = st.now - grace - (MTIME_STEP if grace > 0 else 0.0)  # a grace period above 0 waits out the whole second
         plan = _plan(st, cutoff, repack_below, c.small_pack_bytes)
         at_grace_0 = _plan(st, st.now, repack_below, c.small_pack_bytes, at_grace_0=True) if grace > 0 else plan
