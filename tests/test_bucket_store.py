@@ -231,7 +231,9 @@ def test_a_blob_in_a_marked_pack_is_written_again_and_survives_the_sweep(tmp_pat
     _sleep_past(old_pack.mtime, grace)
     first = s.gc(grace=grace, keep_last=1)
     (mark,) = b.list("gc")
-    assert first.packs_deleted == 0 and first.commits_dropped == 0 and first.bytes_pending == old_pack.size
+    assert first.packs_deleted == 0 and first.commits_dropped == 0
+    waiting = old_pack.size + b.head(old_pack.key[:-5] + ".idx").size + b.head(commit_key(a.id)).size  # marked: pending the grace period
+    assert (first.commits_pending, first.blobs_pending, first.bytes_pending) == (1, 3, waiting)
     assert b.head(old_pack.key) is not None and b.head(commit_key(a.id)) is not None
     again = s.commit(bucket_workers.state(meta), tag="t2", metadata=meta)
     assert again.id != a.id and (again.shards_new, again.shards_total) == (3, 3)  # own, step, base: all written again

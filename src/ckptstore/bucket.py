@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from .backends import Backend, open_backend
+from .bucketgc import BucketGC
 from .errors import (
     BlobCorruptError,
     BlobMissingError,
     CatalogCorruptError,
-    InvalidArgumentError,
     IntegrityError,
     NotAStoreError,
     ObjectNotFoundError,
@@ -56,6 +56,7 @@ from .errors import (
     RefConflictError,
     RefNotFoundError,
 )
+from .fsck import BucketFsck
 from .layout import RANDOM, address, digest
 from .packindex import index_key, pack_key
 from .packs import (
@@ -226,7 +227,7 @@ class BucketStore(Store):
     - ``push``, ``pull`` and ``export`` work as on a local store, to and from either home
       (a folder, or another prefix: :mod:`ckptstore.transfer`, :mod:`ckptstore.remote`);
       ``Store.recover("s3://…")`` rebuilds this cache from the bucket alone
-      (:func:`ckptstore.bucketgc.recover`).
+      (:func:`ckptstore.recover.recover_bucket`).
 
     Credentials and endpoint come from the standard environment (``AWS_ENDPOINT_URL``,
     ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``).
@@ -748,45 +749,28 @@ class BucketStore(Store):
 
     # --- maintenance ----------------------------------------------------------------------------
 
-    def gc(self, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=None, dry_run: bool = False):
-        """Two-phase GC on the bucket (:func:`ckptstore.bucketgc.collect`); ``grace`` defaults to 24 hours."""
-        from .bucketgc import DEFAULT_GRACE, collect
-
+    def gc_home(self) -> BucketGC:
+        """This home's side of the GC protocol (:class:`ckptstore.bucketgc.BucketGC`: lock-free
+        mark and sweep; ``grace`` defaults to 24 hours)."""
         self._need_store()
-        report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within,
-                         grace=DEFAULT_GRACE if grace is None else grace, dry_run=dry_run)
-        self.forget_hashes()
-        return report
+        return BucketGC(self)
 
-    def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False):
-        """Check the bucket's own objects (:func:`ckptstore.bucketgc.check`): every tag names
-        a commit whose record verifies, every blob of every commit is in a pack the bucket
-        holds; ``deep`` trusts nothing the cache holds and rereads and rehashes the blobs;
-        ``repair`` (implies ``deep``) rebuilds damaged or missing pack indexes from their
-        packs and rewrites a damaged marker."""
-        from .bucketgc import check
-
-        if not 0 < sample <= 1:  # the local store's refusal (ckptstore.fsck.check), before any request
-            raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
+    def fsck_home(self) -> BucketFsck:
+        """This home's side of fsck (:class:`ckptstore.fsck.BucketFsck`): the bucket's own objects;
+        ``verify`` reads the commit's record from the bucket too (nothing of the cache is
+        trusted, and the commit is not copied into it first)."""
         self._need_store()
-        return check(self, deep=deep or sample < 1, sample=sample, repair=repair)
+        return BucketFsck(self, self._bucket_commit)
 
-    def verify(self, ref: str):
-        """Reread and rehash every blob of one commit from the bucket (the record too: nothing
-        of the cache is trusted, and the commit is not copied into it first)."""
-        from .bucketgc import check
-
-        self._need_store()
+    def _bucket_commit(self, ref: str) -> str:
+        """The commit id ``ref`` (a tag or a full id) names on the bucket."""
         cid = ref if type(ref) is str and _CID.fullmatch(ref) else None
-        if cid is None:
-            cid = self.refs.read(ref) or resolve_remote(self.backend, ref)[0]
-        return check(self, deep=True, commit=cid)
-
+        return cid if cid is not None else self.refs.read(ref) or resolve_remote(self.backend, ref)[0]
 
 
 def recover(url: str, force: bool = False):
     """``Store.recover`` for ``url`` (``s3://bucket/prefix``): rebuild its cache from the
-    bucket's objects alone (:func:`ckptstore.bucketgc.recover`, which says what is read,
+    bucket's objects alone (:func:`ckptstore.recover.recover_bucket`, which says what is read,
     rebuilt and reported) on a scratch cache that is then installed and removed. The cache
     holds only copies of the bucket's objects, so ``force`` changes nothing.
 
@@ -795,7 +779,7 @@ def recover(url: str, force: bool = False):
         BackendError: the storage failed (nothing was installed).
         CatalogBusyError: another process holds the cache's write lock.
     """
-    from .bucketgc import recover as rebuild
+    from .recover import recover_bucket as rebuild
 
     scratch = cache_folder(url)
     probe = BucketStore(url, create=False, cache=scratch.with_name(f"{scratch.name}.recover-{uuid.uuid4().hex[:8]}"))

@@ -1,4 +1,5 @@
-"""GC and fsck of a store on object storage (docs/design.md, "GC on object storage").
+"""The bucket's side of the GC protocol (:func:`ckptstore.gc.collect`): mark and sweep on object storage
+(docs/design.md, "GC on object storage").
 
 GC has no lock: any number of writers, and other GCs, may run beside it on any machine.
 It never deletes in the run that decided to, except with a grace period of 0 (which may
@@ -32,25 +33,23 @@ and write again any blob they rely on (new or reused) in a marked or missing pac
 (:meth:`ckptstore.bucket.BucketStore.index_commit`, invariant 6), so a sweep a grace
 period after its mark removes nothing a commit landing meanwhile needs.
 
-:func:`check` is fsck: it reads the bucket's own objects, never trusting the cache.
+fsck and recover of a bucket store are in :mod:`ckptstore.fsck` and :mod:`ckptstore.recover`.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass
 
-from .errors import BlobCorruptError, IntegrityError, ObjectNotFoundError
-from .fsck import FsckReport
-from .gc import REPACK_BELOW, Collector, GCReport, parse_duration
-from .layout import RANDOM, address
-from .packindex import encode_index, index_key, pack_key
+from .errors import IntegrityError, ObjectNotFoundError
+from .gc import Collector, GCReport, choose_repacks, pack_kind
+from .layout import RANDOM
+from .packindex import index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, check_entry
-from .recover import RecoverReport, install
-from .remote import MARKER, commit_key, fetch_record, marker_problem, pack_entries, parse_reflog, read_tag, repair_marker
+from .remote import commit_key, fetch_record, pack_entries, parse_reflog, repair_index
 
 DEFAULT_GRACE = 86400.0
 SWEEP_ATTEMPTS = 5
@@ -73,10 +72,13 @@ class _State:
     needs: dict  # commit id -> blob addresses, for every record on the bucket (a pack stays while a record stays)
     now: float  # the server's clock when the state was read (invariant 5)
     blind: list  # commits a tag names whose record cannot be read: what they need is unknown, so no pack goes
+    retained_at_grace_0: set  # what a grace period of 0 retains (for what is pending)
+    live_at_grace_0: set
 
 
-def _state(store, c: Collector) -> _State:
-    """Mirror the bucket into the cache and compute liveness (reads every ref, record and ``.idx``).
+def _state(store, c: Collector, at_grace_0: bool = False) -> _State:
+    """Mirror the bucket into the cache and compute liveness (reads every ref, record and ``.idx``);
+    ``at_grace_0``: also what a grace period of 0 retains (``retained_at_grace_0``, ``live_at_grace_0``).
 
     Liveness comes from the records alone (invariant 4): a pack's entries come from its
     ``.idx`` or, where that is missing or damaged, from the pack itself; a pack that
@@ -90,7 +92,15 @@ def _state(store, c: Collector) -> _State:
     c.now = now + MTIME_STEP
     with store.catalog.read():  # one snapshot: a writer sharing this cache folder may add commits meanwhile
         retained = c.retained()
-    live = {k for cid in retained if store.has_cached(cid) for leaf in store.record(cid).leaves for k in leaf.keys}
+        if at_grace_0 and c.grace > 0:
+            zero = c.at_grace_0()
+            zero.now = c.now
+            retained0 = zero.retained()
+        else:
+            retained0 = set(retained)
+    keys_of = lambda commits: {k for cid in commits if store.has_cached(cid) for leaf in store.record(cid).leaves for k in leaf.keys}
+    live = keys_of(retained)
+    live0 = keys_of(retained0) if retained0 != retained else set(live)
     objects = {o.key: o for o in backend.list("blobs")}
     objects.update({o.key: o for o in backend.list("commits")})
     packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in objects.items() if k.endswith(".pack")}
@@ -112,17 +122,10 @@ def _state(store, c: Collector) -> _State:
     # blobs it needs unknown: no pack is garbage then (blind).
     blind = sorted(c for c in named if needs.get(c) is None)
     needs = {c: keys for c, keys in needs.items() if keys is not None}
-    retained |= named
-    live.update(*(needs[c] for c in named if c in needs))
-    return _State(refs, retained, live, packs, entries, bad_indexes, objects, needs, now, blind)
-
-
-def repair_index(backend, pid: str, entries) -> None:
-    """Replace pack ``pid``'s missing or damaged ``.idx`` by one encoded from ``entries``
-    (walked from the pack itself). Indexes are derived data: the damaged copy is deleted
-    and the rebuilt one written create-only."""
-    backend.delete(index_key(pid))
-    backend.put_new(index_key(pid), encode_index(entries))
+    for keep, keys in ((retained, live), (retained0, live0)):
+        keep |= named
+        keys.update(*(needs[c] for c in named if c in needs))
+    return _State(refs, retained, live, packs, entries, bad_indexes, objects, needs, now, blind, retained0, live0)
 
 
 def _dead_reflog(store, st: _State, cutoff: float) -> list[list]:
@@ -146,82 +149,132 @@ def _blob_keys(entries) -> set:
     return {(e.loc.digest, e.loc.raw_len) for e in entries if e.magic == BLOB_MAGIC}
 
 
-def collect(store, *, keep_last: int = 1, keep_tags=(), keep_within=None, grace=DEFAULT_GRACE, dry_run: bool = False,
-            repack_below: float = REPACK_BELOW) -> GCReport:
-    """One GC run over a :class:`~ckptstore.bucket.BucketStore` (see the module docstring).
+@dataclass
+class _Plan:
+    """What a mark with the grace period's ``cutoff`` takes (and a sweep of it then deletes)."""
 
-    Returns:
-        A :class:`~ckptstore.gc.GCReport`: ``commits_dropped`` (records deleted, or marked
-        in a dry run: ``dropped`` names them), ``packs_repacked``, ``packs_deleted``,
-        ``orphans_removed`` (objects without their pair), ``bytes_freed`` (bytes deleted
-        from the bucket) and ``bytes_pending`` (bytes marked, deleted a grace period later).
+    commits: list  # commit records not retained
+    dead: list  # packs with no live blob
+    repack: list  # (pack id, live entries): half-dead packs
+    small: list  # (pack id, live entries): small packs merged into large ones
+    orphans: list  # an .idx without its pack
+    blobs: int = 0  # blobs of the marked packs that nothing needs
+    blob_bytes: int = 0
+    bytes: int = 0  # of every object the sweep deletes: records, packs and their .idx, orphans
 
-    Raises:
-        InvalidArgumentError: a bad count, glob, duration or threshold.
-        BackendError: the storage failed (what was deleted stays deleted; run again).
-    """
-    c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below)
-    grace = parse_duration(grace)
-    report = GCReport(dry_run=dry_run)
-    backend = store.backend
-    t0 = time.perf_counter()
-    st = _state(store, c)
-    cutoff = st.now - grace - (MTIME_STEP if grace > 0 else 0.0)
+    @property
+    def packs(self) -> list:
+        return self.dead + [p for p, _ in self.repack + self.small]
+
+
+def _plan(st: _State, cutoff: float, repack_below: float, small_pack_bytes: int, at_grace_0: bool = False) -> _Plan:
+    """The mark's decision over ``st``: objects older than ``cutoff`` (server time) that are garbage,
+    and the half-dead and small packs whose live blobs are copied first (:func:`ckptstore.gc.choose_repacks`);
+    ``at_grace_0``: with what a grace period of 0 retains (what would go if nothing waited)."""
     old = lambda key: key in st.objects and st.objects[key].mtime <= cutoff  # both times in the server's whole seconds
-    dead_commits = sorted(k.rsplit("/", 1)[1] for k in st.objects if k.startswith("commits/") and old(k)
-                          and k.rsplit("/", 1)[1] not in st.retained)
+    retained, live = (st.retained_at_grace_0, st.live_at_grace_0) if at_grace_0 else (st.retained, st.live)
+    commits = sorted(k.rsplit("/", 1)[1] for k in st.objects if k.startswith("commits/") and old(k)
+                     and k.rsplit("/", 1)[1] not in retained)
     # live: the retained commits' blobs, and those of every record this mark leaves on the bucket
-    dropping = set(dead_commits)
-    live_now = st.live.union(*(keys for cid, keys in st.needs.items() if cid not in dropping))
-    dead_packs, repack, orphans = [], [], []
-    if st.blind:
-        report.withheld.append(f"no pack is collected while tags name commits whose record is missing or damaged: "
-                               f"{', '.join(st.blind)} (`ckptstore fsck --deep` lists them)")
-    for pid, info in st.packs.items():
+    dropping = set(commits)
+    live_now = live.union(*(keys for cid, keys in st.needs.items() if cid not in dropping))
+    dead, half, small = [], [], []
+    for pid, info in sorted(st.packs.items(), key=lambda kv: (kv[1].mtime, kv[0])):
         if st.blind or not old(pack_key(pid)) or pid not in st.entries:
             continue  # young, or unreadable: never garbage on an index's (or a failed read's) word
         live = [e for e in st.entries[pid] if e.magic == BLOB_MAGIC and (e.loc.digest, e.loc.raw_len) in live_now]
-        if not live:
-            dead_packs.append(pid)
-        elif sum(BLOB_HEADER.size + e.loc.stored_len for e in live) < repack_below * info.size:
-            repack.append((pid, live))
-    orphans += [k for k in st.objects if k.endswith(".idx") and old(k) and k.rsplit("/", 1)[1][:-4] not in st.packs]
-    reflog = _dead_reflog(store, st, cutoff)
-    report.seconds["mark"] = time.perf_counter() - t0
-    if dry_run:
-        report.dropped = dead_commits
-        report.commits_dropped = len(dead_commits)
-        report.packs_deleted = len(dead_packs) + len(repack)
-        report.packs_repacked = len(repack)
-        report.bytes_pending = sum(st.packs[p].size for p in dead_packs) + sum(st.packs[p].size for p, _ in repack)
-        return report
-    t0 = time.perf_counter()
-    dead = set(dead_packs)
-    for pid in st.bad_indexes:
-        if pid in st.entries and pid not in dead:
-            repair_index(backend, pid, st.entries[pid])
-            report.indexes_repaired += 1
-    if repack:
-        writer = store.pack_writer()
-        with writer:
-            for pid, live in repack:
-                bufs = backend.get_ranges(pack_key(pid), [(e.loc.offset, e.loc.offset + BLOB_HEADER.size + e.loc.stored_len) for e in live])
-                for e, buf in zip(live, bufs):
-                    payload = check_entry(buf, e.loc, f"{backend.url}: pack {pid}")
-                    writer.append_encoded(e.loc.digest, e.loc.raw_len, e.loc.codec, bytes(payload))
-            writer.finish()
-        report.packs_repacked = len(repack)
-        store.refresh_index()
-    marked = dead_packs + [p for p, _ in repack]
-    if marked or dead_commits or orphans or reflog:
-        mark = {"at": st.now, "commits": dead_commits, "objects": orphans, "packs": marked, "reflog": reflog}
-        backend.put_new(f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json", json.dumps(mark, sort_keys=True).encode())
-        report.bytes_pending = sum(st.packs[p].size for p in marked)
-    report.seconds["repack"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    _sweep(store, c, grace, report)
-    report.seconds["sweep"] = time.perf_counter() - t0
-    return report
+        kind = pack_kind(info.size, sum(BLOB_HEADER.size + e.loc.stored_len for e in live), len(live), repack_below, small_pack_bytes)
+        if kind == "dead":
+            dead.append(pid)
+        elif kind is not None:
+            (half if kind == "half" else small).append((pid, live))
+    half, small = choose_repacks(half, small)
+    orphans = [k for k in st.objects if k.endswith(".idx") and old(k) and k.rsplit("/", 1)[1][:-4] not in st.packs]
+    plan = _Plan(commits, dead, half, small, orphans)
+    size = lambda key: st.objects[key].size if key in st.objects else 0
+    for pid in plan.packs:
+        gone = [e for e in st.entries[pid] if e.magic == BLOB_MAGIC and (e.loc.digest, e.loc.raw_len) not in live_now]
+        plan.blobs += len(gone)
+        plan.blob_bytes += sum(BLOB_HEADER.size + e.loc.stored_len for e in gone)
+        plan.bytes += size(pack_key(pid)) + size(index_key(pid))
+    plan.bytes += sum(size(commit_key(c)) for c in commits) + sum(size(k) for k in orphans)
+    return plan
+
+
+class BucketGC:
+    """The bucket's side of a GC (the module docstring): no lock, a mark of what is garbage,
+    swept a grace period later; what waits for the grace period (:func:`ckptstore.gc.pending`)
+    is a second decision over the state the mark read, at a grace period of 0 (no more
+    requests). A dry run reports what this run's mark takes as freed (a sweep a grace
+    period later deletes it).
+
+    Its report (:class:`~ckptstore.gc.GCReport`, the local fields): ``commits_dropped``
+    (records deleted, or marked in a dry run: ``dropped`` names them), ``blobs_deleted`` and
+    ``blob_bytes`` (of the packs deleted), ``packs_repacked`` (half-dead), ``packs_consolidated``
+    (small packs merged), ``packs_deleted``, ``orphans_removed`` (objects without their pair),
+    ``bytes_freed`` (bytes deleted from the bucket) and the ``*_pending`` fields.
+    ``BackendError``: the storage failed (what was deleted stays deleted; run again).
+    """
+
+    default_grace = DEFAULT_GRACE
+
+    def __init__(self, store):
+        self.store = store
+
+    def lock(self, dry_run: bool):
+        return nullcontext()  # any number of writers and GCs run beside it
+
+    def run(self, c: Collector, report: GCReport) -> GCReport | None:
+        store, grace, dry_run = self.store, c.grace, report.dry_run
+        repack_below, backend = c.repack_below, store.backend
+        t0 = time.perf_counter()
+        st = _state(store, c, at_grace_0=True)
+        cutoff = st.now - grace - (MTIME_STEP if grace > 0 else 0.0)  # a grace period above 0 waits out the whole second
+        plan = _plan(st, cutoff, repack_below, c.small_pack_bytes)
+        at_grace_0 = _plan(st, st.now, repack_below, c.small_pack_bytes, at_grace_0=True) if grace > 0 else plan
+        if st.blind:
+            report.withheld.append(f"no pack is collected while tags name commits whose record is missing or damaged: "
+                                   f"{', '.join(st.blind)} (`ckptstore fsck --deep` lists them)")
+        reflog = _dead_reflog(store, st, cutoff)
+        report.seconds["mark"] = time.perf_counter() - t0
+        if dry_run:
+            report.dropped = plan.commits
+            report.commits_dropped = len(plan.commits)
+            report.packs_deleted = len(plan.packs)
+            report.packs_repacked, report.packs_consolidated = len(plan.repack), len(plan.small)
+            report.blobs_deleted, report.blob_bytes, report.bytes_freed = plan.blobs, plan.blob_bytes, plan.bytes
+            return _as_report(at_grace_0)
+        t0 = time.perf_counter()
+        dead = set(plan.dead)
+        for pid in st.bad_indexes:
+            if pid in st.entries and pid not in dead:
+                repair_index(backend, pid, st.entries[pid])
+                report.indexes_repaired += 1
+        if plan.repack or plan.small:
+            writer = store.pack_writer()
+            with writer:
+                for pid, live in plan.repack + plan.small:
+                    bufs = backend.get_ranges(pack_key(pid), [(e.loc.offset, e.loc.offset + BLOB_HEADER.size + e.loc.stored_len) for e in live])
+                    for e, buf in zip(live, bufs):
+                        payload = check_entry(buf, e.loc, f"{backend.url}: pack {pid}")
+                        writer.append_encoded(e.loc.digest, e.loc.raw_len, e.loc.codec, bytes(payload))
+                writer.finish()
+            report.packs_repacked, report.packs_consolidated = len(plan.repack), len(plan.small)
+            store.refresh_index()
+        if plan.packs or plan.commits or plan.orphans or reflog:
+            mark = {"at": st.now, "commits": plan.commits, "objects": plan.orphans, "packs": plan.packs, "reflog": reflog}
+            backend.put_new(f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json", json.dumps(mark, sort_keys=True).encode())
+        report.seconds["repack"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        _sweep(store, c, grace, report)
+        report.seconds["sweep"] = time.perf_counter() - t0
+        return _as_report(at_grace_0) if grace > 0 else None
+
+
+def _as_report(plan: _Plan) -> GCReport:
+    """A plan as the report of a dry run that would carry it out."""
+    return GCReport(dry_run=True, commits_dropped=len(plan.commits), blobs_deleted=plan.blobs, blob_bytes=plan.blob_bytes,
+                    bytes_freed=plan.bytes)
 
 
 def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
@@ -281,311 +334,6 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
             backend.delete(o.key)
             break
     report.commits_dropped = len(report.dropped)
-    report.bytes_pending = max(0, report.bytes_pending - report.bytes_freed)
     store.refresh_index()
 
 
-def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None,
-          repair: bool = False) -> FsckReport:
-    """Check a :class:`~ckptstore.bucket.BucketStore` against the bucket's own objects.
-
-    Every tag names a commit whose record is on the bucket and hashes to its id; every
-    blob of every commit (or of ``commit``) is in a pack the bucket holds. With ``deep``,
-    nothing the cache holds is trusted: every record is fetched and checked against its
-    id, every pack's ``.idx`` is read and checked (a pack whose index is missing or damaged
-    is walked instead, and reported when a record needs it), the blobs are located
-    through those bucket entries and each (or a ``sample`` fraction, at least one per
-    commit) is read and rehashed in bounded memory (:func:`~ckptstore.packs.check_entry`);
-    the reflog objects and the store marker are checked too. Packs nobody needs without
-    ``.idx`` are reported as orphans (GC removes them). ``repair`` rebuilds every damaged
-    or missing index whose pack can be walked and rewrites a damaged marker
-    (:func:`~ckptstore.remote.repair_marker`), listing what it rewrote in ``repaired``.
-
-    Raises:
-        BackendError: the storage failed (nothing is reported as damage for that).
-    """
-    report = FsckReport()
-    backend = store.backend
-    rng = random.Random(seed)
-    deep = deep or repair
-    heads: set[str] = set()
-    if commit is None:
-        for name in backend.list_refs():
-            try:
-                cid = read_tag(backend, name)[0]  # a malformed payload is a damaged tag, not the end of the check
-                if cid is None:
-                    continue
-                heads.add(cid)
-                if deep or not store.has_cached(cid):
-                    fetch_record(backend, cid)
-            except IntegrityError as exc:
-                report.damaged_tags.append(name)
-                report.problems.append(f"tag {name!r}: {exc}")
-        records = [o.key.rsplit("/", 1)[1] for o in backend.list("commits")]
-    else:
-        records = [commit]
-    recs = {}
-
-    def load(cid):
-        try:
-            return cid, fetch_record(backend, cid) if deep or not store.has_cached(cid) else store.record(cid)
-        except IntegrityError as exc:
-            return cid, exc
-
-    for cid, rec in store.requests.map(load, records):
-        if isinstance(rec, IntegrityError):
-            report.damaged_commits.append(cid)
-            report.problems.append(f"commit {cid}: {rec}")
-        else:
-            recs[cid] = rec
-    listed = {o.key: o for o in backend.list("blobs")}
-    packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
-    needed = {k for rec in recs.values() for leaf in rec.leaves for k in leaf.keys}
-    if deep:
-        found = dict(zip(packs, store.requests.map(lambda p: pack_entries(backend, p, packs[p].size, index_key(p) in listed), list(packs))))
-    else:
-        store.refresh_index()
-        found = {}
-    where = {}
-    for pid, f in found.items():
-        if f.entries is None:
-            report.damaged_packs.append(pid)
-            report.problems.append(f"pack {pid}: {f.pack_problem}" + (f" (and {f.index_problem})" if f.index_problem else ""))
-            continue
-        blobs = {(e.loc.digest, e.loc.raw_len): e.loc for e in f.entries if e.magic == BLOB_MAGIC}
-        for k, loc in blobs.items():
-            where.setdefault(k, loc)
-        if f.index_problem is None:
-            continue
-        if repair:
-            repair_index(backend, pid, f.entries)
-            report.repaired.append(index_key(pid))
-        elif index_key(pid) not in listed:
-            # a writer killed between its pack and its index (the pack is whole: PUTs are atomic), or a deleted index:
-            # nothing is lost, the pack is walked instead; GC removes it when nothing needs it, or rebuilds the index
-            (report.missing_indexes if blobs.keys() & needed else report.orphan_packs).append(pid)
-        else:
-            report.damaged_indexes.append(pid)
-            report.problems.append(f"pack {pid}: {f.index_problem} (its pack is intact: `ckptstore fsck --repair` rebuilds it)")
-    if not deep:  # packs without .idx: a writer killed in between, or a lost index (deep fsck tells which are needed)
-        report.missing_indexes = sorted(p for p in packs if index_key(p) not in listed)
-        where = {k: loc for k, loc in store.locate(list(needed)).items() if loc.pack in packs}
-    if commit is None and deep:
-        _check_reflog(store, report)
-        _check_marker(store, report, repair)
-    reach = _lineage(recs, heads) if commit is None else set(records)
-    reread: dict = {}  # (digest, length) -> None or the problem of the blob, once reread
-    for cid, rec in recs.items():
-        report.commits += 1
-        keys = list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys))
-        missing = [k for k in keys if k not in where]
-        if missing and cid not in reach:
-            # no tag reaches it: a commit killed between its record and its ref move, whose packs a GC swept
-            # meanwhile, leaves this (it never returned); GC drops the record. Not a problem.
-            report.orphan_commits.append(cid)
-            continue
-        for k in missing:
-            report.missing_blobs.append(address(*k))
-            report.problems.append(f"commit {cid}: blob {address(*k)} is in no pack on {backend.url}")
-        if missing:
-            report.damaged_commits.append(cid)
-        if not deep:
-            continue
-        todo = [k for k in keys if k not in missing]
-        if sample < 1 and todo:
-            todo = rng.sample(todo, max(1, round(len(todo) * sample)))
-        for loc, problem in _reread(store, [where[k] for k in todo if k not in reread], f"commit {cid}"):
-            reread[(loc.digest, loc.raw_len)] = problem
-            if problem is None:  # each blob counted and read once, as a local fsck does, however many commits share it
-                report.blobs_checked += 1
-                report.bytes_checked += loc.raw_len
-            else:
-                report.corrupt_blobs.append(loc.address)
-                report.problems.append(problem)
-        if any(reread.get(k) is not None for k in todo) and cid not in report.damaged_commits:
-            report.damaged_commits.append(cid)
-    return report
-
-
-def _lineage(recs: dict, heads: set) -> set:
-    """The commits of ``recs`` (id -> record) on the lineage of ``heads``."""
-    seen, stack = set(), list(heads)
-    while stack:
-        c = stack.pop()
-        if c in seen or c not in recs:
-            continue
-        seen.add(c)
-        stack += recs[c].parents
-    return seen
-
-
-def _reread(store, locs, where: str):
-    """``(loc, None or the problem)`` for each blob, read from the bucket with one coalesced
-    ranged read per pack and verified in bounded memory (never allocating what a header claims)."""
-    by_pack: dict = {}
-    for loc in locs:
-        by_pack.setdefault(loc.pack, []).append(loc)
-
-    def read(item):
-        pid, group = item
-        try:
-            bufs = store.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in group])
-        except IntegrityError as exc:  # gone since listed, or shorter than its index says
-            return [(loc, f"{where}: blob {loc.address}: {exc}") for loc in group]
-        out = []
-        for loc, buf in zip(group, bufs):
-            try:
-                check_entry(buf, loc, f"{store.backend.url}: {where}, pack {pid}")
-                out.append((loc, None))
-            except BlobCorruptError as exc:
-                out.append((loc, str(exc)))
-        return out
-
-    return [r for rs in store.requests.map(read, list(by_pack.items())) for r in rs]
-
-
-def _check_reflog(store, report: FsckReport) -> None:
-    """Every reflog object is a ref-move record of the tag its key names (:func:`~ckptstore.remote.parse_reflog`)."""
-    backend = store.backend
-
-    def load(key):
-        try:
-            parse_reflog(backend.get(key), key, backend.url)
-        except ObjectNotFoundError:
-            return None  # collected meanwhile
-        except IntegrityError:
-            return key
-        return None
-
-    for key in store.requests.map(load, [o.key for o in backend.list("reflog")]):
-        if key is not None:
-            report.damaged_reflog.append(key)
-            report.problems.append(f"{key}: not a ref-move record (damaged); only the tag's history loses this entry")
-
-
-def _check_marker(store, report: FsckReport, repair: bool) -> None:
-    problem = marker_problem(store.backend)
-    if problem is None:
-        return
-    if repair:
-        try:
-            repair_marker(store.backend, store)
-            report.repaired.append(MARKER)
-            return
-        except IntegrityError as exc:
-            problem = str(exc)
-    report.damaged_marker = True
-    report.problems.append(f"{problem} (`ckptstore fsck --repair` rewrites it from the intact copy)" if not repair else problem)
-
-
-def recover(probe, folder) -> RecoverReport:
-    """Rebuild the local cache (the index) of a store on object storage
-    from the bucket's objects alone, as ``recover`` rebuilds a local catalog from its packs.
-
-    A new cache is built beside the old one: every pack is indexed from its ``.idx``, or by
-    walking the pack where the index is missing or damaged, and that index is rewritten
-    on the bucket (``report.repaired``; the one write, of a derived object, as
-    ``fsck --repair`` does); every commit record under ``commits/`` is fetched and checked
-    against its id and kept if every blob it names is in a readable pack; every tag is
-    read and kept if it names a kept commit; every reflog object is checked. The new
-    cache then replaces the old one (SQLite's backup API, :func:`ckptstore.recover.install`),
-    whatever it held: it holds only copies of the bucket's objects. Blob payloads are not
-    reread: run ``fsck --deep`` afterwards.
-
-    Returns a :class:`~ckptstore.recover.RecoverReport` with the local report's fields:
-    ``packs``, ``blobs``, ``commits``, ``tags``, ``reflog`` restored; every pack, record,
-    commit and tag that could not be restored in ``damaged_packs``, ``bad_records``,
-    ``dropped_commits`` (``incomplete_commits``), ``dropped_tags`` and ``problems``
-    (``ok`` false, ``lost()`` names each with why).
-
-    ``probe`` is the store opened on an empty scratch cache (:func:`ckptstore.bucket.recover`
-    builds it and removes it afterwards); ``folder`` is the cache folder to replace.
-
-    Raises:
-        BackendError: the storage failed (nothing was installed).
-        CatalogBusyError: another process holds the cache's write lock.
-    """
-    t0 = time.perf_counter()
-    report = RecoverReport()
-    _rebuild_cache(probe, report)
-    folder.mkdir(parents=True, exist_ok=True)
-    install(folder, probe.catalog, report)
-    (folder / "refs.json").unlink(missing_ok=True)  # the stamps of refs the old cache read: read them all again
-    report.installed = True
-    report.seconds = time.perf_counter() - t0
-    return report
-
-
-def _rebuild_cache(store, report: RecoverReport) -> None:
-    """Fill ``store``'s empty cache from its bucket; record what could not be restored in ``report``."""
-    backend = store.backend
-    store.refresh_index()
-    for pid, found in sorted(store.pack_problems.items()):
-        if found.entries is None:
-            report.damaged_packs[pid] = found.pack_problem
-            also = f" (and {found.index_problem})" if found.index_problem else ""
-            report.problems.append(f"pack {pid}.pack: {found.pack_problem}{also}: its blobs were not indexed")
-        else:
-            repair_index(backend, pid, found.entries)
-            report.repaired.append(index_key(pid))
-    ids = [o.key.rsplit("/", 1)[1] for o in backend.list("commits")]
-
-    def load(cid: str):
-        try:
-            return fetch_record(backend, cid)
-        except IntegrityError as exc:
-            return exc
-
-    records = {}
-    for cid, rec in zip(ids, store.requests.map(load, ids)):
-        if isinstance(rec, IntegrityError):
-            report.bad_records += 1
-            report.dropped_commits[cid] = f"its record is damaged ({rec})"
-        else:
-            records[cid] = rec
-    store.index_records(records, lenient=True)
-    for cid, rec in records.items():
-        if store.has_cached(cid):
-            continue
-        keys = list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys))
-        where = store.locate(keys)
-        missing = [address(*k) for k in keys if k not in where]
-        report.incomplete_commits.append(cid)
-        report.dropped_commits[cid] = f"{len(missing)} of its blobs are in no readable pack (e.g. {missing[0] if missing else '?'})"
-    refs = store.refs.read_all(strict=False)  # a malformed ref is left out: read again below for its reason
-    for name in backend.list_refs():
-        if name in refs:
-            continue
-        try:
-            read_tag(backend, name)
-            why = "it could not be read"
-        except IntegrityError as exc:
-            why = f"its ref is damaged ({exc})"
-        report.dropped_tags[name] = why
-    for name, cid in store.tags().items():
-        if store.has_cached(cid):
-            report.tags[name] = cid
-        else:
-            why = report.dropped_commits.get(cid, "no record of it is on the bucket")
-            report.dropped_tags[name] = f"it names commit {cid}, which could not be restored: {why}"
-    reflog = [o.key for o in backend.list("reflog")]
-
-    def check_move(key: str) -> str | None:
-        try:
-            parse_reflog(backend.get(key), key, backend.url)
-        except ObjectNotFoundError:
-            return ""  # collected meanwhile
-        except IntegrityError as exc:
-            return str(exc)
-        return None
-
-    for key, problem in zip(reflog, store.requests.map(check_move, reflog)):
-        if problem is None:
-            report.reflog += 1
-        elif problem:
-            report.bad_records += 1
-            report.problems.append(f"unreadable record: {key}: {problem}")
-    report.packs = len({o.key for o in backend.list("blobs") if o.key.endswith(".pack")})
-    report.blobs = store.catalog.rows("SELECT COUNT(*) FROM blobs", raw=True)[0][0]
-    report.commits = store.catalog.rows("SELECT COUNT(*) FROM commits", raw=True)[0][0]
-    report.tags = dict(sorted(report.tags.items()))

@@ -1,7 +1,7 @@
 """Reading commits back: blob reads into tensors, and restoring live objects.
 
-``Store.checkout`` resolves the ref and selects the leaves; this module reads
-their shards (in threads, every blob hash verified) and, for ``into=``, walks
+:func:`checkout_ref` (``Store.checkout``, on either home) resolves the ref and selects
+the leaves; this module reads their shards (in threads, every blob hash verified) and, for ``into=``, walks
 the target's structure against the commit's components, checks every
 component, reads the small ones in full, and only then loads them (see
 docs/design.md, "Checkout").
@@ -9,16 +9,18 @@ docs/design.md, "Checkout").
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.graph import increment_version
 
-from . import progress
+from . import jsonvalue, progress
 from .adapters import Adapter, ComponentState, LazyTensor, Registry, join, migrate
 from .adapters.base import Scope, check_key, escape, under
-from .errors import CkptStoreError, IntegrityError, TargetMismatchError
+from .errors import AdapterError, CkptStoreError, IntegrityError, PartialPathError, TargetMismatchError
+from .layout import check_path, keypath, split
 from .shards import DTYPES, ShardPlan, byte_view, dense_order
 
 if TYPE_CHECKING:
@@ -240,3 +242,123 @@ def restore(into: Any, plan: Plan, states: dict[str, ComponentState], registry: 
             part.adapter.after_partial(part.obj, part.restored, list(part.skipped))
     return result
 
+
+# --- the protocol: resolve, select, read or restore ---------------------------------------------------
+
+
+def checkout_ref(store: Store, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True,
+                 map_location: Any = None) -> Any:
+    """:meth:`ckptstore.store.Store.checkout` (its docstring gives the arguments, the result and
+    the errors), on either home: resolve ``ref``, select the leaves ``partial`` names, then
+    read them into a TensorDict, or plan and restore ``into``."""
+    with store.catalog.read():
+        cid = store.resolve(ref)
+        comps = store.components(cid)
+        prefixes = _select(store, cid, partial, comps)
+        reader = BlobReader(store, cid, verify, sparse=prefixes is not None)
+        if into is None:
+            states = _states(store, cid, prefixes, comps, reader)
+        else:
+            plan = plan_restore(into, comps, prefixes, store.registry, cid)
+            if not plan.steps:
+                return into
+            states = _states(store, cid, plan.paths, comps, reader)
+    try:
+        if into is None:
+            return _as_tensordict(store, states, reader, map_location)
+        return restore(into, plan, states, store.registry, reader)
+    finally:
+        reader.close()
+
+
+def _select(store: Store, cid: str, partial: Iterable[str] | str | None, comps: dict[str, dict]) -> list[str] | None:
+    """Normalise ``partial`` prefixes and check each matches something."""
+    if partial is None:
+        return None
+    if isinstance(partial, str):
+        partial = [partial]
+    partial = list(partial)
+    if not partial:
+        raise PartialPathError("partial is empty: name at least one path prefix, or pass None to read everything")
+    prefixes = []
+    for p in partial:
+        if type(p) is tuple:  # keys, escaped here: ("rb", "x/y") is "rb/x%2Fy"
+            try:
+                p = keypath(*p)
+            except TypeError as exc:
+                raise PartialPathError(f"partial path {p!r}: {exc}") from None
+        elif type(p) is not str or not jsonvalue.is_text(p):
+            raise PartialPathError(f"partial prefixes must be strings (escaped paths) or tuples of keys, got {p!r}")
+        if not p:
+            return None
+        try:
+            check_path(p)
+        except ValueError as exc:
+            raise PartialPathError(f"partial: {exc}") from None
+        hit = any(under(c, p) for c in comps) or any(under(r.path, p) for r in store.record(cid).leaves)
+        if not hit:
+            names = ", ".join(c or "<root>" for c in comps) or "(none)"
+            hint = " (a key holding '/' or '%' is written escaped, 'x%2Fy', '50%25', or given as a tuple of keys)" if "%" in p or "/" in p else ""
+            raise PartialPathError(f"partial path {p!r} matches nothing in commit {cid[:12]}; components: {names}{hint}")
+        prefixes.append(p)
+    return prefixes
+
+def _states(store: Store, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: BlobReader) -> dict[str, ComponentState]:
+    if prefixes is not None and "" in prefixes:
+        prefixes = None
+    states: dict[str, ComponentState] = {}
+    for c, row in comps.items():
+        if prefixes is None or any(under(c, p) or under(p, c) for p in prefixes):
+            states[c] = ComponentState(c, row["adapter"], row["version"], row["meta"])
+    for rec in store.manifest(cid, prefixes):
+        state = states.get(rec.component)
+        if state is None:
+            raise IntegrityError(f"commit {cid}, leaf {rec.path}: its component {rec.component!r} is not in the catalog")
+        rel = rec.path[len(rec.component) + 1 :] if rec.component else rec.path
+        if rec.path == rec.component:
+            rel = ""
+        if rec.kind == "tensor":
+            state.leaves[rel] = reader.lazy(rec)
+        elif rec.kind == "json":
+            state.leaves[rel] = rec.value
+        else:
+            raise IntegrityError(f"commit {cid}, leaf {rec.path}: unknown leaf kind {rec.kind!r}")
+    return states
+
+
+def _as_tensordict(store: Store, states: dict[str, ComponentState], reader: BlobReader, map_location: Any = None) -> Any:
+    from tensordict import TensorDict
+
+    reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))
+    for path, state in states.items():  # older adapter versions: show the state as it is now
+        try:
+            adapter = store.registry.named(state.adapter, path)
+        except AdapterError:
+            continue  # an adapter this process does not have: the raw state still reads
+        states[path] = migrate(adapter, state)
+    if map_location is not None:
+        device = str(torch.device(map_location))
+        for state in states.values():
+            if "device" in state.meta:  # a copy: the parsed record is shared
+                state.meta = {**state.meta, "device": device}
+            state.leaves = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.leaves.items()}
+    if len(states) == 1 and "" in states:
+        only = states[""]
+        if only.adapter == "tensordict":
+            return store.registry.named("tensordict", "").build(only)
+        if only.adapter == "numpy":
+            return store.registry.named("numpy", "").from_state(None, only)
+        if list(only.leaves) == [""]:
+            return only.value("")
+    out = TensorDict({}, batch_size=[])
+    for state in states.values():
+        if state.adapter == "tensordict" and state.path:
+            out.set(split(state.path), store.registry.named("tensordict", state.path).build(state))
+            continue
+        for rel, value in state.leaves.items():
+            key = split(join(state.path, rel))
+            if isinstance(value, torch.Tensor):
+                out.set(key, value)
+            else:
+                out.set_non_tensor(key, value)
+    return out

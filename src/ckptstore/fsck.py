@@ -1,4 +1,8 @@
-"""Integrity checks of a store (``ckptstore fsck`` and ``ckptstore verify``).
+"""Integrity checks of a store (``ckptstore fsck`` and ``ckptstore verify``), on both homes.
+
+:func:`check` checks a local store (its catalog against its packs); :func:`check_bucket`
+a store on object storage (the bucket's own objects, never trusting the local cache).
+Both fill the same :class:`FsckReport`. For a local store:
 
 Problems (non-zero exit): a catalog that fails SQLite's integrity or foreign-key
 check; a commit whose record does not hash to its id, whose catalog rows
@@ -22,10 +26,12 @@ from dataclasses import dataclass, field
 
 from . import progress
 from .catalog import rebuild_record
-from .errors import CkptStoreError, IntegrityError, InvalidArgumentError, ResourceLimitError
+from .errors import BlobCorruptError, CkptStoreError, IntegrityError, InvalidArgumentError, ObjectNotFoundError, ResourceLimitError
 from .layout import ShardPlan, address, itemsize
-from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, pack_path
+from .packindex import index_key, pack_key
+from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, check_entry, pack_path
 from .records import KIND_COMMIT, KIND_REF, parse_commit
+from .remote import MARKER, fetch_record, marker_problem, pack_entries, parse_reflog, read_tag, repair_index, repair_marker
 
 
 @dataclass
@@ -56,6 +62,50 @@ class FsckReport:
         return not self.problems
 
 
+def check_sample(sample: float) -> float:
+    """Validate ``sample`` (0 < sample <= 1), before any read on either home. Raises InvalidArgumentError."""
+    if not 0 < sample <= 1:
+        raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
+    return sample
+
+
+def run(store, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
+    """``fsck`` on either home: ``sample`` < 1 implies ``deep``, ``repair`` implies it too;
+    the home's side (``store.fsck_home()``: :class:`LocalFsck` or :class:`BucketFsck`) checks."""
+    check_sample(sample)
+    return store.fsck_home().check(deep=deep or sample < 1, sample=sample, repair=repair)
+
+
+class LocalFsck:
+    """A local store's side of fsck: its catalog against its packs (:func:`check`)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def check(self, deep: bool, sample: float, repair: bool) -> FsckReport:
+        if repair:
+            raise InvalidArgumentError(f"{self.store.root}: a local store has no pack indexes to repair; its index is the catalog, "
+                                       "rebuilt from the packs by `ckptstore recover`")
+        return check(self.store, deep=deep, sample=sample)
+
+    def verify(self, ref: str) -> FsckReport:
+        return check(self.store, deep=True, commit=self.store.resolve(ref))
+
+
+class BucketFsck:
+    """A bucket store's side of fsck: the bucket's own objects, never the cache (:func:`check_bucket`);
+    ``verify`` resolves the ref on the bucket (a tag, or a full id), copying nothing into the cache."""
+
+    def __init__(self, store, resolve):
+        self.store, self.resolve = store, resolve
+
+    def check(self, deep: bool, sample: float, repair: bool) -> FsckReport:
+        return check_bucket(self.store, deep=deep, sample=sample, repair=repair)
+
+    def verify(self, ref: str) -> FsckReport:
+        return check_bucket(self.store, deep=True, commit=self.resolve(ref))
+
+
 def _loc(r) -> BlobLoc:
     return BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
 
@@ -80,8 +130,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         ResourceLimitError: the process ran out of file descriptors (never reported
             as damage).
     """
-    if not 0 < sample <= 1:
-        raise InvalidArgumentError(f"invalid sample fraction {sample!r}: must be in (0, 1]")
+    check_sample(sample)
     cat = store.catalog
     rep = FsckReport()
     where, params = ("WHERE commit_id = ?", (commit,)) if commit else ("", ())
@@ -251,3 +300,199 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         rep.orphan_packs = sorted(f.stem for f in blobs_dir.glob("*/*.pack") if f.stem not in packs)
         rep.tmp_files = sum(1 for f in (store.root / "tmp").iterdir() if f.is_file())
     return rep
+
+
+# --- a store on object storage: the bucket's own objects, never the cache ------------------------------
+
+
+def check_bucket(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None,
+                 repair: bool = False) -> FsckReport:
+    """Check a :class:`~ckptstore.bucket.BucketStore` against the bucket's own objects.
+
+    Every tag names a commit whose record is on the bucket and hashes to its id; every
+    blob of every commit (or of ``commit``) is in a pack the bucket holds. With ``deep``,
+    nothing the cache holds is trusted: every record is fetched and checked against its
+    id, every pack's ``.idx`` is read and checked (a pack whose index is missing or damaged
+    is walked instead, and reported when a record needs it), the blobs are located
+    through those bucket entries and each (or a ``sample`` fraction, at least one per
+    commit) is read and rehashed in bounded memory (:func:`~ckptstore.packs.check_entry`);
+    the reflog objects and the store marker are checked too. Packs nobody needs without
+    ``.idx`` are reported as orphans (GC removes them). ``repair`` rebuilds every damaged
+    or missing index whose pack can be walked and rewrites a damaged marker
+    (:func:`~ckptstore.remote.repair_marker`), listing what it rewrote in ``repaired``.
+
+    Raises:
+        BackendError: the storage failed (nothing is reported as damage for that).
+    """
+    report = FsckReport()
+    backend = store.backend
+    rng = random.Random(seed)
+    deep = deep or repair
+    heads: set[str] = set()
+    if commit is None:
+        for name in backend.list_refs():
+            try:
+                cid = read_tag(backend, name)[0]  # a malformed payload is a damaged tag, not the end of the check
+                if cid is None:
+                    continue
+                heads.add(cid)
+                if deep or not store.has_cached(cid):
+                    fetch_record(backend, cid)
+            except IntegrityError as exc:
+                report.damaged_tags.append(name)
+                report.problems.append(f"tag {name!r}: {exc}")
+        records = [o.key.rsplit("/", 1)[1] for o in backend.list("commits")]
+    else:
+        records = [commit]
+    recs = {}
+
+    def load(cid):
+        try:
+            return cid, fetch_record(backend, cid) if deep or not store.has_cached(cid) else store.record(cid)
+        except IntegrityError as exc:
+            return cid, exc
+
+    for cid, rec in store.requests.map(load, records):
+        if isinstance(rec, IntegrityError):
+            report.damaged_commits.append(cid)
+            report.problems.append(f"commit {cid}: {rec}")
+        else:
+            recs[cid] = rec
+    listed = {o.key: o for o in backend.list("blobs")}
+    packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
+    needed = {k for rec in recs.values() for leaf in rec.leaves for k in leaf.keys}
+    if deep:
+        found = dict(zip(packs, store.requests.map(lambda p: pack_entries(backend, p, packs[p].size, index_key(p) in listed), list(packs))))
+    else:
+        store.refresh_index()
+        found = {}
+    where = {}
+    for pid, f in found.items():
+        if f.entries is None:
+            report.damaged_packs.append(pid)
+            report.problems.append(f"pack {pid}: {f.pack_problem}" + (f" (and {f.index_problem})" if f.index_problem else ""))
+            continue
+        blobs = {(e.loc.digest, e.loc.raw_len): e.loc for e in f.entries if e.magic == BLOB_MAGIC}
+        for k, loc in blobs.items():
+            where.setdefault(k, loc)
+        if f.index_problem is None:
+            continue
+        if repair:
+            repair_index(backend, pid, f.entries)
+            report.repaired.append(index_key(pid))
+        elif index_key(pid) not in listed:
+            # a writer killed between its pack and its index (the pack is whole: PUTs are atomic), or a deleted index:
+            # nothing is lost, the pack is walked instead; GC removes it when nothing needs it, or rebuilds the index
+            (report.missing_indexes if blobs.keys() & needed else report.orphan_packs).append(pid)
+        else:
+            report.damaged_indexes.append(pid)
+            report.problems.append(f"pack {pid}: {f.index_problem} (its pack is intact: `ckptstore fsck --repair` rebuilds it)")
+    if not deep:  # packs without .idx: a writer killed in between, or a lost index (deep fsck tells which are needed)
+        report.missing_indexes = sorted(p for p in packs if index_key(p) not in listed)
+        where = {k: loc for k, loc in store.locate(list(needed)).items() if loc.pack in packs}
+    if commit is None and deep:
+        _check_reflog(store, report)
+        _check_marker(store, report, repair)
+    reach = _lineage(recs, heads) if commit is None else set(records)
+    reread: dict = {}  # (digest, length) -> None or the problem of the blob, once reread
+    for cid, rec in recs.items():
+        report.commits += 1
+        keys = list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys))
+        missing = [k for k in keys if k not in where]
+        if missing and cid not in reach:
+            # no tag reaches it: a commit killed between its record and its ref move, whose packs a GC swept
+            # meanwhile, leaves this (it never returned); GC drops the record. Not a problem.
+            report.orphan_commits.append(cid)
+            continue
+        for k in missing:
+            report.missing_blobs.append(address(*k))
+            report.problems.append(f"commit {cid}: blob {address(*k)} is in no pack on {backend.url}")
+        if missing:
+            report.damaged_commits.append(cid)
+        if not deep:
+            continue
+        todo = [k for k in keys if k not in missing]
+        if sample < 1 and todo:
+            todo = rng.sample(todo, max(1, round(len(todo) * sample)))
+        for loc, problem in _reread(store, [where[k] for k in todo if k not in reread], f"commit {cid}"):
+            reread[(loc.digest, loc.raw_len)] = problem
+            if problem is None:  # each blob counted and read once, as a local fsck does, however many commits share it
+                report.blobs_checked += 1
+                report.bytes_checked += loc.raw_len
+            else:
+                report.corrupt_blobs.append(loc.address)
+                report.problems.append(problem)
+        if any(reread.get(k) is not None for k in todo) and cid not in report.damaged_commits:
+            report.damaged_commits.append(cid)
+    return report
+
+
+def _lineage(recs: dict, heads: set) -> set:
+    """The commits of ``recs`` (id -> record) on the lineage of ``heads``."""
+    seen, stack = set(), list(heads)
+    while stack:
+        c = stack.pop()
+        if c in seen or c not in recs:
+            continue
+        seen.add(c)
+        stack += recs[c].parents
+    return seen
+
+
+def _reread(store, locs, where: str):
+    """``(loc, None or the problem)`` for each blob, read from the bucket with one coalesced
+    ranged read per pack and verified in bounded memory (never allocating what a header claims)."""
+    by_pack: dict = {}
+    for loc in locs:
+        by_pack.setdefault(loc.pack, []).append(loc)
+
+    def read(item):
+        pid, group = item
+        try:
+            bufs = store.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in group])
+        except IntegrityError as exc:  # gone since listed, or shorter than its index says
+            return [(loc, f"{where}: blob {loc.address}: {exc}") for loc in group]
+        out = []
+        for loc, buf in zip(group, bufs):
+            try:
+                check_entry(buf, loc, f"{store.backend.url}: {where}, pack {pid}")
+                out.append((loc, None))
+            except BlobCorruptError as exc:
+                out.append((loc, str(exc)))
+        return out
+
+    return [r for rs in store.requests.map(read, list(by_pack.items())) for r in rs]
+
+
+def _check_reflog(store, report: FsckReport) -> None:
+    """Every reflog object is a ref-move record of the tag its key names (:func:`~ckptstore.remote.parse_reflog`)."""
+    backend = store.backend
+
+    def load(key):
+        try:
+            parse_reflog(backend.get(key), key, backend.url)
+        except ObjectNotFoundError:
+            return None  # collected meanwhile
+        except IntegrityError:
+            return key
+        return None
+
+    for key in store.requests.map(load, [o.key for o in backend.list("reflog")]):
+        if key is not None:
+            report.damaged_reflog.append(key)
+            report.problems.append(f"{key}: not a ref-move record (damaged); only the tag's history loses this entry")
+
+
+def _check_marker(store, report: FsckReport, repair: bool) -> None:
+    problem = marker_problem(store.backend)
+    if problem is None:
+        return
+    if repair:
+        try:
+            repair_marker(store.backend, store)
+            report.repaired.append(MARKER)
+            return
+        except IntegrityError as exc:
+            problem = str(exc)
+    report.damaged_marker = True
+    report.problems.append(f"{problem} (`ckptstore fsck --repair` rewrites it from the intact copy)" if not repair else problem)

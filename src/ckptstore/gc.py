@@ -1,6 +1,9 @@
-"""Garbage collection: retention, then blobs, packs and temporary files.
+"""Garbage collection on both homes: one entry (:func:`collect`), one report (:class:`GCReport`),
+one set of rules (retention :meth:`Collector.retained`, the pack rules :func:`pack_kind` and
+:func:`choose_repacks`, what is :func:`pending`); the home's side does the rest: :class:`LocalGC`
+here (below), :class:`ckptstore.bucketgc.BucketGC` on object storage (mark and sweep).
 
-Protocol (``shared/design/ARCHITECTURE.md``, GC section), as built:
+The local protocol (``shared/design/ARCHITECTURE.md``, GC section), as built:
 
 1. **Lock.** An exclusive ``flock`` on ``<store>/gc.lock``; a second GC fails at
    once with :class:`~ckptstore.errors.GCLockedError`.
@@ -91,9 +94,12 @@ def check_glob(pattern: str) -> str:
 class GCReport:
     """What a GC run freed (or, with ``dry_run``, would free).
 
-    Byte counts are bytes on disk: ``bytes_freed`` counts pack and temporary files
-    unlinked in this run; ``bytes_pending`` counts retired packs whose grace
-    period has not passed yet (a later run unlinks them).
+    Byte counts are bytes on disk (in the bucket): ``bytes_freed`` counts pack and
+    temporary files (objects) deleted in this run. ``commits_pending``,
+    ``blobs_pending`` and ``bytes_pending`` count what waits for the grace period:
+    what a run with a grace period of 0 (``--grace 0 --dry-run``) would drop
+    beyond what this run drops (commits, blobs, bytes freed); 0 with a grace period of 0.
+    Both homes fill the same fields (:func:`pending`).
     """
 
     dry_run: bool
@@ -108,10 +114,32 @@ class GCReport:
     reflog_removed: int = 0  # object storage: ref-move records whose commits were all dropped
     tmp_removed: int = 0
     bytes_freed: int = 0
+    commits_pending: int = 0
+    blobs_pending: int = 0
     bytes_pending: int = 0
     dropped: list[str] = field(default_factory=list)
     withheld: list[str] = field(default_factory=list)  # what this run would not collect, and why
     seconds: dict[str, float] = field(default_factory=dict)
+
+
+def pack_kind(size: int, live: int, n: int, repack_below: float, small_pack_bytes: int) -> str | None:
+    """What a GC does with a pack older than the grace period, on either home: ``"dead"`` (no
+    live entry: deleted), ``"half"`` (live bytes below ``repack_below`` of ``size``: its live
+    entries are copied out, then it goes), ``"small"`` (below ``small_pack_bytes``: merged into
+    large ones, if :func:`choose_repacks` takes it) or None (kept). Sizes in bytes."""
+    if n <= 0:
+        return "dead"
+    if live < repack_below * size:
+        return "half"
+    if size < small_pack_bytes:
+        return "small"
+    return None
+
+
+def choose_repacks(half: list, small: list) -> tuple[list, list]:
+    """``(half-dead, small)`` packs to rewrite: the small ones only when there are at least two
+    packs to rewrite (one alone would gain nothing)."""
+    return half, small if len(half) + len(small) >= 2 else []
 
 
 @contextmanager
@@ -169,6 +197,7 @@ class Collector:
             raise InvalidArgumentError(f"invalid small-pack size {small_pack_bytes!r}: must be a whole number of bytes >= 0")
         self.store = store
         self.cat = store.catalog
+        self.options = (keep_last, keep_tags, keep_within, repack_below, small_pack_bytes)
         # a merged pack of up to pack_bytes must not count as small again (or every run rewrites it)
         self.small_pack_bytes = min(small_pack_bytes, store.pack_bytes // 2)
         self.keep_last = max(keep_last, 1)
@@ -179,6 +208,11 @@ class Collector:
         self.now = time.time()
         self.doomed: dict[str, tuple[int, int]] = {}  # dry run: pack -> (entries, bytes) the real run would delete
         self.repacked_now: set[str] = set()  # dry run: packs the real run would repack (and so retire now)
+
+    def at_grace_0(self) -> Collector:
+        """The same run with a grace period of 0 (what :func:`pending` compares with)."""
+        keep_last, keep_tags, keep_within, repack_below, small_pack_bytes = self.options
+        return Collector(self.store, keep_last, keep_tags, keep_within, 0.0, repack_below, small_pack_bytes)
 
     # --- commits -----------------------------------------------------------------------
 
@@ -371,22 +405,17 @@ class Collector:
         cutoff = self.now - self.grace
         half, small = [], []
         for p in sorted(self.pack_stats(), key=lambda r: (r["created_at"], r["id"])):
-            if p["retired_at"] is not None or p["n"] <= 0 or p["created_at"] > cutoff:
+            if p["retired_at"] is not None or p["created_at"] > cutoff:
                 continue
-            if p["live"] < self.repack_below * p["size"]:
-                group = half
-            elif p["size"] < self.small_pack_bytes:
-                group = small
-            else:
-                continue
+            kind = pack_kind(p["size"], p["live"], p["n"], self.repack_below, self.small_pack_bytes)
+            if kind not in ("half", "small"):
+                continue  # dead packs go in delete_packs
             fd = _unlocked(pack_path(self.store.root, p["id"]))
             if fd is None:
                 continue  # held by a running process (or gone): left for a later run
             os.close(fd)  # nothing locks a pack again once it has its final name
-            group.append(p)
-        if len(half) + len(small) < 2:
-            small = []
-        return half, small
+            (half if kind == "half" else small).append(p)
+        return choose_repacks(half, small)
 
     def repack(self, report: GCReport) -> None:
         """Rewrite the half-dead and the small packs (:meth:`repack_candidates`) into new
@@ -455,20 +484,13 @@ class Collector:
         if report.dry_run:
             for p in empty:
                 retired = self.now if p["id"] in self.repacked_now else p["retired_at"]
-                if (retired or self.now) > cutoff:
-                    report.bytes_pending += p["size"]
-                else:
+                if (retired or self.now) <= cutoff:
                     report.bytes_freed += p["size"]
                     report.packs_deleted += 1
             return
         with self.cat.write():
             self.cat.chunked(f"UPDATE packs SET retired_at = {self.now!r} WHERE retired_at IS NULL AND id IN ({{}})", [p["id"] for p in empty])
-        due = []
-        for p in empty:
-            if (p["retired_at"] or self.now) > cutoff:
-                report.bytes_pending += p["size"]
-            else:
-                due.append(p["id"])
+        due = [p["id"] for p in empty if (p["retired_at"] or self.now) <= cutoff]
         folders: set[Path] = set()
         for i in range(0, len(due), _BATCH_PACKS):
             batch = due[i : i + _BATCH_PACKS]
@@ -518,6 +540,14 @@ class Collector:
                 report.tmp_removed += 1
 
 
+def pending(report: GCReport, at_grace_0: GCReport) -> None:
+    """Fill ``report``'s ``*_pending`` fields: what ``at_grace_0`` (a dry run with a grace
+    period of 0 over the same state, on either home) drops beyond what ``report`` does."""
+    report.commits_pending = max(0, at_grace_0.commits_dropped - report.commits_dropped)
+    report.blobs_pending = max(0, at_grace_0.blobs_deleted - report.blobs_deleted)
+    report.bytes_pending = max(0, at_grace_0.bytes_freed - report.bytes_freed)
+
+
 def _unlink(path: Path, sync: bool = True) -> int:
     """Unlink ``path`` (and, with ``sync``, fsync its folder); its size in bytes, 0 if it was gone."""
     try:
@@ -530,16 +560,55 @@ def _unlink(path: Path, sync: bool = True) -> int:
         return 0
 
 
+class LocalGC:
+    """The local home's side of a GC (steps 1 to 5 above): ``gc.lock``, catalog transactions,
+    packs retired, then unlinked a grace period later. What waits for the grace period
+    (:func:`pending`) is a dry run with a grace period of 0, inside the same lock, before
+    this run changes anything."""
+
+    default_grace = DEFAULT_GRACE
+
+    def __init__(self, store):
+        self.store = store
+
+    def lock(self, dry_run: bool):
+        return gc_lock(self.store.root, read_only_ok=dry_run)
+
+    def run(self, c: Collector, report: GCReport) -> GCReport | None:
+        """Fill ``report``; returns the grace-0 dry run's report (None when ``c`` has a grace period of 0)."""
+        at_grace_0 = _run(c.at_grace_0(), GCReport(dry_run=True)) if c.grace > 0 else None
+        _run(c, report)
+        return at_grace_0
+
+
 def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...] = (), keep_within: str | float | None = None,
-            grace: str | float = DEFAULT_GRACE, dry_run: bool = False, repack_below: float = REPACK_BELOW,
+            grace: str | float | None = None, dry_run: bool = False, repack_below: float = REPACK_BELOW,
             small_pack_bytes: int = SMALL_PACK_BYTES) -> GCReport:
-    """Run one GC over ``store``; see the module docstring and :meth:`Store.gc`."""
-    c = Collector(store, keep_last, list(keep_tags), keep_within, grace, repack_below, small_pack_bytes)
+    """Run one GC over ``store``, on either home (see the module docstring and :meth:`Store.gc`).
+
+    The protocol is the same on both: the arguments are checked, the retained commits and
+    the packs to delete, repack or merge follow one set of rules (:meth:`Collector.retained`,
+    :func:`pack_kind`, :func:`choose_repacks`), and the report has the same fields with
+    the same meaning (:func:`pending`). The home's side (``store.gc_home()``: :class:`LocalGC`,
+    or :class:`ckptstore.bucketgc.BucketGC` on object storage) holds what differs: how runs
+    exclude each other, how commits and packs are dropped, and its default grace period
+    (``grace=None``).
+    """
+    home = store.gc_home()
+    c = Collector(store, keep_last, list(keep_tags), keep_within, home.default_grace if grace is None else grace, repack_below,
+                  small_pack_bytes)
     report = GCReport(dry_run=dry_run)
-    with gc_lock(store.root, read_only_ok=dry_run):
-        for phase, step in (("commits", c.drop_commits), ("blobs", c.delete_blobs), ("repack", c.repack),
-                            ("packs", c.delete_packs), ("leftovers", c.leftovers)):
-            t0 = time.perf_counter()
-            step(report)
-            report.seconds[phase] = time.perf_counter() - t0
+    with home.lock(dry_run):
+        at_grace_0 = home.run(c, report)
+    if at_grace_0 is not None:
+        pending(report, at_grace_0)
+    return report
+
+
+def _run(c: Collector, report: GCReport) -> GCReport:
+    for phase, step in (("commits", c.drop_commits), ("blobs", c.delete_blobs), ("repack", c.repack),
+                        ("packs", c.delete_packs), ("leftovers", c.leftovers)):
+        t0 = time.perf_counter()
+        step(report)
+        report.seconds[phase] = time.perf_counter() - t0
     return report

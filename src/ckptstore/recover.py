@@ -1,4 +1,8 @@
-"""Rebuilding a store's catalog from its packs alone (``ckptstore recover``).
+"""Rebuilding a store's index from its objects alone (``ckptstore recover``), on both homes.
+
+:func:`recover` rebuilds a local store's catalog from its packs; :func:`recover_bucket`
+the local cache of a store on object storage from the bucket. Both fill the same
+:class:`RecoverReport`. For a local store:
 
 Every commit writes its commit record, and every tag move its ref-move record,
 into a pack before the catalog transaction that makes them true
@@ -44,11 +48,22 @@ from pathlib import Path
 
 from . import jsonvalue
 from .catalog import Catalog, CatalogMissing
-from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, IntegrityError, InvalidArgumentError, NotAStoreError, ResourceLimitError
+from .errors import (
+    CatalogBusyError,
+    CatalogCorruptError,
+    CkptStoreError,
+    IntegrityError,
+    InvalidArgumentError,
+    NotAStoreError,
+    ObjectNotFoundError,
+    ResourceLimitError,
+)
 from .gc import gc_lock
 from .layout import address
+from .packindex import index_key
 from .packs import CODEC_RAW, RECORD_MAGIC, PackReader, scan
 from .records import KIND_COMMIT, KIND_REF, CommitRecord, commit_id, parse_commit, parse_ref
+from .remote import fetch_record, parse_reflog, read_tag, repair_index
 
 CATALOG = "catalog.sqlite"
 
@@ -349,3 +364,119 @@ def install(root: Path, new: Catalog, report: RecoverReport) -> None:
         fresh.replace_with(new)
     finally:
         fresh.close()
+
+
+# --- a store on object storage: its local cache, rebuilt from the bucket ---------------------------------
+
+
+def recover_bucket(probe, folder) -> RecoverReport:
+    """Rebuild the local cache (the index) of a store on object storage
+    from the bucket's objects alone, as ``recover`` rebuilds a local catalog from its packs.
+
+    A new cache is built beside the old one: every pack is indexed from its ``.idx``, or by
+    walking the pack where the index is missing or damaged, and that index is rewritten
+    on the bucket (``report.repaired``; the one write, of a derived object, as
+    ``fsck --repair`` does); every commit record under ``commits/`` is fetched and checked
+    against its id and kept if every blob it names is in a readable pack; every tag is
+    read and kept if it names a kept commit; every reflog object is checked. The new
+    cache then replaces the old one (SQLite's backup API, :func:`ckptstore.recover.install`),
+    whatever it held: it holds only copies of the bucket's objects. Blob payloads are not
+    reread: run ``fsck --deep`` afterwards.
+
+    Returns a :class:`~ckptstore.recover.RecoverReport` with the local report's fields:
+    ``packs``, ``blobs``, ``commits``, ``tags``, ``reflog`` restored; every pack, record,
+    commit and tag that could not be restored in ``damaged_packs``, ``bad_records``,
+    ``dropped_commits`` (``incomplete_commits``), ``dropped_tags`` and ``problems``
+    (``ok`` false, ``lost()`` names each with why).
+
+    ``probe`` is the store opened on an empty scratch cache (:func:`ckptstore.bucket.recover`
+    builds it and removes it afterwards); ``folder`` is the cache folder to replace.
+
+    Raises:
+        BackendError: the storage failed (nothing was installed).
+        CatalogBusyError: another process holds the cache's write lock.
+    """
+    t0 = time.perf_counter()
+    report = RecoverReport()
+    _rebuild_cache(probe, report)
+    folder.mkdir(parents=True, exist_ok=True)
+    install(folder, probe.catalog, report)
+    (folder / "refs.json").unlink(missing_ok=True)  # the stamps of refs the old cache read: read them all again
+    report.installed = True
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _rebuild_cache(store, report: RecoverReport) -> None:
+    """Fill ``store``'s empty cache from its bucket; record what could not be restored in ``report``."""
+    backend = store.backend
+    store.refresh_index()
+    for pid, found in sorted(store.pack_problems.items()):
+        if found.entries is None:
+            report.damaged_packs[pid] = found.pack_problem
+            also = f" (and {found.index_problem})" if found.index_problem else ""
+            report.problems.append(f"pack {pid}.pack: {found.pack_problem}{also}: its blobs were not indexed")
+        else:
+            repair_index(backend, pid, found.entries)
+            report.repaired.append(index_key(pid))
+    ids = [o.key.rsplit("/", 1)[1] for o in backend.list("commits")]
+
+    def load(cid: str):
+        try:
+            return fetch_record(backend, cid)
+        except IntegrityError as exc:
+            return exc
+
+    records = {}
+    for cid, rec in zip(ids, store.requests.map(load, ids)):
+        if isinstance(rec, IntegrityError):
+            report.bad_records += 1
+            report.dropped_commits[cid] = f"its record is damaged ({rec})"
+        else:
+            records[cid] = rec
+    store.index_records(records, lenient=True)
+    for cid, rec in records.items():
+        if store.has_cached(cid):
+            continue
+        keys = list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys))
+        where = store.locate(keys)
+        missing = [address(*k) for k in keys if k not in where]
+        report.incomplete_commits.append(cid)
+        report.dropped_commits[cid] = f"{len(missing)} of its blobs are in no readable pack (e.g. {missing[0] if missing else '?'})"
+    refs = store.refs.read_all(strict=False)  # a malformed ref is left out: read again below for its reason
+    for name in backend.list_refs():
+        if name in refs:
+            continue
+        try:
+            read_tag(backend, name)
+            why = "it could not be read"
+        except IntegrityError as exc:
+            why = f"its ref is damaged ({exc})"
+        report.dropped_tags[name] = why
+    for name, cid in store.tags().items():
+        if store.has_cached(cid):
+            report.tags[name] = cid
+        else:
+            why = report.dropped_commits.get(cid, "no record of it is on the bucket")
+            report.dropped_tags[name] = f"it names commit {cid}, which could not be restored: {why}"
+    reflog = [o.key for o in backend.list("reflog")]
+
+    def check_move(key: str) -> str | None:
+        try:
+            parse_reflog(backend.get(key), key, backend.url)
+        except ObjectNotFoundError:
+            return ""  # collected meanwhile
+        except IntegrityError as exc:
+            return str(exc)
+        return None
+
+    for key, problem in zip(reflog, store.requests.map(check_move, reflog)):
+        if problem is None:
+            report.reflog += 1
+        elif problem:
+            report.bad_records += 1
+            report.problems.append(f"unreadable record: {key}: {problem}")
+    report.packs = len({o.key for o in backend.list("blobs") if o.key.endswith(".pack")})
+    report.blobs = store.catalog.rows("SELECT COUNT(*) FROM blobs", raw=True)[0][0]
+    report.commits = store.catalog.rows("SELECT COUNT(*) FROM commits", raw=True)[0][0]
+    report.tags = dict(sorted(report.tags.items()))

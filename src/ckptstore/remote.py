@@ -804,3 +804,11 @@ def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> Trans
 
 
 __all__ = ["MARKER", "PACK_BYTES", "BucketPackWriter", "RemoteIndex", "commit_key", "fetch_record", "pull", "push", "read_marker", "read_tag", "resolve"]
+
+
+def repair_index(backend, pid: str, entries) -> None:
+    """Replace pack ``pid``'s missing or damaged ``.idx`` by one encoded from ``entries``
+    (walked from the pack itself). Indexes are derived data: the damaged copy is deleted
+    and the rebuilt one written create-only."""
+    backend.delete(index_key(pid))
+    backend.put_new(index_key(pid), encode_index(entries))

@@ -49,24 +49,21 @@ from .errors import (
     InvalidArgumentError,
     InvalidNameError,
     NotAStoreError,
-    PartialPathError,
     RefNotFoundError,
     StoreWriteError,
     UnsupportedTypeError,
 )
-from .fsck import FsckReport, check
-from .gc import DEFAULT_GRACE, SMALL_PACK_BYTES, GCReport, collect
+from .fsck import FsckReport, LocalFsck
+from .fsck import run as run_fsck
+from .gc import SMALL_PACK_BYTES, GCReport, LocalGC, collect
 from .layout import (
     DEFAULT_SHARD_BYTES,
     ShardPlan,
     address,
-    check_path,
     check_shape,
     digest,
     itemsize,
-    keypath,
     sample_unchanged,
-    split,
     under,
 )
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackReader, PackWriter, pack_path
@@ -78,10 +75,9 @@ from .threads import Pool
 if TYPE_CHECKING:  # torch, TensorDict and the adapters load on first commit or checkout: catalog-only use never imports torch
     import torch
 
-    from .adapters import ComponentState, Registry
+    from .adapters import Registry
     from .adapters.base import Captured
     from .backends import Backend
-    from .checkout import BlobReader
     from .transfer import TransferReport
 
 CATALOG = "catalog.sqlite"
@@ -1527,7 +1523,7 @@ class Store:
         keep_last: int = 1,
         keep_tags: Sequence[str] = (),
         keep_within: str | float | None = None,
-        grace: str | float = DEFAULT_GRACE,
+        grace: str | float | None = None,
         dry_run: bool = False,
         small_pack_bytes: int = SMALL_PACK_BYTES,
     ) -> GCReport:
@@ -1537,14 +1533,17 @@ class Store:
         are kept (the whole lineage for tags matching a ``keep_tags`` glob), and
         commits younger than ``keep_within`` or than the grace period. Blobs no
         kept commit references are deleted once older than ``grace`` (seconds or
-        ``"30m"``, ``"1h"``, ``"7d"``; default 1 hour), safely beside running
-        commits. Packs smaller than ``small_pack_bytes`` (default 4 MiB, at most half of
-        ``pack_bytes``) and older than ``grace`` are merged into large ones, blobs and
-        records alike (0 turns that off). See :mod:`ckptstore.gc`.
+        ``"30m"``, ``"1h"``, ``"7d"``; default 1 hour, 24 hours on object storage),
+        safely beside running commits. Packs smaller than ``small_pack_bytes`` (default
+        4 MiB, at most half of ``pack_bytes``) and older than ``grace`` are merged into
+        large ones, blobs and records alike (0 turns that off). The report's
+        ``*_pending`` fields count what waits for the grace period. One protocol on
+        both homes: see :func:`ckptstore.gc.collect`.
 
         Raises:
-            GCLockedError: another GC is running on this store.
+            GCLockedError: another GC is running on this (local) store.
             InvalidArgumentError: a duration, glob, count or size that does not parse.
+            BackendError: object storage failed (what was deleted stays deleted; run again).
         """
         if not dry_run and release_reserve(self.root / CATALOG) and not self.catalog.writable:
             with self._catalog_lock:  # a full disk: with the reserve's room, the catalog opens for writing
@@ -1560,6 +1559,10 @@ class Store:
         self.forget_hashes()
         return report
 
+    def gc_home(self) -> LocalGC:
+        """This home's side of the GC protocol (:func:`ckptstore.gc.collect`)."""
+        return LocalGC(self)
+
     def forget_hashes(self) -> None:
         """Drop the shard hashes and blob ids kept from this store's last commits of live
         objects (``reuse_hashes``): after a GC they may name freed blobs, which an
@@ -1567,22 +1570,25 @@ class Store:
         self._digest_cache = {}
 
     def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
-        """Check the catalog and the blobs; ``deep`` rereads and rehashes blobs.
-        ``sample`` < 1 rereads that fraction of them (and implies ``deep``). See :mod:`ckptstore.fsck`.
+        """Check the store; ``deep`` rereads and rehashes blobs. ``sample`` < 1 rereads that
+        fraction of them (and implies ``deep``). One protocol and one :class:`FsckReport` on
+        both homes (:func:`ckptstore.fsck.run`; a local store: :func:`ckptstore.fsck.check`,
+        on object storage :func:`ckptstore.fsck.check_bucket`).
 
         Raises:
-            InvalidArgumentError: ``repair`` on a local store: its index is the catalog,
-                rebuilt by :meth:`recover` (``repair`` is for stores on object storage,
-                whose pack indexes and marker are objects).
+            InvalidArgumentError: ``sample`` outside (0, 1]; ``repair`` on a local store: its
+                index is the catalog, rebuilt by :meth:`recover` (``repair`` is for stores on
+                object storage, whose pack indexes and marker are objects).
         """
-        if repair:
-            raise InvalidArgumentError(f"{self.root}: a local store has no pack indexes to repair; its index is the catalog, "
-                                       "rebuilt from the packs by `ckptstore recover`")
-        return check(self, deep=deep or sample < 1, sample=sample)
+        return run_fsck(self, deep=deep, sample=sample, repair=repair)
 
     def verify(self, ref: str) -> FsckReport:
         """Reread and rehash every blob of one commit; ``report.ok`` tells."""
-        return check(self, deep=True, commit=self.resolve(ref))
+        return self.fsck_home().verify(ref)
+
+    def fsck_home(self) -> LocalFsck:
+        """This home's side of fsck (:func:`ckptstore.fsck.run`)."""
+        return LocalFsck(self)
 
     @staticmethod
     def recover(path: str | os.PathLike, force: bool = False) -> RecoverReport:
@@ -1590,7 +1596,7 @@ class Store:
 
         ``path`` may be ``s3://bucket/prefix``: the local cache (that store's index) is
         rebuilt from the bucket's objects, every record checked against its id, and damaged
-        pack indexes rebuilt from their packs (:func:`ckptstore.bucketgc.recover`; the same
+        pack indexes rebuilt from their packs (:func:`ckptstore.recover.recover_bucket`; the same
         report; ``force`` changes nothing there: the cache holds only copies).
 
         For a store whose ``catalog.sqlite`` was deleted or damaged beyond
@@ -1719,62 +1725,6 @@ class Store:
         """The current location of the blob at ``loc`` (a GC may have repacked it), or ``None``."""
         return self._locate([(loc.digest, loc.raw_len)]).get((loc.digest, loc.raw_len))
 
-    def _select(self, cid: str, partial: Iterable[str] | None, comps: dict[str, dict]) -> list[str] | None:
-        """Normalise ``partial`` prefixes and check each matches something."""
-        if partial is None:
-            return None
-        if isinstance(partial, str):
-            partial = [partial]
-        partial = list(partial)
-        if not partial:
-            raise PartialPathError("partial is empty: name at least one path prefix, or pass None to read everything")
-        prefixes = []
-        for p in partial:
-            if type(p) is tuple:  # keys, escaped here: ("rb", "x/y") is "rb/x%2Fy"
-                try:
-                    p = keypath(*p)
-                except TypeError as exc:
-                    raise PartialPathError(f"partial path {p!r}: {exc}") from None
-            elif type(p) is not str or not jsonvalue.is_text(p):
-                raise PartialPathError(f"partial prefixes must be strings (escaped paths) or tuples of keys, got {p!r}")
-            if not p:
-                return None
-            try:
-                check_path(p)
-            except ValueError as exc:
-                raise PartialPathError(f"partial: {exc}") from None
-            hit = any(under(c, p) for c in comps) or any(under(r.path, p) for r in self.record(cid).leaves)
-            if not hit:
-                names = ", ".join(c or "<root>" for c in comps) or "(none)"
-                hint = " (a key holding '/' or '%' is written escaped, 'x%2Fy', '50%25', or given as a tuple of keys)" if "%" in p or "/" in p else ""
-                raise PartialPathError(f"partial path {p!r} matches nothing in commit {cid[:12]}; components: {names}{hint}")
-            prefixes.append(p)
-        return prefixes
-
-    def _states(self, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: BlobReader) -> dict[str, ComponentState]:
-        from .adapters import ComponentState
-
-        if prefixes is not None and "" in prefixes:
-            prefixes = None
-        states: dict[str, ComponentState] = {}
-        for c, row in comps.items():
-            if prefixes is None or any(under(c, p) or under(p, c) for p in prefixes):
-                states[c] = ComponentState(c, row["adapter"], row["version"], row["meta"])
-        for rec in self.manifest(cid, prefixes):
-            state = states.get(rec.component)
-            if state is None:
-                raise IntegrityError(f"commit {cid}, leaf {rec.path}: its component {rec.component!r} is not in the catalog")
-            rel = rec.path[len(rec.component) + 1 :] if rec.component else rec.path
-            if rec.path == rec.component:
-                rel = ""
-            if rec.kind == "tensor":
-                state.leaves[rel] = reader.lazy(rec)
-            elif rec.kind == "json":
-                state.leaves[rel] = rec.value
-            else:
-                raise IntegrityError(f"commit {cid}, leaf {rec.path}: unknown leaf kind {rec.kind!r}")
-        return states
-
     def checkout(
         self, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True, map_location: Any = None
     ) -> Any:
@@ -1809,67 +1759,10 @@ class Store:
             IntegrityError: a missing or corrupt blob (names leaf, blob, commit).
             AdapterVersionError: state written by a newer adapter version.
         """
-        from .checkout import BlobReader, plan_restore, restore
+        from .checkout import checkout_ref  # torch loads on first checkout
 
         with paused_gc():
-            with self.catalog.read():
-                cid = self.resolve(ref)
-                comps = self.components(cid)
-                prefixes = self._select(cid, partial, comps)
-                reader = BlobReader(self, cid, verify, sparse=prefixes is not None)
-                if into is None:
-                    states = self._states(cid, prefixes, comps, reader)
-                else:
-                    plan = plan_restore(into, comps, prefixes, self.registry, cid)
-                    if not plan.steps:
-                        return into
-                    states = self._states(cid, plan.paths, comps, reader)
-            try:
-                if into is None:
-                    return self._as_tensordict(states, reader, map_location)
-                return restore(into, plan, states, self.registry, reader)
-            finally:
-                reader.close()
-
-    def _as_tensordict(self, states: dict[str, ComponentState], reader: BlobReader, map_location: Any = None) -> Any:
-        import torch
-        from tensordict import TensorDict
-
-        from .adapters import join, migrate
-
-        reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))
-        for path, state in states.items():  # older adapter versions: show the state as it is now
-            try:
-                adapter = self.registry.named(state.adapter, path)
-            except AdapterError:
-                continue  # an adapter this process does not have: the raw state still reads
-            states[path] = migrate(adapter, state)
-        if map_location is not None:
-            device = str(torch.device(map_location))
-            for state in states.values():
-                if "device" in state.meta:  # a copy: the parsed record is shared
-                    state.meta = {**state.meta, "device": device}
-                state.leaves = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.leaves.items()}
-        if len(states) == 1 and "" in states:
-            only = states[""]
-            if only.adapter == "tensordict":
-                return self.registry.named("tensordict", "").build(only)
-            if only.adapter == "numpy":
-                return self.registry.named("numpy", "").from_state(None, only)
-            if list(only.leaves) == [""]:
-                return only.value("")
-        out = TensorDict({}, batch_size=[])
-        for state in states.values():
-            if state.adapter == "tensordict" and state.path:
-                out.set(split(state.path), self.registry.named("tensordict", state.path).build(state))
-                continue
-            for rel, value in state.leaves.items():
-                key = split(join(state.path, rel))
-                if isinstance(value, torch.Tensor):
-                    out.set(key, value)
-                else:
-                    out.set_non_tensor(key, value)
-        return out
+            return checkout_ref(self, ref, partial, into, verify, map_location)
 
 
 #: Validate a tag name (returns it); raises InvalidNameError. Public for integrations that
