@@ -96,3 +96,82 @@ def test_a_blob_that_fails_verification_on_its_reader_fails_the_load_on_every_ra
     reader = next(r for r, e in seen[0].items() if e.startswith("BlobCorruptError"))
     other = next(e for e in seen[0].values() if e.startswith("IntegrityError"))
     assert f"rank(s) [{reader}] could not read the blobs they read for the other ranks" in other
+
+
+# --- a local tier per node, one bucket: Checkpointer(local=, remote=) --------------------------------
+
+
+def _with_nodes(rank: int, world: int, per_node: int, folders: str, fn, *args):
+    """Rank ``rank`` on node ``rank // per_node``, whose local disk is ``folders/node<k>``."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(per_node)
+    return fn(rank, world, f"{folders}/node{rank // per_node}", *args)
+
+
+def on_nodes(nodes: int, per_node: int, folders, fn, *args, expect_ok: bool = True) -> list:
+    return on_bucket(nodes * per_node, _with_nodes, per_node, str(folders), fn, *args, expect_ok=expect_ok)
+
+
+def trained(rank: int, step: int) -> dict:
+    """The state of a data-parallel job after ``step`` steps: replicated weights, per-rank data."""
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(2048, 64, generator=g), "b": torch.randn(64, generator=g),
+            f"mine{rank}": torch.full((8,), 1000 * step + rank, dtype=torch.int64)}
+
+
+def tiered(local: str, url: str, state: dict, **kw):
+    import ckptstore
+
+    return ckptstore.Checkpointer(None, {"state": state}, dcp=True, local=local, remote=url, every_n_steps=2, keep_last=2,
+                                  on_signal=(), part_timeout=30, **kw)
+
+
+def _train(rank: int, world: int, local: str, url: str, steps: int) -> dict:
+    state = trained(rank, 0)
+    ckpt = tiered(local, url, state)
+    for step in range(1, steps + 1):
+        state.update(trained(rank, step))  # in place of training
+        ckpt.step()
+    ckpt.wait_pushed()
+    return {"durable": ckpt.durable_steps, "not_durable": ckpt.not_durable_steps}
+
+
+def _resume(rank: int, world: int, local: str, url: str) -> list:
+    state = {"w": torch.zeros(2048, 64), "b": torch.zeros(64), f"mine{rank}": torch.zeros(8, dtype=torch.int64)}
+    ckpt = tiered(local, url, state)
+    step = ckpt.resume()
+    want = trained(rank, step)
+    for k in ("w", "b"):
+        assert torch.equal(state[k].view(torch.uint8), want[k].view(torch.uint8)), k
+    return [step, ckpt.resumed_from, int(state[f"mine{rank}"][0])]
+
+
+def test_a_local_tier_per_node_and_one_bucket_resume_on_surviving_new_and_fewer_nodes(s3_server, url, tmp_path):
+    nodes = tmp_path / "nodes"
+    out = on_nodes(2, 2, nodes, _train, url, 6)  # saves at steps 2, 4, 6; each node's first rank pushes
+    # each node's first rank pushed the newest save whenever it was free (a save pushed while a newer one
+    # waited is skipped and reported); the last one is durable: node 0 composed both nodes' parts
+    for o in out[::2]:
+        assert o["durable"][-1] == 6 and sorted(o["durable"] + o["not_durable"]) == [2, 4, 6], out
+    assert [o["durable"] + o["not_durable"] for o in out[1::2]] == [[], []]  # the other ranks push nothing
+    with ckptstore_store(url) as bucket:
+        assert sorted(bucket.tags()) == ["latest"] + [f"step-{s}" for s in out[0]["durable"]]  # the parts' tags are gone
+        assert bucket.resolve("latest") == bucket.resolve("step-6")
+        td = bucket.checkout("step-6")
+        assert torch.equal(td["state.w"], trained(0, 6)["w"]) and [int(td[f"state.mine{r}"][0]) for r in range(4)] == [6000, 6001, 6002, 6003]
+    for k in (0, 1):  # keep_last=2 on each node's own disk
+        with ckptstore_store(nodes / f"node{k}") as disk:
+            assert sorted(disk.tags()) == ["latest", "step-4", "step-6"]
+    s3_server.reset_served()
+    assert on_nodes(2, 2, nodes, _resume, url) == [[6, "local", 6000 + r] for r in range(4)]
+    assert s3_server.served()["gets"] == 0  # surviving nodes: nothing read from the bucket
+    fresh = tmp_path / "new-nodes"
+    assert on_nodes(2, 2, fresh, _resume, url) == [[6, "remote", 6000 + r] for r in range(4)]  # empty disks: the bucket
+    assert on_nodes(1, 3, tmp_path / "one-node", _resume, url) == [[6, "remote", 6000 + r] for r in range(3)]  # 3 ranks on one node: resharded
+
+
+def ckptstore_store(where):
+    from ckptstore import Store
+
+    return Store(str(where))
