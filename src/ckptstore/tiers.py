@@ -134,8 +134,8 @@ def compose(remote: Store, tag: str, nodes: int, tags: list[str], message: str, 
 class TierPusher:
     """Node ``layout.node``'s background pushes from its local store to the bucket (run on
     the node's first rank). :meth:`request` a save's step tag; the thread pushes the newest
-    requested part tag, and on node 0 then waits up to ``part_timeout`` seconds for every
-    node's part, composes them and moves the bucket's step tag and ``latest_tag``, then
+    requested part tag, and on node 0 then waits up to ``part_timeout`` seconds (or until a
+    newer save is requested) for every node's part, composes them and moves the bucket's step tag and ``latest_tag``, then
     deletes the bucket's part tags of that step and older and prunes the bucket's step tags
     (``keep_last`` newest, plus every step that is a multiple of ``keep_every``).
 
@@ -210,12 +210,18 @@ class TierPusher:
 
     def _push(self, local: Store, remote: Store, tag: str) -> None:
         part = part_tag(tag, self.layout.node)
-        if part in local.tags():
-            local.push(remote.location, part)  # only the blobs the bucket lacks
+        if part in local.tags():  # only the blobs the bucket lacks; forced: a part left by a killed run is replaced
+            local.push(remote.location, part, force=True)
         if self.layout.node == 0:
             deadline = time.monotonic() + self.part_timeout
             want = {part_tag(tag, k) for k in range(self.layout.nodes)}
             while not want <= set(remote.tags()):
+                with self._cond:
+                    newer = bool(self._queue)
+                if newer:  # a newer save is waiting: the other nodes may push it instead of this one
+                    self.not_durable.append(self._step(tag))
+                    _forget(local, part)
+                    return
                 if time.monotonic() > deadline:
                     raise StoreWriteError(f"the parts {sorted(want - set(remote.tags()))} of {tag} did not reach the bucket within {self.part_timeout:g} s")
                 time.sleep(0.2)
