@@ -168,6 +168,20 @@ def test_a_local_tier_per_node_and_one_bucket_resume_on_surviving_new_and_fewer_
     s3_server.reset_served()
     assert on_nodes(2, 2, nodes, _resume, url) == [[6, "local", 6000 + r] for r in range(4)]
     assert s3_server.served()["gets"] == 0  # surviving nodes: nothing read from the bucket
+    import shutil
+
+    shutil.copytree(nodes, tmp_path / "copy")
+    with ckptstore_store(nodes / "node1") as disk:
+        disk.delete_tag("step-6")  # node 1's disk lost the newest save: node 0's step-6 is never mixed with node 1's step-4
+    assert on_nodes(2, 2, nodes, _resume, url) == [[6, "remote", 6000 + r] for r in range(4)]
+    with ckptstore_store(tmp_path / "copy" / "node0") as disk:  # a flipped byte in node 0's copy of w at step 6
+        key = next(leaf.keys[0] for leaf in disk.record("step-6").leaves if leaf.path == "state.w")
+        loc = disk.locate([key])[key]
+    pack = next((tmp_path / "copy" / "node0").rglob(f"{loc.pack}.pack"))
+    data = bytearray(pack.read_bytes())
+    data[loc.offset + loc.stored_len - 1] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    assert on_nodes(2, 2, tmp_path / "copy", _resume, url) == [[6, "remote", 6000 + r] for r in range(4)]  # fails to verify: the bucket
     fresh = tmp_path / "new-nodes"
     assert on_nodes(2, 2, fresh, _resume, url) == [[6, "remote", 6000 + r] for r in range(4)]  # empty disks: the bucket
     assert on_nodes(1, 3, tmp_path / "one-node", _resume, url) == [[6, "remote", 6000 + r] for r in range(3)]  # 3 ranks on one node: resharded

@@ -365,7 +365,10 @@ class Checkpointer:
             mine[: len(steps)] = torch.tensor(steps, dtype=torch.int64)
             every = [torch.empty_like(mine) for _ in range(lay.world)]
             dist.all_gather(every, mine)
-            common = set.intersection(*({int(x) for x in t if x >= 0} for t in every))
+            held = [{int(x) for x in t if x >= 0} for t in every]
+            common = set.intersection(*held)
+            if common and any(max(h) != max(common) for h in held) and self._bucket_step() > max(common):
+                common = set()  # a node holds a newer step than the others: the bucket may too, and has it
         else:
             common = set(steps)
         failure = None
@@ -399,6 +402,21 @@ class Checkpointer:
         with Store(remote) as bucket:
             dcp.load(state, storage_reader=StoreReader(bucket, bytes(found[1:].tolist()).hex()))
         return self._restored(state, "remote")
+
+    def _bucket_step(self) -> int:
+        """Every rank: the step of the bucket's ``latest_tag`` (-1: none), read by rank 0."""
+        import torch
+        import torch.distributed as dist
+
+        found = torch.tensor([-1], dtype=torch.int64)
+        if dist.get_rank() == 0:
+            try:
+                with Store(self._tier_args[0]) as bucket:
+                    found[0] = int(bucket.info(self.latest_tag).metadata.get("step", -1))
+            except (NotAStoreError, RefNotFoundError):
+                pass
+        dist.broadcast(found, src=0)
+        return int(found[0])
 
     def _restored(self, state: dict, where: str) -> int:
         for name in self.components:
