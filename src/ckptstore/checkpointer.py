@@ -98,7 +98,8 @@ class Checkpointer:
             ``push_backoff`` seconds, doubling), then reported with a
             :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_error`;
             the local commit is never affected, and the next commit pushes again.
-            :meth:`wait_pushed` blocks until the pushes requested so far are done.
+            :meth:`wait_pushed` blocks until the pushes requested so far are done (with
+            ``local``/``remote``: this node's pushes, returning ``None``).
             With ``dcp``, the coordinator (rank 0) pushes after each of its commits; on
             the other ranks nothing is pushed and :meth:`wait_pushed` returns ``None``.
         local, remote: the two tiers of a multi-node job (with ``dcp``, instead of
@@ -157,7 +158,7 @@ class Checkpointer:
             from .tiers import node_layout
 
             self._layout = node_layout(ranks_per_node)
-            self._tier_args = (str(remote), remote_keep_last, remote_keep_every, push_attempts, push_backoff, part_timeout)
+            self._remote = str(remote)
             store = os.fspath(local)
         if dcp and isinstance(store, (str, os.PathLike, Store)):
             store = _DCPStore(store)  # every rank: no catalog is opened until a read needs it
@@ -190,6 +191,11 @@ class Checkpointer:
         self._tag_re = None if tag_format is None else re.compile(
             "^" + re.escape(tag_format).replace(re.escape("{step}"), r"(\d+)") + "$"
         )
+        if self._layout is not None:  # its thread starts with the first push, on each node's first rank
+            from .tiers import TierPusher
+
+            self._tier_pusher = TierPusher(self.store.location, self._remote, self._layout, self._tag_re, latest_tag,
+                                           remote_keep_last, remote_keep_every, push_attempts, push_backoff, part_timeout)
         if on_signal and _in_main_thread():
             for signum in on_signal:
                 signal.signal(signum, self._request_stop)
@@ -263,20 +269,14 @@ class Checkpointer:
             CkptStoreError: the last push failed after its retries (its error; a
                 BackendError, NotAStoreError, RefConflictError...).
         """
-        if self._layout is not None:
-            if self._tier_pusher is not None:
-                if not self._tier_pusher.wait(timeout):
-                    raise TimeoutError(f"pushes to {self._tier_pusher.remote} still running after {timeout} s")
-                if self._tier_pusher.error is not None:
-                    raise self._tier_pusher.error
-            return None
-        if self._pusher is None:
+        pusher = self._tier_pusher or self._pusher
+        if pusher is None:
             raise InvalidArgumentError("this Checkpointer has no push_to")
-        if not self._pusher.wait(timeout):
-            raise TimeoutError(f"pushes to {self._pusher.remote} still running after {timeout} s")
-        if self._pusher.error is not None:
-            raise self._pusher.error
-        return self._pusher.report
+        if not pusher.wait(timeout):
+            raise TimeoutError(f"pushes to {pusher.remote} still running after {timeout} s")
+        if pusher.error is not None:
+            raise pusher.error
+        return getattr(pusher, "report", None)
 
     def _commit_dcp(self, tags: list[str], metadata: dict | None) -> CommitInfo | None:
         import torch.distributed.checkpoint as dcp
@@ -298,13 +298,7 @@ class Checkpointer:
             self._prune(self.store.opened())
             if self._pusher is not None:
                 self._pusher.request()
-            if self._layout is not None:
-                if self._tier_pusher is None:
-                    from .tiers import TierPusher
-
-                    remote, keep_last, keep_every, attempts, backoff, timeout = self._tier_args
-                    self._tier_pusher = TierPusher(self.store.location, remote, self._layout, self._tag_re, self.latest_tag,
-                                                   keep_last, keep_every, attempts, backoff, timeout)
+            if self._tier_pusher is not None:
                 self._tier_pusher.request(tags[0])
         return info
 
@@ -355,7 +349,7 @@ class Checkpointer:
 
         from .dcp import StoreReader
 
-        lay, remote = self._layout, self._tier_args[0]
+        lay, remote = self._layout, self._remote
         on = lay.group is not None
         state = self._state()
         state["checkpointer"] = {"step": -1}
@@ -411,7 +405,7 @@ class Checkpointer:
         found = torch.tensor([-1], dtype=torch.int64)
         if dist.get_rank() == 0:
             try:
-                with Store(self._tier_args[0]) as bucket:
+                with Store(self._remote) as bucket:
                     found[0] = int(bucket.info(self.latest_tag).metadata.get("step", -1))
             except (NotAStoreError, RefNotFoundError):
                 pass

@@ -609,7 +609,7 @@ class StoreReader(StorageReader):
             under data parallelism) is read from the store by one of them, verified there,
             and broadcast over ``process_group`` to the others, so one load reads each
             blob of the commit at most once whatever the world size (the coordinator
-            picks the reader of each, balancing the bytes). ``False``: every rank reads
+            gives each rank a contiguous run of about equal bytes, so each reads few long ranges). ``False``: every rank reads
             all it needs itself. Off without an initialized process group. The shared
             blobs are held in memory (CPU, or the current CUDA device for NCCL) until
             the load ends: at most the commit's replicated bytes per rank.
@@ -684,7 +684,9 @@ class StoreReader(StorageReader):
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Coordinator: every rank must read the coordinator's commit; with ``restore_once``,
-        pick for each blob several ranks need the one rank that reads it (fewest bytes so far)."""
+        pick for each blob several ranks need the one rank that reads it: the shared blobs, in
+        the commit's order, cut into one run of about equal bytes per rank (a blob whose run's
+        rank does not need it goes to the needing rank with the fewest bytes so far)."""
         owners: dict[tuple[bytes, int], int] = {}
         if self.restore_once and len(plans) > 1:
             needs = [self._needed(self._by_path(p.items)) for p in plans]
@@ -693,10 +695,13 @@ class StoreReader(StorageReader):
                 for k in keys:
                     needers.setdefault(k, []).append(rank)
             load = [sum(k[1] for k in keys if len(needers[k]) == 1) for keys in needs]
-            for k in sorted((k for k, rs in needers.items() if len(rs) > 1), key=lambda k: (-k[1], k[0])):
-                owner = min(needers[k], key=lambda r: (load[r], r))
-                owners[k] = owner
-                load[owner] += k[1]
+            shared = [k for k, rs in needers.items() if len(rs) > 1]  # in the commit's order, which is the packs' order
+            per, acc = sum(k[1] for k in shared) / len(plans), 0
+            for k in shared:  # contiguous runs, one per rank: each reads few long ranges
+                run = min(int(acc // per), len(plans) - 1) if per else 0
+                owners[k] = run if run in needers[k] else min(needers[k], key=lambda r: (load[r], r))
+                load[owners[k]] += k[1]
+                acc += k[1]
         info = _ReadPlan(self.commit_id, len(plans), owners)
         return [replace(p, storage_data=info) for p in plans]
 
