@@ -1,17 +1,18 @@
-"""Adapters for plain values: tensors, JSON values, dicts and TensorDicts."""
+"""Adapters for plain values: tensors, numpy arrays, JSON values, raw bytes, dicts and TensorDicts."""
 
 from __future__ import annotations
 
+import io
 import itertools
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
 
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, split
+from .base import RAW_BYTES, REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, split, under
 
 
 @register_adapter
@@ -81,10 +82,11 @@ class NumpyAdapter(Adapter):
 
 @register_adapter
 class JsonAdapter(Adapter):
-    """A JSON value (None, bool, int, float, str, list, tuple, slice, Ellipsis)."""
+    """A JSON value (None, bool, int, float, str, list, tuple, slice, Ellipsis, and numpy
+    scalars, restored as the same numpy type: :mod:`ckptstore.jsonvalue`)."""
 
     name = "json"
-    types = (type(None), bool, int, float, str, list, tuple, slice, type(Ellipsis))
+    types = (type(None), bool, int, float, str, list, tuple, slice, type(Ellipsis), np.bool_, np.number)
 
     def to_state(self, obj: Any) -> Any:
         return obj
@@ -93,13 +95,41 @@ class JsonAdapter(Adapter):
         return state.json("")
 
 
+@register_adapter
+class BytesAdapter(Adapter):
+    """Raw bytes (``bytes``, ``bytearray``, ``io.BytesIO``): one uint8 tensor leaf, so
+    stored as blobs (deduplicated, verified, read only when selected), restored as the
+    same type (an ``io.BytesIO`` positioned at 0). Restored in place into a ``bytearray``
+    or an ``io.BytesIO``; otherwise a new object is returned."""
+
+    name = "bytes"
+    types = tuple(RAW_BYTES)
+
+    def to_state(self, obj: Any) -> Any:
+        return obj
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        value = state.value("")
+        data = value.getvalue() if isinstance(value, io.BytesIO) else bytes(value)
+        if type(obj) is bytearray and type(value) is bytearray:
+            obj[:] = data
+            return obj
+        if type(obj) is io.BytesIO and type(value) is io.BytesIO:
+            obj.seek(0)
+            obj.truncate()
+            obj.write(data)
+            obj.seek(0)
+            return obj
+        return value
+
+
 def _needs_container(value: Any) -> bool:
     """Does a dict hold (at any depth) an object that needs its own adapter?"""
     for v in value.values():
         if isinstance(v, (dict, OrderedDict)):
             if _needs_container(v):
                 return True
-        elif not isinstance(v, (torch.Tensor, *JsonAdapter.types)):
+        elif not isinstance(v, (torch.Tensor, *JsonAdapter.types, *RAW_BYTES)):
             return True
     return False
 
