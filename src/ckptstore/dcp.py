@@ -75,6 +75,7 @@ from .adapters.base import RAW, RAW_BYTES, REGISTRY, Adapter, Captured, Componen
 from .errors import (
     IntegrityError,
     InvalidArgumentError,
+    NotAStoreError,
     RefNotFoundError,
     StoreWriteError,
     TargetMismatchError,
@@ -133,10 +134,26 @@ def _whole(item: WriteItem) -> bool:
 
 
 def _open(store: Store | str | os.PathLike, create: bool) -> Store:
+    """``store``, or the store at that location (made if missing and ``create``).
+
+    Raises:
+        NotAStoreError: no store there; a folder holding other files (a folder of DCP
+            checkpoints) is refused with what to pass instead.
+    """
     if isinstance(store, Store):
         return store
     if isinstance(store, (str, os.PathLike)):
-        return Store(store, create=create)
+        try:
+            return Store(store, create=create)
+        except NotAStoreError as exc:
+            folder = Path(store)
+            if "://" in str(store) or not folder.is_dir() or (folder / "catalog.sqlite").exists() or not any(folder.iterdir()):
+                raise
+            raise NotAStoreError(
+                f"{exc}. A store keeps its commits in a folder of its own (a DCP save is a commit in it, not a "
+                f"folder of files), so it is not made among other files: pass a new or empty folder, e.g. "
+                f"{folder / 'store'} inside your checkpoint folder, to StoreWriter and StoreReader (docs/distributed.md)"
+            ) from None
     raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
 
 
