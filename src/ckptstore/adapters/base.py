@@ -441,6 +441,12 @@ class Adapter:
         """Child objects of a container (by name), or ``None`` for a leaf adapter."""
         return None
 
+    def refusal(self, obj: Any, path: str) -> Exception | None:
+        """For an adapter that stands for objects that cannot be stored (a family of
+        classes only some of which are supported): the error to raise for ``obj`` at
+        ``path`` when it is met, or ``None`` to handle it."""
+        return None
+
     def targets(self, obj: Any) -> dict[str, Any] | None:
         """Child objects to restore into; defaults to :meth:`children`."""
         return self.children(obj)
@@ -561,6 +567,9 @@ class Registry:
         for klass in type(obj).__mro__:
             adapter = self.by_type.get(klass)
             if adapter is not None:
+                problem = adapter.refusal(obj, path)
+                if problem is not None:
+                    raise problem
                 return adapter
         if any(self._load(k.__module__.split(".")[0]) for k in type(obj).__mro__):
             return self.for_object(obj, path)
