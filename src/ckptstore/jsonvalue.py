@@ -101,6 +101,11 @@ def _encode(value: Any, path: str, depth: int) -> Any:
             f"{path}: raw bytes ({t.__qualname__}) are stored as blobs only as a component or as the value of a "
             "dict key, not inside a list, a tuple, a dict with non-str keys, metadata or a JSON leaf"
         )
+    if any(k.__module__ == "torch" and k.__qualname__ == "Tensor" for k in t.__mro__):
+        raise UnsupportedTypeError(
+            f"{path}: a tensor inside a list, a tuple, a dict with non-str keys, metadata or a JSON leaf; "
+            "tensors are stored only as a component or as the value of a str dict key"
+        )
     raise UnsupportedTypeError(
         f"{path}: values of type {t.__module__}.{t.__qualname__} cannot be stored without pickle "
         "(supported: tensors, nested tensors, numpy arrays and scalars, bytes, bytearray, io.BytesIO, "

@@ -110,17 +110,21 @@ class BytesAdapter(Adapter):
 
     def from_state(self, obj: Any, state: ComponentState) -> Any:
         value = state.value("")
-        data = value.getvalue() if isinstance(value, io.BytesIO) else bytes(value)
-        if type(obj) is bytearray and type(value) is bytearray:
-            obj[:] = data
-            return obj
-        if type(obj) is io.BytesIO and type(value) is io.BytesIO:
-            obj.seek(0)
-            obj.truncate()
-            obj.write(data)
-            obj.seek(0)
+        if type(obj) is type(value) and type(value) in (bytearray, io.BytesIO):
+            _refill(obj, value.getvalue() if type(value) is io.BytesIO else bytes(value))
             return obj
         return value
+
+
+def _refill(obj: bytearray | io.BytesIO, data: bytes) -> None:
+    """Make a ``bytearray`` or ``io.BytesIO`` hold ``data`` in place (a stream positioned at 0)."""
+    if type(obj) is bytearray:
+        obj[:] = data
+        return
+    obj.seek(0)
+    obj.truncate()
+    obj.write(data)
+    obj.seek(0)
 
 
 def _needs_container(value: Any) -> bool:
@@ -213,7 +217,8 @@ def _check_unaliased(obj: dict, where: str) -> None:
 
 def _update(obj: dict, value: dict) -> None:
     """Make ``obj`` equal ``value`` in place, keeping the target's nested dicts (the
-    objects a caller may hold) and overwriting its tensors of the same dtype and shape."""
+    objects a caller may hold), overwriting its tensors of the same dtype and shape and
+    refilling its ``bytearray`` and ``io.BytesIO`` values."""
     for k in [k for k in obj if k not in value]:
         del obj[k]
     for k, v in value.items():
@@ -222,6 +227,8 @@ def _update(obj: dict, value: dict) -> None:
             _update(old, v)
         elif isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and (old.dtype, old.shape) == (v.dtype, v.shape) and old.device.type != "meta":
             old.copy_(v)  # in place, on the target's device
+        elif type(old) is type(v) and type(v) in (bytearray, io.BytesIO):
+            _refill(old, v.getvalue() if type(v) is io.BytesIO else bytes(v))
         else:
             obj[k] = v
 
