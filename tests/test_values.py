@@ -72,40 +72,32 @@ def test_a_store_of_every_builtin_adapter_imports_pulls_recovers_and_checks_out_
     src.export("t", tmp_path / "x.zip")
     src.close()
     check = """
-        import sys, numpy as np, ckptstore
-        s = ckptstore.Store(sys.argv[1])
-        out = s.checkout("t", partial=["progress", "raw", "values"])
-        assert int(out["progress", "step"]) == 7 and type(out["progress", "best_metric"]) is np.float64, out
-        assert out["raw"] == b"\\x00raw" and type(out["values", "n"]) is np.float32, out
-        assert s.fsck(deep=True).ok
-        print("ok")
-    """
+s = ckptstore.Store(sys.argv[1])
+out = s.checkout("t", partial=["progress", "raw", "values"])
+assert int(out["progress", "step"]) == 7 and type(out["progress", "best_metric"]) is np.float64, out
+assert out["raw"] == b"\\x00raw" and type(out["values", "n"]) is np.float32, out
+assert s.fsck(deep=True).ok
+"""
+    head = "import sys, numpy as np, ckptstore\n"
     # import: the command line, in a fresh interpreter (refused before: "unknown adapter 'ckptstore.progress'")
     proc = subprocess.run([sys.executable, "-m", "ckptstore.cli", "import", str(tmp_path / "x.zip"), "--tag", "t", "--store", str(tmp_path / "imp")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_fresh(check, str(tmp_path / "imp"))
-    # pull
-    run_fresh("""
-        import sys, ckptstore
-        ckptstore.Store(sys.argv[2], create=True).pull(sys.argv[1], "t")
-    """, str(tmp_path / "src"), str(tmp_path / "pulled"))
-    run_fresh(check, str(tmp_path / "pulled"))
-    # recover: the catalog rebuilt from the packs alone
-    shutil.copytree(tmp_path / "src", tmp_path / "lost")
+    # pull (from the imported store), then checkout
+    run_fresh(head + 'ckptstore.Store(sys.argv[1], create=True).pull(sys.argv[2], "t")\n' + check, str(tmp_path / "pulled"), str(tmp_path / "imp"))
+    # recover (the catalog rebuilt from the packs alone), then checkout
+    shutil.copytree(tmp_path / "pulled", tmp_path / "lost")
     for f in (tmp_path / "lost").glob("catalog.sqlite*"):
         f.unlink()
-    run_fresh("import sys, ckptstore; ckptstore.Store.recover(sys.argv[1])", str(tmp_path / "lost"))
-    run_fresh(check, str(tmp_path / "lost"))
+    run_fresh(head + "ckptstore.Store.recover(sys.argv[1])\n" + check, str(tmp_path / "lost"))
     # checkout into live objects, in an interpreter that built them after opening the store
-    proc = run_fresh("""
-        import sys, ckptstore, numpy as np
-        s = ckptstore.Store(sys.argv[1])
-        comps = s.components("t")
-        p = ckptstore.Progress()
-        s.checkout("t", into={"progress": p, "raw": None}, partial=["progress", "raw"])
-        print(comps["progress"]["adapter"], p.step, p.frames, type(p.best_metric).__name__, p.best_metric)
-    """, str(tmp_path / "src"))
+    proc = run_fresh(head + """
+s = ckptstore.Store(sys.argv[1])
+comps = s.components("t")
+p = ckptstore.Progress()
+s.checkout("t", into={"progress": p, "raw": None}, partial=["progress", "raw"])
+print(comps["progress"]["adapter"], p.step, p.frames, type(p.best_metric).__name__, p.best_metric)
+""", str(tmp_path / "src"))
     assert proc.stdout.split() == ["ckptstore.progress", "7", "70", "float64", "1.75"]
 
 
