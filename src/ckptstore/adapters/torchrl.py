@@ -775,7 +775,7 @@ class CompressedListStorageAdapter(Adapter):
         obj._storage, obj._metadata = [None] * len(items), [None] * len(items)
         for i, item in enumerate(items):
             if item is not None:
-                obj._set_item(i, item)
+                obj._set_item(i, obj._to_device(item))  # as ``set`` writes an item
         obj._bump_mutation_revision()
         return obj
 
@@ -920,7 +920,8 @@ class UnsupportedPartAdapter(Adapter):
         kind = next(k for k in (Storage, Sampler, Writer) if isinstance(obj, k))
         supported = sorted({t.__name__ for t, a in REGISTRY.by_type.items()
                             if issubclass(t, kind) and t is not kind and not isinstance(a, UnsupportedPartAdapter)})
-        reason = next((r for t, r in REFUSED.items() if isinstance(obj, t)), "ckptstore has no adapter for this class")
+        default = "the base class, with no state of its own" if type(obj) is kind else "ckptstore has no adapter for this class"
+        reason = next((r for t, r in REFUSED.items() if isinstance(obj, t)), default)
         return UnsupportedTypeError(
             f"{where or '<root>'}: a {type(obj).__module__}.{type(obj).__qualname__} (a TorchRL {kind.__name__.lower()}) "
             f"cannot be stored: {reason}. Supported {kind.__name__.lower()}s (and their subclasses): {', '.join(supported)} "
