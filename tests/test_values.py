@@ -489,3 +489,12 @@ def test_unsupported_torchrl_parts_are_refused_saying_what_they_are_and_what_is_
     assert {"storage": "CompressedListStorage, ListStorage, TensorStorage (docs/adapters.md)",
             "sampler": "PrioritizedSampler, ", "writer": "ImmutableDatasetWriter, RoundRobinWriter, TensorDictMaxValueWriter (docs"}[kind] in message
     assert s.tags() == {}
+
+
+def test_a_nested_tensor_checked_out_in_part_comes_back_as_its_parts(tmp_path):
+    nt = _nested()["jagged_lengths"]
+    s = Store(tmp_path / "s", create=True)
+    s.commit({"d": {"nt": nt}}, tag="t")
+    part = s.checkout("t", partial=["d/nt/values", "d/nt/offsets"])  # without lengths: not the nested tensor
+    assert sorted(part["d", "nt"].keys()) == ["offsets", "values"]
+    assert_bit_equal(part["d", "nt", "values"], nt.values())

@@ -86,10 +86,11 @@ class Json:
 RAW_BYTES = {bytes: "bytes", bytearray: "bytearray", io.BytesIO: "io.BytesIO"}
 #: Component meta key ``{relative path: form}`` of the leaves stored as plain tensors for
 #: a value of another kind: ``"bytes"``, ``"bytearray"``, ``"io.BytesIO"`` (one uint8
-#: leaf at the path), ``{"nested": "jagged", "ragged_dim": d}`` (leaves ``<path>/values``,
-#: ``<path>/offsets`` and, when set, ``<path>/lengths``) or ``{"nested": "strided"}``
-#: (``<path>/values``: every component's elements concatenated, ``<path>/sizes``: int64
-#: ``[n, ndim]``). Reserved: adapters' ``meta()`` must not use it.
+#: leaf at the path), ``{"nested": "jagged", "ragged_dim": d, "parts": [...]}`` (leaves
+#: ``<path>/values``, ``<path>/offsets`` and, when set, ``<path>/lengths``) or
+#: ``{"nested": "strided", "parts": ["values", "sizes"]}`` (``<path>/values``: every
+#: component's elements concatenated, ``<path>/sizes``: int64 ``[n, ndim]``). Reserved:
+#: adapters' ``meta()`` must not use it.
 RAW = "ckptstore.raw"
 
 
@@ -189,7 +190,7 @@ def raw_leaves(leaves: dict[str, Any], component: str) -> tuple[dict[str, Any], 
                 parts = {"values": value.values(), "offsets": value.offsets()}
                 if value.lengths() is not None:
                     parts["lengths"] = value.lengths()
-                forms[rel] = {"nested": "jagged", "ragged_dim": int(value._ragged_idx)}
+                forms[rel] = {"nested": "jagged", "ragged_dim": int(value._ragged_idx), "parts": list(parts)}
             else:
                 pieces = value.unbind()
                 flat = [x.reshape(-1) for x in pieces]
@@ -197,7 +198,7 @@ def raw_leaves(leaves: dict[str, Any], component: str) -> tuple[dict[str, Any], 
                     "values": torch.cat(flat) if flat else torch.empty(0, dtype=value.dtype, device=value.device),
                     "sizes": torch.tensor([list(x.shape) for x in pieces], dtype=torch.int64).reshape(len(pieces), value.dim() - 1),
                 }
-                forms[rel] = {"nested": "strided"}
+                forms[rel] = {"nested": "strided", "parts": list(parts)}
             for name, part in parts.items():
                 out[join(path, name)] = part.detach()
         else:
@@ -229,10 +230,13 @@ def _restore_raw(state: ComponentState) -> None:
             data = state.tensor(rel).cpu().numpy().tobytes()
             new[rel] = data if form == "bytes" else bytearray(data) if form == "bytearray" else io.BytesIO(data)
         elif type(form) is dict and form.get("nested") in ("jagged", "strided"):
-            names = ("values", "offsets", "lengths") if form["nested"] == "jagged" else ("values", "sizes")
-            parts = {n: join(rel, n) for n in names if join(rel, n) in state.leaves}
-            if "values" not in parts or len(parts) < 2 or any(not state.is_tensor(p) for p in parts.values()):
-                continue  # a partial checkout of some parts
+            names = form.get("parts")
+            allowed = ("values", "offsets", "lengths") if form["nested"] == "jagged" else ("values", "sizes")
+            if type(names) is not list or not {"values", allowed[1]} <= set(names) <= set(allowed):
+                raise IntegrityError(f"{state.where(rel)}: malformed nested tensor parts {names!r}")
+            parts = {n: join(rel, n) for n in names}
+            if any(p not in state.leaves or not state.is_tensor(p) for p in parts.values()):
+                continue  # a partial checkout of some of its parts, or restored already
             t = {n: state.tensor(p) for n, p in parts.items()}
             try:
                 if form["nested"] == "jagged":
