@@ -193,15 +193,16 @@ def test_store_writer_keeps_raw_bytes_items_as_blobs(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         w = StoreWriter(tmp_path / "s", tag="t")
-        dcp.save({"w": torch.arange(4.0), "raw": raw, "b": b"xyz", "ba": bytearray(b"q"), "n": 3}, storage_writer=w)
+        dcp.save({"w": torch.arange(4.0), "raw": raw, "b": b"xyz", "ba": bytearray(b"q"), "e": b"", "n": 3}, storage_writer=w)
         s = Store(tmp_path / "s")
         leaves = {r.path: (r.kind, r.dtype, r.shape) for r in s.manifest("t")}
         assert leaves == {"w": ("tensor", "float32", (4,)), "raw": ("tensor", "uint8", (1000,)), "b": ("tensor", "uint8", (3,)),
-                          "ba": ("tensor", "uint8", (1,)), "n": ("json", None, None)}
-        target = {"w": torch.zeros(4), "raw": io.BytesIO(), "b": b"", "ba": bytearray(), "n": 0}
+                          "ba": ("tensor", "uint8", (1,)), "e": ("tensor", "uint8", (0,)), "n": ("json", None, None)}
+        target = {"w": torch.zeros(4), "raw": io.BytesIO(), "b": b"", "ba": bytearray(), "e": None, "n": 0}
         dcp.load(target, storage_reader=StoreReader(s, "t"))
     assert type(target["raw"]) is io.BytesIO and target["raw"].getvalue() == raw.getvalue()
     assert target["b"] == b"xyz" and type(target["ba"]) is bytearray and target["ba"] == b"q" and target["n"] == 3
+    assert type(target["e"]) is bytes and target["e"] == b""
     assert_bit_equal(target["w"], torch.arange(4.0))
     plain = s.checkout("t")
     assert plain["raw"].getvalue() == raw.getvalue() and plain["b"] == b"xyz"

@@ -22,8 +22,9 @@ one ordinary commit (docs/distributed.md has the whole story):
    fsync, rename, fsync, the rank holding its packs' locks until its writer is released
    (after ``dcp.save`` returns), so GC never takes them for orphans meanwhile; on
    object storage each pack is uploaded whole by the rank itself (create-only PUTs, in
-   parallel), then its ``.idx``. Non-tensor values are encoded as the store's
-   type-preserving JSON (refused, naming the key, otherwise). No catalog or cache access.
+   parallel), then its ``.idx``. Raw bytes items (``io.BytesIO``, ``bytes``, ``bytearray``)
+   are stored as uint8 tensors, so as blobs; other non-tensor values are encoded as the
+   store's type-preserving JSON (refused, naming the key, otherwise). No catalog or cache access.
 3. **Commit** (coordinator, ``finish``): checks every reported pack is in the store at
    its size, then commits through ``Store.commit_manifest``, the store's own commit
    protocol: locally one catalog transaction indexes every rank's new blobs, rechecks
@@ -686,7 +687,8 @@ class StoreReader(StorageReader):
                     buf = torch.empty(leaf.shape[0], dtype=torch.uint8)
                     self._read_tensor(reader, leaf, locs, [_WholeLeaf(leaf.shape)], _IntoBuffer(buf), where)
                     data = buf.numpy().tobytes()
-                    value = {"bytes": data, "bytearray": bytearray(data)}.get(self._raw[path]) or io.BytesIO(data)
+                    form = self._raw[path]
+                    value = data if form == "bytes" else bytearray(data) if form == "bytearray" else io.BytesIO(data)
                     for item in path_items:
                         out = io.BytesIO()
                         torch.save(value, out)  # made here from the verified blob: the planner unpickles only these

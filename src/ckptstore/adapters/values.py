@@ -373,6 +373,7 @@ class TensorDictAdapter(Adapter):
     def _member(self, state: ComponentState, prefix: str, batch_size: list) -> ComponentState:
         """The state under ``prefix`` (one member of a stored lazy stack) as a component of its own."""
         cut = len(prefix) + 1 if prefix else 0
+
         def rel(paths):
             return {p[cut:]: v for p, v in paths.items() if p != prefix and under(p, prefix)}
         meta = {"batch_size": batch_size, "device": state.meta.get("device"),
@@ -384,7 +385,10 @@ class TensorDictAdapter(Adapter):
         """The heterogeneous lazy stack stored at ``prefix``: each member built from its own leaves."""
         spec = _lazy(state)[prefix]
         members = [self.build(self._member(state, join(prefix, str(i)), b)) for i, b in enumerate(spec["batch_sizes"])]
-        return LazyStackedTensorDict(*members, stack_dim=spec["dim"])
+        try:
+            return LazyStackedTensorDict(*members, stack_dim=spec["dim"])
+        except (RuntimeError, ValueError, IndexError) as exc:
+            raise TargetMismatchError(f"{state.where(prefix)}: the stored members do not stack along dim {spec['dim']} ({exc})") from None
 
     def _fill(self, td: TensorDictBase, state: ComponentState) -> None:
         stacks = set(state.meta.get("stacks", ()))
