@@ -36,8 +36,6 @@ import json
 import math
 from typing import Any
 
-import numpy as np
-
 from .errors import CkptStoreError, UnsupportedTypeError
 
 __all__ = ["JSON_SAFE_TYPES", "decode", "dumps", "encode", "loads"]
@@ -92,7 +90,7 @@ def _encode(value: Any, path: str, depth: int) -> Any:
         return {"$": "slice", "v": [_encode(x, f"{path}.slice", depth + 1) for x in (value.start, value.stop, value.step)]}
     if value is Ellipsis:
         return {"$": "ellipsis"}
-    if isinstance(value, np.generic) and _numpy_dtype(value.dtype):
+    if _is_numpy_scalar(value) and _numpy_dtype(value.dtype):
         v = value.item()
         return {"$": "numpy", "dtype": value.dtype.str, "v": [_encode(v.real, path, depth + 1), _encode(v.imag, path, depth + 1)]
                 if value.dtype.kind == "c" else _encode(v, path, depth + 1)}
@@ -113,7 +111,17 @@ def _encode(value: Any, path: str, depth: int) -> Any:
     )
 
 
-def _numpy_dtype(dtype: np.dtype) -> bool:
+def _is_numpy_scalar(value: Any) -> bool:
+    """A numpy scalar (numpy is imported only by code that made one, so the command line's
+    catalog-only commands do not import it)."""
+    if type(value).__module__ != "numpy":
+        return False
+    import numpy as np
+
+    return isinstance(value, np.generic)
+
+
+def _numpy_dtype(dtype: Any) -> bool:
     """A numpy scalar dtype whose values a Python number holds exactly (bool, int, uint,
     float up to 64 bits, complex up to 128 bits)."""
     return dtype.kind in "biu" or (dtype.kind == "f" and dtype.itemsize <= 8) or (dtype.kind == "c" and dtype.itemsize <= 16)
@@ -158,6 +166,8 @@ def _decode(data: Any, depth: int) -> Any:
         if tag == "ellipsis":
             return Ellipsis
         if tag == "numpy" and set(data) == {"$", "dtype", "v"} and type(data["dtype"]) is str:
+            import numpy as np
+
             dtype = np.dtype(data["dtype"])
             if dtype.str == data["dtype"] and _numpy_dtype(dtype):
                 x = _decode(v, depth + 1)
