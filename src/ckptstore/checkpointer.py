@@ -24,44 +24,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
-from .adapters.base import Adapter, ComponentState, capture, register_adapter
+from .adapters.base import capture
+from .adapters.training import Progress  # noqa: F401 (re-exported: ckptstore.checkpointer.Progress)
 from .errors import CkptStoreError, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
 from .store import CommitInfo, Store
-
-
-@dataclass
-class Progress:
-    """Training counters: optimisation ``step``, environment ``frames``, ``epoch``
-    and the ``best_metric`` so far (None until one is known)."""
-
-    step: int = 0
-    frames: int = 0
-    epoch: int = 0
-    best_metric: float | None = None
-
-
-@register_adapter
-class ProgressAdapter(Adapter):
-    """:class:`Progress`: one JSON leaf per field."""
-
-    name = "ckptstore.progress"
-    types = (Progress,)
-
-    def to_state(self, obj: Progress) -> dict:
-        return asdict(obj)
-
-    def check(self, obj: Any, state: ComponentState) -> None:
-        if not isinstance(obj, Progress):
-            raise TargetMismatchError(f"{state.where('')}: stored a Progress, target is {type(obj).__name__}")
-
-    def from_state(self, obj: Progress, state: ComponentState) -> Progress:
-        for key, value in state.tree().items():
-            setattr(obj, key, value)
-        return obj
 
 
 class Checkpointer:

@@ -22,8 +22,9 @@ one ordinary commit (docs/distributed.md has the whole story):
    fsync, rename, fsync, the rank holding its packs' locks until its writer is released
    (after ``dcp.save`` returns), so GC never takes them for orphans meanwhile; on
    object storage each pack is uploaded whole by the rank itself (create-only PUTs, in
-   parallel), then its ``.idx``. Non-tensor values are encoded as the store's
-   type-preserving JSON (refused, naming the key, otherwise). No catalog or cache access.
+   parallel), then its ``.idx``. Raw bytes items (``io.BytesIO``, ``bytes``, ``bytearray``)
+   are stored as uint8 tensors, so as blobs; other non-tensor values are encoded as the
+   store's type-preserving JSON (refused, naming the key, otherwise). No catalog or cache access.
 3. **Commit** (coordinator, ``finish``): checks every reported pack is in the store at
    its size, then commits through ``Store.commit_manifest``, the store's own commit
    protocol: locally one catalog transaction indexes every rank's new blobs, rechecks
@@ -71,10 +72,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import jsonvalue
-from .adapters.base import REGISTRY, Adapter, Captured, ComponentState, Registry, capture, plain_token, register_adapter
+from .adapters.base import RAW, RAW_BYTES, REGISTRY, Adapter, Captured, ComponentState, Registry, capture, plain_token, raw_leaves, register_adapter
 from .errors import (
     IntegrityError,
     InvalidArgumentError,
+    NotAStoreError,
     RefNotFoundError,
     StoreWriteError,
     TargetMismatchError,
@@ -133,10 +135,26 @@ def _whole(item: WriteItem) -> bool:
 
 
 def _open(store: Store | str | os.PathLike, create: bool) -> Store:
+    """``store``, or the store at that location (made if missing and ``create``).
+
+    Raises:
+        NotAStoreError: no store there; a folder holding other files (a folder of DCP
+            checkpoints) is refused with what to pass instead.
+    """
     if isinstance(store, Store):
         return store
     if isinstance(store, (str, os.PathLike)):
-        return Store(store, create=create)
+        try:
+            return Store(store, create=create)
+        except NotAStoreError as exc:
+            folder = Path(store)
+            if "://" in str(store) or not folder.is_dir() or (folder / "catalog.sqlite").exists() or not any(folder.iterdir()):
+                raise
+            raise NotAStoreError(
+                f"{exc}. A store keeps its commits in a folder of its own (a DCP save is a commit in it, not a "
+                f"folder of files), so it is not made among other files: pass a new or empty folder, e.g. "
+                f"{folder / 'store'} inside your checkpoint folder, to StoreWriter and StoreReader (docs/distributed.md)"
+            ) from None
     raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
 
 
@@ -292,9 +310,15 @@ class StoreWriter(StorageWriter):
             raise InvalidArgumentError("the save plan was not prepared by StoreWriter.prepare_global_plan (was another storage writer's plan used?)")
         results: list[WriteResult] = []
         values = {}
+        raw = {}  # raw bytes items (DCP's io.BytesIO, bytes, bytearray): stored as uint8 blobs
         for item in plan.items:  # every non-tensor value is checked before any blob is written
             if item.type == WriteItemType.BYTE_IO:
-                values[item.index] = jsonvalue.dumps(_lookup_object(planner, item), item.index.fqn)
+                value = _lookup_object(planner, item)
+                if type(value) in RAW_BYTES:
+                    leaves, forms = raw_leaves({"": value}, "")
+                    raw[item.index] = (leaves[""], forms[""])
+                else:
+                    values[item.index] = jsonvalue.dumps(value, item.index.fqn)
         root = _location(self.store)
         for k in [k for k, (token, _) in _REUSED.items() if token[0].ref() is None]:
             del _REUSED[k]  # tensors freed since
@@ -304,12 +328,12 @@ class StoreWriter(StorageWriter):
         tensors = []
         for item in plan.items:
             path = info.paths[item.index]
-            if item.type == WriteItemType.BYTE_IO:
+            if item.index in values:
                 text = values[item.index]
                 data = {"path": path, "kind": "json", "value": text}
                 results.append(WriteResult(index=item.index, size_in_bytes=len(text.encode()), storage_data=data))
                 continue
-            t = planner.resolve_data(item)
+            t = raw[item.index][0] if item.index in raw else planner.resolve_data(item)
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedTypeError(f"{item.index.fqn}: the planner resolved a tensor item to a {type(t).__name__}")
             t = t.detach()
@@ -320,8 +344,10 @@ class StoreWriter(StorageWriter):
                 "path": path, "kind": "tensor", "dtype": dtype_name(t.dtype, item.index.fqn), "shape": list(t.shape),
                 "stride": stride, "nbytes": p.nbytes, "shard_bytes": p.shard_bytes, "keys": [], "locs": {}, "packs": {},
             }
+            if item.index in raw:
+                data["raw"] = raw[item.index][1]
             views = [mv[slice(*p.bounds(s))] for s in range(p.count)]
-            token = plain_token(t) if self.reuse_hashes else None
+            token = plain_token(t) if self.reuse_hashes and item.index not in raw else None
             cached = _REUSED.get((root, path)) if token is not None else None
             known = None
             if cached is not None and cached[0] == token and len(cached[1]) == p.count and sample_unchanged(cached[1], mv, p, path):
@@ -403,8 +429,9 @@ class StoreWriter(StorageWriter):
                 raise StoreWriteError(f"pack {pack}.pack written by a rank of this save is not in {store.location}")
             if held != size:
                 raise StoreWriteError(f"pack {pack}.pack written by a rank of this save holds {held} bytes, the rank wrote {size}")
-        meta = {"dcp": FORMAT_VERSION, **_metadata_json(metadata, ranks)}
-        component = Captured("", ADAPTER, DCPAdapter.version, {**meta, ESCAPED: True}, {})
+        raw = {data["path"]: data["raw"] for _, _, _, data in items if "raw" in data}
+        meta = {"dcp": FORMAT_VERSION, **_metadata_json(metadata, ranks, raw)}
+        component = Captured("", ADAPTER, DCPAdapter.version, {**meta, ESCAPED: True, **({RAW: raw} if raw else {})}, {})
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
             raise StoreWriteError(
@@ -477,13 +504,14 @@ def _lookup_object(planner: SavePlanner, item: WriteItem) -> Any:
     )
 
 
-def _metadata_json(metadata: Metadata, ranks: dict[str, int]) -> dict:
-    """DCP metadata as JSON values (see docs/distributed.md, "What is stored")."""
+def _metadata_json(metadata: Metadata, ranks: dict[str, int], raw: dict[str, str]) -> dict:
+    """DCP metadata as JSON values (see docs/distributed.md, "What is stored"); ``raw``:
+    ``{leaf path: "io.BytesIO" | "bytes" | "bytearray"}`` of the raw bytes items."""
     items = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             path = item_path(fqn)
-            items[fqn] = {"bytes": path, "rank": ranks.get(path)}
+            items[fqn] = {"bytes": path, "rank": ranks.get(path), **({"raw": raw[path]} if path in raw else {})}
             continue
         if not isinstance(md, TensorStorageMetadata):
             raise UnsupportedTypeError(f"{fqn}: unknown DCP storage metadata {type(md).__name__}")
@@ -533,7 +561,12 @@ def metadata_from_json(meta: dict, leaves: dict[str, LeafRecord], where: str) ->
         _need(type(fqn) is str and type(e) is dict, where, "bad item")
         if "bytes" in e:
             leaf = leaves.get(e["bytes"])
-            _need(leaf is not None and leaf.kind == "json" and e["bytes"] == item_path(fqn), where, f"{fqn}: no JSON leaf")
+            if "raw" in e:  # raw bytes: a 1-d uint8 tensor leaf
+                _need(e["raw"] in RAW_BYTES.values() and leaf is not None and leaf.kind == "tensor" and leaf.dtype == "uint8"
+                      and leaf.shape is not None and len(leaf.shape) == 1 and leaf.stride is None, where, f"{fqn}: no raw bytes leaf")
+            else:
+                _need(leaf is not None and leaf.kind == "json", where, f"{fqn}: no JSON leaf")
+            _need(e["bytes"] == item_path(fqn), where, f"{fqn}: leaf path")
             sd_md[fqn] = BytesStorageMetadata()
             paths[MetadataIndex(fqn)] = e["bytes"]
             continue
@@ -646,6 +679,7 @@ class StoreReader(StorageReader):
             )
         self._leaves = {r.path: r for r in record.leaves}
         self._metadata, self._paths = metadata_from_json(comp["meta"], self._leaves, f"commit {cid}")
+        self._raw = {e["bytes"]: e["raw"] for e in comp["meta"]["items"].values() if "raw" in e}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -804,6 +838,18 @@ class StoreReader(StorageReader):
                         buf.seek(0)
                         planner.load_bytes(item, buf)
                     continue
+                if path in self._raw:  # raw bytes: read whole, handed to the planner as DCP's own reader does
+                    buf = torch.empty(leaf.shape[0], dtype=torch.uint8)
+                    self._read_tensor(leaf, locs, shared, [_WholeLeaf(leaf.shape)], _IntoBuffer(buf), where)
+                    data = buf.numpy().tobytes()
+                    form = self._raw[path]
+                    value = data if form == "bytes" else bytearray(data) if form == "bytearray" else io.BytesIO(data)
+                    for item in path_items:
+                        out = io.BytesIO()
+                        torch.save(value, out)  # made here from the verified blob: the planner unpickles only these
+                        out.seek(0)
+                        planner.load_bytes(item, out)
+                    continue
                 self._read_tensor(leaf, locs, shared, path_items, planner, where)
         finally:
             self._reader = None
@@ -874,6 +920,34 @@ class StoreReader(StorageReader):
                 raise IntegrityError(f"{where}, leaf {leaf.path}: DCP expects {list(target.shape)}, the stored chunk gives {list(piece.shape)}")
             target.copy_(piece)
             planner.commit_tensor(item, target)
+
+
+@dataclass(frozen=True)
+class _WholeLeaf:
+    """A read item covering a whole 1-d leaf of ``shape`` (what ``_read_tensor`` reads of an item)."""
+
+    shape: tuple
+
+    @property
+    def storage_offsets(self) -> tuple:
+        return (0,)
+
+    @property
+    def lengths(self) -> tuple:
+        return tuple(self.shape)
+
+
+class _IntoBuffer:
+    """The part of a ``LoadPlanner`` that ``_read_tensor`` uses, reading into ``buf``."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
+        return self.buf
+
+    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
+        pass
 
 
 # --- objects that ckptstore has adapters for, inside a DCP state dict -----------------------------
