@@ -29,7 +29,7 @@ from typing import Any
 from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
 from .adapters.base import capture
 from .adapters.training import Progress  # noqa: F401 (re-exported: ckptstore.checkpointer.Progress)
-from .errors import CkptStoreError, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
+from .errors import CkptStoreError, DefaultRunResumedWarning, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
 from .store import CommitInfo, Store
 
 
@@ -514,6 +514,12 @@ class Checkpointer:
         for name in self.components:
             self.objects[name] = target[name]
         self.steps = target["checkpointer"]["step"]
+        if implicit and self.run is None:
+            warnings.warn(
+                f"resumed {where}" + (f", made by script {made_by!r}" if made_by else "")
+                + ": another experiment in this store (another seed, say) needs its own Checkpointer(..., run='<name>')",
+                DefaultRunResumedWarning, stacklevel=2,
+            )
         return self.steps
 
 

@@ -1230,7 +1230,7 @@ class Store:
             if len(rows) > 1:
                 ids = ", ".join(r["id"][:12] for r in rows)
                 raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix: matches {ids}")
-        raise RefNotFoundError(records.unknown_ref(ref, self.root))
+        raise RefNotFoundError(records.unknown_ref(ref, self.root, [t for t in self.tags() if t.startswith(ref + "/")]))
 
     def tags(self) -> dict[str, str]:
         """``{tag name: commit id}``, sorted by name (on object storage: the refs as on the
