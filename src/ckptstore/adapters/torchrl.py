@@ -404,16 +404,21 @@ class TensorStorageAdapter(Adapter):
     """``TensorStorage``, ``LazyTensorStorage`` and ``LazyMemmapStorage``.
 
     Leaves: ``max_size``, ``ndim``, ``len`` (elements), ``initialized`` and
-    ``layout`` (``"tensordict"`` or ``"tensor"``) as JSON; ``data/<key>`` the
+    ``layout`` (``"tensordict"`` for a TensorDict or tensorclass, ``"tensor"``, or
+    ``"pytree"`` for dicts, lists and tuples of tensors) as JSON; ``data/<key>`` the
     written rows ``[0, n)`` along dim 0 of each tensor (``data`` for a plain
-    tensor storage). Never-written capacity is not stored: a 1,000,000-row
+    tensor storage, ``data/<i>`` for a pytree's tensors in order, its structure in
+    ``tree``); a non-tensor column (a tensorclass ``str`` field) as a JSON list of
+    its written rows. Never-written capacity is not stored: a 1,000,000-row
     memory-mapped storage holding 24 rows commits 24 rows.
 
     Checkout needs the same capacity, ``ndim`` and layout, and, when the target
-    is already initialised, the same keys, dtypes and per-row shapes (keys the
-    commit has and an in-memory, unlocked target lacks are added). A lazy
-    target that was never written is initialised from the stored shapes; the
-    stored rows are then read straight into the target's (memory-mapped) tensors.
+    is already initialised, the same keys (and pytree structure), dtypes and
+    per-row shapes (tensor keys the commit has and an in-memory, unlocked target
+    lacks are added). A lazy target that was never written is initialised from
+    the stored shapes (a tensorclass storage as a TensorDict: no class is imported
+    from stored data); the stored rows are then read straight into the target's
+    (memory-mapped) tensors.
     """
 
     name = "torchrl.storage.tensor"
@@ -475,7 +480,8 @@ class TensorStorageAdapter(Adapter):
         if type(length) is not int or not 0 <= length <= state.json("max_size") or type(initialized) is not bool:
             raise TargetMismatchError(f"{where}: invalid length {length!r} for capacity {state.json('max_size')}")
         if initialized:
-            rows = {state.spec(k)[1][0] for k in state.keys("data") if state.is_tensor(k)}
+            rows = {state.spec(k)[1][0] if state.is_tensor(k) else len(state.json(k)) if type(state.json(k)) is list else -1
+                    for k in state.keys("data")}  # a non-tensor column: a list of rows
             expected = {length} if state.json("ndim") == 1 else rows
             if len(rows) != 1 or rows != expected or max(rows) > state.json("max_size"):
                 raise TargetMismatchError(f"{where}: stored rows {sorted(rows)} do not match the length {length}")
@@ -485,21 +491,18 @@ class TensorStorageAdapter(Adapter):
         layout = _layout(obj._storage)
         if layout != state.json("layout"):
             raise TargetMismatchError(f"{where}: layout differs: stored {state.json('layout')}, target {layout}")
-        if layout == "pytree" and state.json("tree") != _tree(obj._storage, where)[0]:
-            raise TargetMismatchError(f"{where}: pytree structure differs: stored {state.json('tree')}, target {_tree(obj._storage, where)[0]}")
+        tree = _tree(obj._storage, where)[0] if layout == "pytree" else None
+        if tree != (state.json("tree") if layout == "pytree" else None):
+            raise TargetMismatchError(f"{where}: pytree structure differs: stored {state.json('tree')}, target {tree}")
         stored = _stored_keys(state)
         stored_texts = {k for k, leaf in stored.items() if not state.is_tensor(leaf)}
         missing = sorted((set(target) | set(texts)) - set(stored))
         extra = sorted(set(stored) - set(target) - set(texts))
-        if missing or (extra and not _can_add_keys(obj)) or stored_texts & set(target) or set(texts) - stored_texts:
+        if missing or (extra and not _can_add_keys(obj)) or stored_texts != set(texts):
             raise TargetMismatchError(
                 f"{where}: storage keys differ; not in the commit: {missing}, not in the target: {extra}, "
                 f"non-tensor in the commit: {sorted(stored_texts)}, in the target: {sorted(texts)}"
             )
-        for key in stored_texts:
-            values = state.json(stored[key])
-            if type(values) is not list or len(values) != length:
-                raise TargetMismatchError(f"{state.where(stored[key])}: stored non-tensor rows do not match the length {length}")
         for key, tensor in target.items():
             dtype, shape = state.spec(stored[key])
             if dtype != tensor.dtype or shape[1:] != tuple(tensor.shape[1:]) or shape[0] > tensor.shape[0]:
@@ -521,11 +524,12 @@ class TensorStorageAdapter(Adapter):
             if td is None:
                 td = TensorDict({}, batch_size=state.spec(join("data", key))[1][1:ndim])
             td.set(split(key), zeros)
-        if td is not None:
-            for key, leaf in _stored_keys(state).items():
-                values = state.json(leaf) if not state.is_tensor(leaf) else None
-                if values and ndim == 1:  # one row: the lazy storage expands it to its capacity
-                    td.set_non_tensor(split(key), values[0])
+        for key, leaf in _stored_keys(state).items():
+            if td is not None and not state.is_tensor(leaf) and state.json(leaf):
+                first = state.json(leaf)  # a non-tensor column: its first value, which the storage expands
+                for _ in range(ndim):
+                    first = first[0] if type(first) is list and first else first
+                td.set_non_tensor(split(key), first)
         if td is None:
             raise TargetMismatchError(f"{state.where('data')}: an initialised storage with no data")
         return td
