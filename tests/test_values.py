@@ -1,6 +1,7 @@
 """Values a training loop holds (issue 24): every built-in adapter by name in a fresh process,
 numpy scalars, raw bytes, heterogeneous lazy stacks, nested tensors, every TorchRL storage,
-sampler and writer, torchrl.checkpoint checkpoints from before use_store, StoreWriter's folder."""
+sampler and writer, torchrl.checkpoint checkpoints from before use_store, StoreWriter's folder,
+tensorclasses, and TensorStorages backed by pytrees or holding non-tensor columns."""
 
 from __future__ import annotations
 
