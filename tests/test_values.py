@@ -540,6 +540,9 @@ def test_a_tensorclass_commits_and_restores_into_its_class_or_as_a_tensordict(tm
     assert_bit_equal(plain["obs"], data.obs)
     with pytest.raises(ckptstore.errors.TargetMismatchError, match="stored a .*Sample, target is a .*Other"):
         s.checkout("t", into=Other(obs=torch.zeros(2, 3), batch_size=[]))
+    s.commit({"sample": data, "step": 1}, tag="d")  # inside a dict: a component of its own
+    inside = s.checkout("d")
+    assert type(inside["sample"]) is TensorDict and inside["sample", "label"] == "a string" and inside["sample", "inner"].batch_size == (4,)
 
 
 @pytest.mark.parametrize("storage_cls", ["LazyTensorStorage", "LazyMemmapStorage"])
