@@ -516,7 +516,8 @@ class TensorStorageAdapter(Adapter):
         if state.json("layout") == "tensor":
             dtype, shape = state.spec("data")
             return torch.zeros(shape[1:], dtype=dtype)
-        tensors = {k: torch.zeros(state.spec(leaf)[1][1:], dtype=state.spec(leaf)[0]) for k, leaf in _stored_keys(state).items() if state.is_tensor(leaf)}
+        specs = {k: state.spec(leaf) for k, leaf in _stored_keys(state).items() if state.is_tensor(leaf)}
+        tensors = {k: torch.zeros(shape[1:], dtype=dtype) for k, (dtype, shape) in specs.items()}
         if state.json("layout") == "pytree":
             return _untree(state.json("tree"), iter(tensors[k] for k in sorted(tensors, key=int)), state.where("tree"))
         td = None

@@ -9,7 +9,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection, is_tensorclass
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_non_tensor,
+    is_tensor_collection,
+    is_tensorclass,
+)
 
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
 from .base import RAW_BYTES, REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, same_class, split, under
