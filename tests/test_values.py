@@ -1,6 +1,7 @@
 """Values a training loop holds (issue 24): every built-in adapter by name in a fresh process,
 numpy scalars, raw bytes, heterogeneous lazy stacks, nested tensors, every TorchRL storage,
-sampler and writer, torchrl.checkpoint checkpoints from before use_store, StoreWriter's folder."""
+sampler and writer, torchrl.checkpoint checkpoints from before use_store, StoreWriter's folder,
+tensorclasses, and TensorStorages backed by pytrees or holding non-tensor columns."""
 
 from __future__ import annotations
 
@@ -499,3 +500,112 @@ def test_a_nested_tensor_checked_out_in_part_comes_back_as_its_parts(tmp_path):
     part = s.checkout("t", partial=["d/nt/values", "d/nt/offsets"])  # without lengths: not the nested tensor
     assert sorted(part["d", "nt"].keys()) == ["offsets", "values"]
     assert_bit_equal(part["d", "nt", "values"], nt.values())
+
+
+# --- tensorclasses and pytree-backed storages (the peers' own tests, issue 24) ----------------
+
+
+def _tensorclasses():
+    from tensordict import tensorclass
+
+    @tensorclass
+    class Sample:
+        obs: torch.Tensor
+        inner: TensorDict
+        count: int
+        label: str
+        extra: dict
+
+    @tensorclass
+    class Other:
+        obs: torch.Tensor
+
+    return Sample, Other
+
+
+def test_a_tensorclass_commits_and_restores_into_its_class_or_as_a_tensordict(tmp_path):
+    Sample, Other = _tensorclasses()
+    data = Sample(obs=torch.arange(6.0).reshape(2, 3), inner=TensorDict({"y": torch.arange(4)}, [4]), count=3, label="a string",
+                  extra={"k": [1, "v"]}, batch_size=[])
+    s = Store(tmp_path / "s", create=True)
+    s.commit(data, tag="t")
+    kinds = {r.path: r.kind for r in s.manifest("t")}
+    assert kinds == {"obs": "tensor", "inner/y": "tensor", "count": "tensor", "label": "json", "extra": "json"}
+    target = Sample(obs=torch.zeros(2, 3), inner=TensorDict({"y": torch.zeros(4, dtype=torch.int64)}, [4]), count=0, label="", extra={},
+                    batch_size=[])
+    obs = target.obs
+    out = s.checkout("t", into=target)
+    assert out is target and out.obs is obs and (out == data).all()
+    assert out.label == "a string" and out.extra == {"k": [1, "v"]} and out.count == 3 and out.inner.batch_size == (4,)
+    plain = s.checkout("t")  # no target: a TensorDict of the fields, the class is never imported
+    assert type(plain) is TensorDict and plain["label"] == "a string" and plain["inner"].batch_size == (4,)
+    assert_bit_equal(plain["obs"], data.obs)
+    with pytest.raises(ckptstore.errors.TargetMismatchError, match="stored a .*Sample, target is a .*Other"):
+        s.checkout("t", into=Other(obs=torch.zeros(2, 3), batch_size=[]))
+    s.commit({"sample": data, "step": 1}, tag="d")  # inside a dict: a component of its own
+    inside = s.checkout("d")
+    assert type(inside["sample"]) is TensorDict and inside["sample", "label"] == "a string" and inside["sample", "inner"].batch_size == (4,)
+
+
+@pytest.mark.parametrize("storage_cls", ["LazyTensorStorage", "LazyMemmapStorage"])
+@pytest.mark.parametrize("initialized", [True, False])
+def test_a_pytree_backed_storage_round_trips_its_structure_and_rows(tmp_path, storage_cls, initialized):
+    import torchrl.data
+    from torch.utils._pytree import tree_flatten, tree_map
+
+    cls = getattr(torchrl.data, storage_cls)
+    data = {"a": torch.arange(3), "b": {"c": [torch.ones(3), (-torch.arange(6.0).reshape(3, 2),)]}, 30: -torch.ones(3, 1)}
+    source = cls(max_size=10)
+    source.set(range(3), data)
+    s = Store(tmp_path / "s", create=True)
+    s.commit(source, tag="t")
+    target = cls(max_size=10)
+    if initialized:
+        target.set(range(3), tree_map(lambda x: torch.zeros_like(x), data))
+    s.checkout("t", into=target)
+    assert len(target) == 3 and list(target._storage) == ["a", "b", 30] and type(target._storage["b"]["c"][1]) is tuple
+    got, spec = tree_flatten(target[:])
+    want, want_spec = tree_flatten(source[:])
+    assert spec == want_spec
+    for g, w in zip(got, want, strict=True):
+        assert_bit_equal(g, w)
+    other = cls(max_size=10)
+    other.set(range(3), {"a": torch.zeros(3, dtype=torch.int64)})
+    with pytest.raises(ckptstore.errors.TargetMismatchError, match="pytree structure differs"):
+        s.checkout("t", into=other)
+
+
+def test_a_pytree_storage_holding_something_else_is_refused_naming_it(tmp_path):
+    from torchrl.data import LazyTensorStorage
+
+    storage = LazyTensorStorage(4)
+    storage.set(range(2), {"a": torch.ones(2)})
+    storage._storage["a"] = {1.5: storage._storage["a"]}  # a float key
+    with pytest.raises(UnsupportedTypeError, match=r"storage/data/a: a pytree-backed storage holding a builtins.dict; supported"):
+        Store(tmp_path / "s", create=True).commit(storage, tag="t")
+
+
+@pytest.mark.parametrize("initialized", [True, False])
+def test_a_tensorclass_storage_keeps_its_str_field_row_by_row(tmp_path, initialized):
+    from tensordict import NonTensorStack
+    from torchrl.data import LazyMemmapStorage
+
+    Sample, _ = _tensorclasses()
+
+    def sample(n, fill):
+        return Sample(obs=torch.full((n, 3), fill), inner=TensorDict({"y": torch.full((n,), int(fill))}, [n]),
+                      count=torch.full((n,), int(fill)), label="text", extra={"k": 1}, batch_size=[n])
+    source = LazyMemmapStorage(max_size=8)
+    source.set(range(3), sample(3, 1.0))
+    source._storage._tensordict.set_at_("label", NonTensorStack.from_list(["x", "y", "z"]), slice(0, 3))
+    s = Store(tmp_path / "s", create=True)
+    s.commit(source, tag="t")
+    assert {r.path: r.kind for r in s.manifest("t") if r.path.startswith("data/")} == {
+        "data/obs": "tensor", "data/inner/y": "tensor", "data/count": "tensor", "data/label": "json", "data/extra": "json"}
+    target = LazyMemmapStorage(max_size=8)
+    if initialized:
+        target.set(range(3), sample(3, 0.0))
+    s.checkout("t", into=target)
+    fields = target._storage._tensordict if initialized else target._storage
+    assert type(target._storage) is (Sample if initialized else TensorDict)  # never written: no class to rebuild, a TensorDict
+    assert fields.get("label")[:3].tolist() == ["x", "y", "z"] and (target[:3] == source[:3]).all()

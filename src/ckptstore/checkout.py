@@ -326,6 +326,10 @@ def _states(store: Store, cid: str, prefixes: list[str] | None, comps: dict[str,
     return states
 
 
+#: Adapters whose components check out without ``into`` as a TensorDict (a tensorclass's fields: its class is never imported).
+TENSORDICTS = ("tensordict", "tensorclass")
+
+
 def _as_tensordict(store: Store, states: dict[str, ComponentState], reader: BlobReader, map_location: Any = None) -> Any:
     from tensordict import TensorDict
 
@@ -344,16 +348,16 @@ def _as_tensordict(store: Store, states: dict[str, ComponentState], reader: Blob
             state.leaves = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in state.leaves.items()}
     if len(states) == 1 and "" in states:
         only = states[""]
-        if only.adapter == "tensordict":
-            return store.registry.named("tensordict", "").build(only)
+        if only.adapter in TENSORDICTS:
+            return store.registry.named(only.adapter, "").build(only)
         if only.adapter == "numpy":
             return store.registry.named("numpy", "").from_state(None, only)
         if list(only.leaves) == [""]:
             return only.value("")
     out = TensorDict({}, batch_size=[])
     for state in states.values():
-        if state.adapter == "tensordict" and state.path:
-            out.set(split(state.path), store.registry.named("tensordict", state.path).build(state))
+        if state.adapter in TENSORDICTS and state.path:
+            out.set(split(state.path), store.registry.named(state.adapter, state.path).build(state))
             continue
         for rel, value in state.leaves.items():
             key = split(join(state.path, rel))

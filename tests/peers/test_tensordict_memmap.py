@@ -222,10 +222,7 @@ def test_save_load_memmap_stacked_td(storage, like, tmpdir):
         assert (d2[:, 0] == a).all()
 
 
-def test_load_scenarios(storage, tmpdir, request):
-    if storage.name == "ckptstore":
-        request.applymarker(pytest.mark.xfail(strict=False, reason="issue 24 values: a tensorclass at the top level of a commit"))
-
+def test_load_scenarios(storage, tmpdir):
     @tensorclass
     class MyClass:
         X: torch.Tensor

@@ -421,6 +421,8 @@ class Adapter:
         name: unique, stable name stored with each component (``"torch.nn.Module"``).
         version: the state version this adapter writes (int, from 1).
         types: the classes it handles; subclasses match too, the most specific wins.
+        claims: for objects whose classes share no base (tensorclasses): ``claims(obj)``
+            returns ``True`` for those it handles; asked only when no ``types`` match.
         migrations: ``{v: fn(flat, meta) -> flat}`` turning version ``v`` state into ``v + 1``.
         direct: ``True`` if ``from_state`` reads large tensors straight into the
             target (``state.read_into``); other components are read and
@@ -440,6 +442,10 @@ class Adapter:
     direct: ClassVar[bool] = False
     partial_targets: ClassVar[bool] = False
     uses_scope: ClassVar[bool] = False
+
+    def claims(self, obj: Any) -> bool:
+        """Does this adapter handle ``obj``, whose class no adapter's ``types`` match?"""
+        return False
 
     def children(self, obj: Any) -> dict[str, Any] | None:
         """Child objects of a container (by name), or ``None`` for a leaf adapter."""
@@ -542,6 +548,7 @@ class Registry:
     def __init__(self) -> None:
         self.by_name: dict[str, Adapter] = {}
         self.by_type: dict[type, Adapter] = {}
+        self.claimants: dict[str, Adapter] = {}  # by name: adapters overriding Adapter.claims
 
     @staticmethod
     def _load(package: str) -> bool:
@@ -565,6 +572,8 @@ class Registry:
         self.by_name[cls.name] = adapter
         for t in cls.types:
             self.by_type[t] = adapter
+        if cls.claims is not Adapter.claims:
+            self.claimants[cls.name] = adapter
         return cls
 
     def for_object(self, obj: Any, path: str = "") -> Adapter:
@@ -574,6 +583,9 @@ class Registry:
                 problem = adapter.refusal(obj, path)
                 if problem is not None:
                     raise problem
+                return adapter
+        for adapter in self.claimants.values():
+            if adapter.claims(obj):
                 return adapter
         if any(self._load(k.__module__.split(".")[0]) for k in type(obj).__mro__):
             return self.for_object(obj, path)

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict, is_non_tensor, is_tensor_collection
+from tensordict import NonTensorStack, TensorDict, is_non_tensor, is_tensor_collection, is_tensorclass
 from torchrl.checkpoint import GlobalRNGState
 from torchrl.collectors import BaseCollector
 from torchrl.data.replay_buffers import (
@@ -173,27 +173,89 @@ def _warn_overrides(state: ComponentState, built: dict[str, Any]) -> None:
             )
 
 
-def _storage_leaves(data: Any, path: str) -> dict[str, torch.Tensor]:
-    """``{escaped key path: full-capacity tensor}`` of a storage's backing data."""
-    if isinstance(data, torch.Tensor) and not is_tensor_collection(data):
-        return {"": data}
-    if not is_tensor_collection(data):
-        raise UnsupportedTypeError(f"{path}: storages backed by {type(data).__name__} (pytrees) are not supported")
-    out: dict[str, torch.Tensor] = {}
+def _layout(data: Any) -> str:
+    """How a storage's backing data is laid out: ``"tensor"``, ``"tensordict"`` (a
+    TensorDict or tensorclass) or ``"pytree"`` (dicts, lists and tuples of tensors)."""
+    if is_tensor_collection(data):
+        return "tensordict"
+    return "tensor" if isinstance(data, torch.Tensor) else "pytree"
+
+
+def _tree(data: Any, path: str) -> tuple[Any, list[torch.Tensor]]:
+    """A pytree-backed storage's structure as JSON (``null``: a tensor; ``["dict",
+    [[key, sub], ...]]`` with ``str`` or ``int`` keys; ``["list", [...]]``; ``["tuple",
+    [...]]``) and its tensors in that order.
+
+    Raises:
+        UnsupportedTypeError: anything else in the tree (naming it and its place).
+    """
+    tensors: list[torch.Tensor] = []
+
+    def walk(node: Any, where: str) -> Any:
+        if isinstance(node, torch.Tensor) and not is_tensor_collection(node):
+            tensors.append(node)
+            return None
+        if type(node) is dict and all(type(k) in (str, int) for k in node):
+            return ["dict", [[k, walk(v, f"{where}/{k}")] for k, v in node.items()]]
+        if type(node) in (list, tuple):
+            return [type(node).__name__, [walk(v, f"{where}/{i}") for i, v in enumerate(node)]]
+        raise UnsupportedTypeError(
+            f"{path}/data{where}: a pytree-backed storage holding a {type(node).__module__}.{type(node).__qualname__}; "
+            "supported: tensors in dicts (str or int keys), lists and tuples"
+        )
+
+    return walk(data, ""), tensors
+
+
+def _untree(spec: Any, tensors: Any, where: str) -> Any:
+    """The pytree :func:`_tree` describes, its tensors taken in order from the iterator ``tensors``.
+
+    Raises:
+        TargetMismatchError: a malformed structure, or one with more places than tensors.
+    """
+    try:
+        if spec is None:
+            return next(tensors)
+        kind, items = spec
+        if kind == "dict":
+            return {k: _untree(v, tensors, where) for k, v in items}
+        if kind in ("list", "tuple"):
+            return (list if kind == "list" else tuple)(_untree(v, tensors, where) for v in items)
+    except (TypeError, ValueError, StopIteration, RuntimeError):
+        pass
+    raise TargetMismatchError(f"{where}: malformed pytree structure {spec!r}")
+
+
+def _columns(data: Any, path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A storage's backing data as ``({escaped key path: full-capacity tensor},
+    {escaped key path: non-tensor column})``; a pytree's tensors are keyed by their
+    place in :func:`_tree`'s order (``"0"``, ``"1"``...), a plain tensor by ``""``."""
+    layout = _layout(data)
+    if layout == "tensor":
+        return {"": data}, {}
+    if layout == "pytree":
+        return {str(i): t for i, t in enumerate(_tree(data, path)[1])}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    texts: dict[str, Any] = {}
 
     def walk(td: Any, prefix: str) -> None:
         for key in td.keys():
             value = td._get_str(key, None)
             p = join(prefix, escape(key))
             if is_non_tensor(value):
-                raise UnsupportedTypeError(f"{path}/data/{p}: non-tensor data in a tensor storage is not supported")
-            if is_tensor_collection(value):
+                texts[p] = value
+            elif is_tensor_collection(value):
                 walk(value, p)
             else:
-                out[p] = value
+                tensors[p] = value
 
     walk(data, "")
-    return out
+    return tensors, texts
+
+
+def _storage_leaves(data: Any, path: str) -> dict[str, torch.Tensor]:
+    """``{escaped key path: full-capacity tensor}`` of a storage's backing data (see :func:`_columns`)."""
+    return _columns(data, path)[0]
 
 
 class WriteLog:
@@ -342,16 +404,21 @@ class TensorStorageAdapter(Adapter):
     """``TensorStorage``, ``LazyTensorStorage`` and ``LazyMemmapStorage``.
 
     Leaves: ``max_size``, ``ndim``, ``len`` (elements), ``initialized`` and
-    ``layout`` (``"tensordict"`` or ``"tensor"``) as JSON; ``data/<key>`` the
+    ``layout`` (``"tensordict"`` for a TensorDict or tensorclass, ``"tensor"``, or
+    ``"pytree"`` for dicts, lists and tuples of tensors) as JSON; ``data/<key>`` the
     written rows ``[0, n)`` along dim 0 of each tensor (``data`` for a plain
-    tensor storage). Never-written capacity is not stored: a 1,000,000-row
+    tensor storage, ``data/<i>`` for a pytree's tensors in order, its structure in
+    ``tree``); a non-tensor column (a tensorclass ``str`` field) as a JSON list of
+    its written rows. Never-written capacity is not stored: a 1,000,000-row
     memory-mapped storage holding 24 rows commits 24 rows.
 
     Checkout needs the same capacity, ``ndim`` and layout, and, when the target
-    is already initialised, the same keys, dtypes and per-row shapes (keys the
-    commit has and an in-memory, unlocked target lacks are added). A lazy
-    target that was never written is initialised from the stored shapes; the
-    stored rows are then read straight into the target's (memory-mapped) tensors.
+    is already initialised, the same keys (and pytree structure), dtypes and
+    per-row shapes (tensor keys the commit has and an in-memory, unlocked target
+    lacks are added). A lazy target that was never written is initialised from
+    the stored shapes (a tensorclass storage as a TensorDict: no class is imported
+    from stored data); the stored rows are then read straight into the target's
+    (memory-mapped) tensors.
     """
 
     name = "torchrl.storage.tensor"
@@ -363,9 +430,16 @@ class TensorStorageAdapter(Adapter):
         if obj.initialized:
             data = obj._storage
             rows = obj._len_along_dim0
-            leaves = _storage_leaves(data, "storage")
-            state["layout"] = "tensor" if "" in leaves else "tensordict"
-            state["data"] = leaves[""][:rows] if "" in leaves else unflatten({k: v[:rows] for k, v in leaves.items()})
+            leaves, texts = _columns(data, "storage")
+            state["layout"] = _layout(data)
+            if state["layout"] == "tensor":
+                state["data"] = leaves[""][:rows]
+            else:
+                columns = {k: v[:rows] for k, v in leaves.items()}
+                columns.update({k: Json(v[:rows].tolist()) for k, v in texts.items()})
+                state["data"] = unflatten(columns)
+            if state["layout"] == "pytree":
+                state["tree"] = Json(_tree(data, "storage")[0])
         return state
 
     def fingerprints(self, obj: TensorStorage) -> dict:
@@ -406,21 +480,29 @@ class TensorStorageAdapter(Adapter):
         if type(length) is not int or not 0 <= length <= state.json("max_size") or type(initialized) is not bool:
             raise TargetMismatchError(f"{where}: invalid length {length!r} for capacity {state.json('max_size')}")
         if initialized:
-            rows = {state.spec(k)[1][0] for k in state.keys("data")}
+            rows = {state.spec(k)[1][0] if state.is_tensor(k) else len(state.json(k)) if type(state.json(k)) is list else -1
+                    for k in state.keys("data")}  # a non-tensor column: a list of rows
             expected = {length} if state.json("ndim") == 1 else rows
             if len(rows) != 1 or rows != expected or max(rows) > state.json("max_size"):
                 raise TargetMismatchError(f"{where}: stored rows {sorted(rows)} do not match the length {length}")
         if not initialized or not obj.initialized:
             return
-        target = _storage_leaves(obj._storage, where)
-        layout = "tensor" if "" in target else "tensordict"
+        target, texts = _columns(obj._storage, where)
+        layout = _layout(obj._storage)
         if layout != state.json("layout"):
             raise TargetMismatchError(f"{where}: layout differs: stored {state.json('layout')}, target {layout}")
+        tree = _tree(obj._storage, where)[0] if layout == "pytree" else None
+        if tree != (state.json("tree") if layout == "pytree" else None):
+            raise TargetMismatchError(f"{where}: pytree structure differs: stored {state.json('tree')}, target {tree}")
         stored = _stored_keys(state)
-        missing = sorted(set(target) - set(stored))
-        extra = sorted(set(stored) - set(target))
-        if missing or (extra and not _can_add_keys(obj)):
-            raise TargetMismatchError(f"{where}: storage keys differ; not in the commit: {missing}, not in the target: {extra}")
+        stored_texts = {k for k, leaf in stored.items() if not state.is_tensor(leaf)}
+        missing = sorted((set(target) | set(texts)) - set(stored))
+        extra = sorted(set(stored) - set(target) - set(texts))
+        if missing or (extra and not _can_add_keys(obj)) or stored_texts != set(texts):
+            raise TargetMismatchError(
+                f"{where}: storage keys differ; not in the commit: {missing}, not in the target: {extra}, "
+                f"non-tensor in the commit: {sorted(stored_texts)}, in the target: {sorted(texts)}"
+            )
         for key, tensor in target.items():
             dtype, shape = state.spec(stored[key])
             if dtype != tensor.dtype or shape[1:] != tuple(tensor.shape[1:]) or shape[0] > tensor.shape[0]:
@@ -434,12 +516,21 @@ class TensorStorageAdapter(Adapter):
         if state.json("layout") == "tensor":
             dtype, shape = state.spec("data")
             return torch.zeros(shape[1:], dtype=dtype)
+        specs = {k: state.spec(leaf) for k, leaf in _stored_keys(state).items() if state.is_tensor(leaf)}
+        tensors = {k: torch.zeros(shape[1:], dtype=dtype) for k, (dtype, shape) in specs.items()}
+        if state.json("layout") == "pytree":
+            return _untree(state.json("tree"), iter(tensors[k] for k in sorted(tensors, key=int)), state.where("tree"))
         td = None
-        for key in state.keys("data"):
-            dtype, shape = state.spec(key)
+        for key, zeros in tensors.items():
             if td is None:
-                td = TensorDict({}, batch_size=shape[1:ndim])
-            td.set(split(key)[1:], torch.zeros(shape[1:], dtype=dtype))
+                td = TensorDict({}, batch_size=state.spec(join("data", key))[1][1:ndim])
+            td.set(split(key), zeros)
+        for key, leaf in _stored_keys(state).items():
+            if td is not None and not state.is_tensor(leaf) and state.json(leaf):
+                first = state.json(leaf)  # a non-tensor column: its first value, which the storage expands
+                for _ in range(ndim):
+                    first = first[0] if type(first) is list and first else first
+                td.set_non_tensor(split(key), first)
         if td is None:
             raise TargetMismatchError(f"{state.where('data')}: an initialised storage with no data")
         return td
@@ -466,6 +557,12 @@ class TensorStorageAdapter(Adapter):
             self._init(obj, self._template(state))
         target = _storage_leaves(obj._storage, state.where(""))
         for key, leaf in _stored_keys(state).items():
+            if not state.is_tensor(leaf):
+                values = state.json(leaf)
+                fields = obj._storage._tensordict if is_tensorclass(obj._storage) else obj._storage
+                if values:
+                    fields.set_at_(split(key), NonTensorStack.from_list(values), slice(0, len(values)))
+                continue
             dtype, shape = state.spec(leaf)
             if key not in target:  # a key the buffer added on write (TorchRL's "index"): add it as TorchRL would
                 target[key] = torch.zeros((obj._storage.shape[0], *shape[1:]), dtype=dtype)

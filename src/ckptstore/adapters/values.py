@@ -9,10 +9,19 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_non_tensor,
+    is_tensor_collection,
+    is_tensorclass,
+)
 
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import RAW_BYTES, REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, split, under
+from .base import RAW_BYTES, REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, same_class, split, under
 
 
 @register_adapter
@@ -431,6 +440,54 @@ class TensorDictAdapter(Adapter):
         return obj
 
 
+def _is_tensorclass(obj: Any) -> bool:
+    """Is ``obj`` an instance (not the class) of a ``@tensorclass`` class?"""
+    return not isinstance(obj, type) and is_tensorclass(obj)
+
+
+@register_adapter
+class TensorClassAdapter(TensorDictAdapter):
+    """An instance of a ``@tensorclass`` class: stored as the TensorDict holding its
+    fields (tensor fields as tensor leaves, nested TensorDicts by key, non-tensor
+    fields such as ``str``, ``int`` or ``dict`` values as JSON: what
+    :class:`TensorDictAdapter` stores), meta ``class`` naming its class.
+
+    The class is never imported from stored data: checkout restores in place into a
+    target of the same class (``checkout(into=instance)``; the fields are
+    overwritten as a TensorDict target's are), into a TensorDict target, or, with
+    no target, as a new TensorDict of the fields.
+
+    Raises (at checkout): TargetMismatchError for a target tensorclass of another
+    class or batch size.
+    """
+
+    name = "tensorclass"
+    version = 1
+    types = ()
+    migrations = {}
+
+    def claims(self, obj: Any) -> bool:
+        return _is_tensorclass(obj)
+
+    def to_state(self, obj: Any) -> Any:
+        return super().to_state(obj._tensordict)
+
+    def meta(self, obj: Any) -> dict:
+        return {**super().meta(obj._tensordict), "class": f"{type(obj).__module__}.{type(obj).__qualname__}"}
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        if _is_tensorclass(obj):
+            same_class(obj, state)
+            obj = obj._tensordict
+        super().check(obj, state)
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        if _is_tensorclass(obj):
+            self._fill(obj._tensordict, state)
+            return obj
+        return super().from_state(obj, state)
+
+
 def _heterogeneous(td: TensorDictBase) -> bool:
     """A lazy stack whose members differ in keys or in the shape or dtype of a tensor
     (one TensorDict of stacked leaves cannot hold it)."""
@@ -462,4 +519,4 @@ def _lazy(state: ComponentState) -> dict:
     return lazy
 
 
-__all__ = ["REGISTRY", "DictAdapter", "JsonAdapter", "NonTensorData", "TensorAdapter", "TensorDictAdapter"]
+__all__ = ["REGISTRY", "DictAdapter", "JsonAdapter", "NonTensorData", "TensorAdapter", "TensorClassAdapter", "TensorDictAdapter"]
