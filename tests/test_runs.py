@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -319,3 +320,37 @@ def test_a_run_name_given_as_a_ref_names_the_runs_tags(tmp_path, home, request):
         c.commit()
     with pytest.raises(ckptstore.errors.RefNotFoundError, match=r"'exp-b' is a run: name one of its tags, e.g. 'exp-b/latest', 'exp-b/step-0'"):
         store.log("exp-b")
+
+
+def test_a_forked_child_leaves_its_parents_bucket_lease_alone(s3_server):
+    """A process forked while a Checkpointer holds a lease on a bucket (a DataLoader worker,
+    a test harness's child) gets a copy of the lease; its release (a finalizer run by the
+    child's garbage collector) must neither touch the bucket from the forked client (that
+    hung forever) nor delete the parent's lease."""
+    url = "s3://ckpt/runs-fork"
+    held = _ckpt(url, {"w": torch.zeros(4)}, run="exp-f", lease_seconds=30.0)
+    try:
+        with ckptstore.Store(url) as s:
+            before = sorted(o.key for o in s.backend.list("leases"))
+        assert before
+        pid = os.fork()
+        if pid == 0:  # the child: release its copy, then leave at once
+            try:
+                held._lease.release()
+            finally:
+                os._exit(0)
+        for _ in range(300):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's release hung")
+        assert os.waitstatus_to_exitcode(status) == 0
+        with ckptstore.Store(url) as s:
+            assert sorted(o.key for o in s.backend.list("leases")) == before  # the parent's lease is intact
+        assert held.commit().tags == ("exp-f/step-0", "exp-f/latest")
+    finally:
+        held.close()

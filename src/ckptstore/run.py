@@ -316,7 +316,7 @@ class BucketLease(Lease):
             gen, self.gen = self.gen, None
             if BucketLease._held.get(self.url_key) is self:
                 del BucketLease._held[self.url_key]
-        if gen is not None:
+        if gen is not None and os.getpid() == self.holder["pid"]:  # (a forked child's copy: the lease is its parent's)
             try:
                 for o in self._generations().get(gen, ()):
                     self.backend.delete(o.key)
