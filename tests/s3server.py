@@ -32,6 +32,11 @@ of the request path; the first ``count`` matching requests are hit), with ``acti
 - ``"500-before"``: answer HTTP 500 without doing the request;
 - ``"500-after"``: do it (the write lands), then answer HTTP 500;
 - ``"drop-after"``: do it, then close the connection without an answer (a lost response).
+
+**Bytes served.** The server counts the body bytes of the GET responses it sends:
+``MotoServer.served()`` returns ``{"gets", "bytes", "blob_gets", "blob_bytes"}`` (``blob_*``:
+requests for objects under ``blobs/``, that is packs and their ``.idx``) since the last
+``reset_served()`` (control path ``/__served__``: GET reads, POST resets).
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ REGION = "us-east-1"
 ACCESS_KEY = "testing"
 SECRET_KEY = "testing"
 READY = "READY"
+SERVED_PATH = "/__served__"
 
 
 class _Serialized:
@@ -127,6 +133,43 @@ class _Faults:
         return [_ERROR_500]
 
 
+class _Served:
+    """WSGI middleware: count the body bytes of GET responses (see the module docstring)."""
+
+    FIELDS = ("gets", "bytes", "blob_gets", "blob_bytes")
+
+    def __init__(self, app):
+        self.app = app
+        self.lock = threading.Lock()
+        self.counts = dict.fromkeys(self.FIELDS, 0)
+
+    def __call__(self, environ, start_response) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == SERVED_PATH:
+            with self.lock:
+                body = json.dumps(self.counts).encode()
+                if environ["REQUEST_METHOD"] == "POST":
+                    self.counts = dict.fromkeys(self.FIELDS, 0)
+            start_response("200 OK", [("Content-Type", "application/json")])
+            return [body]
+        result = self.app(environ, start_response)
+        if environ["REQUEST_METHOD"] != "GET":
+            return result
+        try:
+            body = b"".join(result)
+        finally:
+            close = getattr(result, "close", None)
+            if close is not None:
+                close()
+        blob = "/blobs/" in path
+        with self.lock:
+            self.counts["gets"] += 1
+            self.counts["bytes"] += len(body)
+            self.counts["blob_gets"] += blob
+            self.counts["blob_bytes"] += len(body) if blob else 0
+        return [body]
+
+
 def _serve(host: str, port: int, buckets: list[str], serialize: bool) -> None:
     """Run in the server process: create ``buckets``, then serve forever."""
     from moto.core import DEFAULT_ACCOUNT_ID
@@ -136,7 +179,7 @@ def _serve(host: str, port: int, buckets: list[str], serialize: bool) -> None:
     from werkzeug.serving import make_server
 
     app = DomainDispatcherApplication(create_backend_app)
-    app = _Faults(_Serialized(app) if serialize else app)
+    app = _Served(_Faults(_Serialized(app) if serialize else app))
     server = make_server(host, port, app, threaded=True, request_handler=MotoRequestHandler)
     os.environ["MOTO_PORT"] = str(server.server_port)
     for bucket in buckets:
@@ -216,6 +259,17 @@ class MotoServer:
     def faults(self) -> list[dict]:
         """The fault rules not yet used up (a rule's ``count`` is what is left of it)."""
         with urllib.request.urlopen(self.endpoint + FAULTS_PATH, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def served(self) -> dict[str, int]:
+        """GET requests and their body bytes since the last :meth:`reset_served` (see the module docstring)."""
+        with urllib.request.urlopen(self.endpoint + SERVED_PATH, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def reset_served(self) -> dict[str, int]:
+        """Zero the counts of :meth:`served`; returns them as they were."""
+        req = urllib.request.Request(self.endpoint + SERVED_PATH, data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
 
     def __enter__(self) -> MotoServer:

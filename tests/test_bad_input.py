@@ -146,8 +146,7 @@ def test_unencodable_strings_fail_before_writing_a_pack(store):
 def test_unstorable_tensors_and_cycles(store):
     cyclic = {"t": torch.ones(2)}
     cyclic["me"] = cyclic
-    for bad, match in ((torch.eye(3).to_sparse(), "sparse"), (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested"),
-                       (cyclic, "cycle")):
+    for bad, match in ((torch.eye(3).to_sparse(), "sparse"), (cyclic, "cycle")):  # nested tensors are stored (tests/test_values.py)
         with pytest.raises(UnsupportedTypeError, match=match):
             store.commit({"x": bad})
 

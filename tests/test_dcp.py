@@ -154,7 +154,7 @@ def _save_edit_load(rank: int, world: int, store: str) -> dict:
     assert target["step"] == 7 and type(target["step"]) is int
     assert cfg["betas"] == (0.9, 0.999) and type(cfg["betas"]) is tuple and cfg["lr"] == 1e-3 and cfg["name"] == "adam"
     assert cfg["nan"] != cfg["nan"] and cfg["none"] is None
-    out["blobs_read"] = reader.blobs_read
+    out["blobs_read"] = [reader.blobs_read, reader.blobs_received]
     return out
 
 
@@ -198,8 +198,10 @@ def test_save_resave_async_and_load_on_two_ranks(tmp_path, monkeypatch, capsys):
     assert r0["info2"] == [DEFAULT_SHARD_BYTES, 1, [r0["first"]]]
     step3 = s.info("step-3")
     assert step3.parents == () and (step3.shards_new, step3.new_bytes) == (1, DEFAULT_SHARD_BYTES)
-    # each rank read only its plan's blobs: replicated items from every rank, its own counter
-    assert r0["blobs_read"] == r1["blobs_read"] == 4 + 1 + 2 + 1
+    # each rank read only its plan's blobs, and each replicated one (w's 4, b, the one zeros shard
+    # of zeros and zeros2) on one rank only, which sent it to the other: w's first 3 shards on
+    # rank 0, the last, b and zeros on rank 1; and its own counter
+    assert r0["blobs_read"] == r1["blobs_read"] == [3 + 1, 3]
     assert len(s.log()) == 3 and set(s.tags()) == {"step-1", "step-3"}
     assert [c.id for c in s.log("step-1")] == [s.resolve("step-1"), r0["first"]]
     # an ordinary commit: checkout keyed by the fqns exactly, partial of one fqn, show, diff, fsck, export
@@ -362,8 +364,10 @@ def test_dtensor_saved_on_four_ranks_loads_on_two_and_one(tmp_path):
     a, _ = _global()
     assert_bit_equal(torch.cat([td["a", k] for k in ("0,0", "4,0", "8,0", "12,0")]), a)
     # two ranks: rank 0 needs rows 0-6 of a (2 chunks), columns 0-1 of b (2), plain (1), tiny row 0 (1);
-    # rank 1 rows 7-12 of a (3), 2 columns of b, plain, tiny row 1; no rank reads the empty chunk
-    assert run_ranks(2, _load_sharded, store_path) == [6, 7]
+    # rank 1 rows 7-12 of a (3), 2 columns of b, plain, tiny row 1; no rank reads the empty chunk;
+    # the two small blobs both need (plain, and a's chunk of rows 4-7) are read by rank 0 (the first run)
+    # and sent to rank 1: 11 in all
+    assert run_ranks(2, _load_sharded, store_path) == [6, 5]
     assert run_ranks(1, _load_sharded, store_path) == [11]
 
 

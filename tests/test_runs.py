@@ -286,3 +286,36 @@ def test_a_lease_on_object_storage_is_renewed_and_expires_when_its_holder_is_kil
     with ckptstore.Store(url) as s:
         assert [(r.name, r.latest_step, r.commits, r.bytes) for r in runs(s)] == [("exp-a", 0, 1, s.du()["stored_bytes"])]
         assert s.backend.list("leases") == []  # closed: the lease is gone, not left to expire
+
+
+
+def test_resuming_the_default_run_says_so_and_a_named_run_does_not(tmp_path):
+    """Another seed of the same script looks like a restart to the default run: its resume
+    warns, naming the step and commit, so the mix-up is visible; a named run resumes quietly."""
+    import warnings
+
+    store = ckptstore.Store(tmp_path / "s", create=True)
+    for run in (None, "exp-a"):
+        with _ckpt(store, {"w": torch.arange(4.0)}, run=run) as first:
+            first.commit()
+            cid = store.resolve(first.latest_tag)
+        w = torch.zeros(4)
+        with _ckpt(store, {"w": w}, run=run) as again, warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert again.resume() == 0
+        assert torch.equal(w, torch.arange(4.0))
+        notices = [str(x.message) for x in seen if issubclass(x.category, ckptstore.errors.DefaultRunResumedWarning)]
+        assert len(notices) == (1 if run is None else 0)
+        if run is None:
+            assert f"commit {cid[:12]}, step 0" in notices[0] and "run='<name>'" in notices[0]
+
+
+@pytest.mark.parametrize("home", ["local", "s3"])
+def test_a_run_name_given_as_a_ref_names_the_runs_tags(tmp_path, home, request):
+    """``log exp-b`` where exp-b is a run: the error says so and names its tags, on both homes."""
+    where = str(tmp_path / "s") if home == "local" else (request.getfixturevalue("s3_server"), "s3://ckpt/runs-as-refs")[1]
+    store = ckptstore.Store(where, create=True)
+    with _ckpt(store, {"w": torch.ones(3)}, run="exp-b") as c:
+        c.commit()
+    with pytest.raises(ckptstore.errors.RefNotFoundError, match=r"'exp-b' is a run: name one of its tags, e.g. 'exp-b/latest', 'exp-b/step-0'"):
+        store.log("exp-b")

@@ -20,14 +20,15 @@ __version__ = "0.1.0"
 # Imported on first use (PEP 562): the command line's catalog-only commands never import torch.
 _LAZY = {
     "Adapter": "adapters", "ComponentState": "adapters", "Json": "adapters", "RNGState": "adapters", "register_adapter": "adapters",
-    "NamedOptimizer": "adapters.torch_nn", "Checkpointer": "checkpointer", "Progress": "checkpointer",
+    "NamedOptimizer": "adapters.torch_nn", "Checkpointer": "checkpointer", "Progress": "adapters.training",
     "CommitInfo": "store", "IOStats": "store", "Store": "store", "RunInfo": "run", "runs": "run",
 }
 
 if TYPE_CHECKING:
     from .adapters import Adapter, ComponentState, Json, RNGState, register_adapter
     from .adapters.torch_nn import NamedOptimizer
-    from .checkpointer import Checkpointer, Progress
+    from .adapters.training import Progress
+    from .checkpointer import Checkpointer
     from .run import RunInfo, runs
     from .store import CommitInfo, IOStats, Store
 

@@ -184,7 +184,7 @@ def plan_restore(into: Any, comps: dict[str, dict], prefixes: list[str] | None, 
     return Plan(steps, Scope(at_components), partials)
 
 
-_VALUE_ADAPTERS = ("tensor", "json", "dict", "tensordict")
+_VALUE_ADAPTERS = ("tensor", "json", "bytes", "dict", "tensordict")
 
 
 def _compatible(stored: Any, step: Step, registry: Registry) -> None:

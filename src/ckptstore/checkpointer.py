@@ -24,44 +24,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
-from .adapters.base import Adapter, ComponentState, capture, register_adapter
-from .errors import CkptStoreError, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
+from .adapters.base import capture
+from .adapters.training import Progress  # noqa: F401 (re-exported: ckptstore.checkpointer.Progress)
+from .errors import CkptStoreError, DefaultRunResumedWarning, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
 from .store import CommitInfo, Store
-
-
-@dataclass
-class Progress:
-    """Training counters: optimisation ``step``, environment ``frames``, ``epoch``
-    and the ``best_metric`` so far (None until one is known)."""
-
-    step: int = 0
-    frames: int = 0
-    epoch: int = 0
-    best_metric: float | None = None
-
-
-@register_adapter
-class ProgressAdapter(Adapter):
-    """:class:`Progress`: one JSON leaf per field."""
-
-    name = "ckptstore.progress"
-    types = (Progress,)
-
-    def to_state(self, obj: Progress) -> dict:
-        return asdict(obj)
-
-    def check(self, obj: Any, state: ComponentState) -> None:
-        if not isinstance(obj, Progress):
-            raise TargetMismatchError(f"{state.where('')}: stored a Progress, target is {type(obj).__name__}")
-
-    def from_state(self, obj: Progress, state: ComponentState) -> Progress:
-        for key, value in state.tree().items():
-            setattr(obj, key, value)
-        return obj
 
 
 class Checkpointer:
@@ -111,9 +80,23 @@ class Checkpointer:
             ``push_backoff`` seconds, doubling), then reported with a
             :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_error`;
             the local commit is never affected, and the next commit pushes again.
-            :meth:`wait_pushed` blocks until the pushes requested so far are done.
+            :meth:`wait_pushed` blocks until the pushes requested so far are done (with
+            ``local``/``remote``: this node's pushes, returning ``None``).
             With ``dcp``, the coordinator (rank 0) pushes after each of its commits; on
             the other ranks nothing is pushed and :meth:`wait_pushed` returns ``None``.
+        local, remote: the two tiers of a multi-node job (with ``dcp``, instead of
+            ``store``; :mod:`ckptstore.tiers`, docs/distributed.md "Many nodes, one bucket"):
+            ``local`` is this node's folder (its own disk), ``remote`` the bucket
+            (``"s3://bucket/run"``). Each save commits this node's ranks' part to ``local``
+            (the step waits only for that), then a background thread pushes it to the
+            bucket (only the blobs it lacks); the bucket's step tag and ``latest_tag``
+            move once every node's part is there. :meth:`resume` loads the newest step
+            every node holds locally (no bucket read), else the bucket's ``latest_tag``.
+            ``keep_last`` applies to ``local``; ``remote_keep_last`` (``None``: keep all)
+            and ``remote_keep_every`` (steps that are a multiple of it stay) to the bucket.
+            ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE``; node 0 waits up to
+            ``part_timeout`` seconds for the other nodes' parts. :attr:`durable_steps` /
+            :attr:`not_durable_steps` report which saves reached the bucket, as seen by this node.
 
         lease_seconds: on object storage, how long the run's lease lasts without renewal
             (it is renewed every third of it): a killed holder blocks the run that long.
@@ -146,9 +129,27 @@ class Checkpointer:
         push_backoff: float = 1.0,
         run: str | None = None,
         lease_seconds: float = LEASE_SECONDS,
+        local: str | os.PathLike | None = None,
+        remote: str | None = None,
+        remote_keep_last: int | None = 10,
+        remote_keep_every: int | None = None,
+        ranks_per_node: int | None = None,
+        part_timeout: float = 60.0,
     ):
         self.run = check_run(run)
         self.dcp = dcp
+        self._layout = self._tier_pusher = None
+        self.resumed_from: str | None = None  # "local" or "remote" after a tiered resume
+        if local is not None or remote is not None:
+            if not dcp or local is None or remote is None or store is not None or push_to is not None or tag_format is None:
+                raise InvalidArgumentError("local= and remote= go together, with dcp=True and a tag_format, instead of store and push_to")
+            if remote_keep_last is not None and (type(remote_keep_last) is not int or remote_keep_last < 1):
+                raise InvalidArgumentError(f"remote_keep_last must be an int >= 1 or None, got {remote_keep_last!r}")
+            from .tiers import node_layout
+
+            self._layout = node_layout(ranks_per_node)
+            self._remote = str(remote)
+            store = os.fspath(local)
         if dcp and isinstance(store, (str, os.PathLike, Store)):
             store = _DCPStore(store)  # every rank: no catalog is opened until a read needs it
         elif isinstance(store, (str, os.PathLike)):
@@ -184,6 +185,11 @@ class Checkpointer:
         self._closed = False
         self._lease_seconds = lease_seconds
         self._hold(create=False)
+        if self._layout is not None:  # its thread starts with the first push, on each node's first rank
+            from .tiers import TierPusher
+
+            self._tier_pusher = TierPusher(self.store.location, self._remote, self._layout, self._tag_re, self.latest_tag,
+                                           remote_keep_last, remote_keep_every, push_attempts, push_backoff, part_timeout)
         if on_signal and _in_main_thread():
             for signum in on_signal:
                 signal.signal(signum, self._request_stop)
@@ -233,8 +239,9 @@ class Checkpointer:
         if self.stop_requested is not None:
             signum, self.stop_requested = self.stop_requested, None
             self.commit({**(metadata or {}), "stopped_by": signal.Signals(signum).name})
-            if self._pusher is not None:
-                self._pusher.wait()  # the last commit reaches the remote before the job ends (failures are warned)
+            for pusher in (self._pusher, self._tier_pusher):
+                if pusher is not None:
+                    pusher.wait()  # the last commit reaches the remote before the job ends (failures are warned)
             sys.exit(0)
         if self.steps // self.every > before // self.every:
             return self.commit(metadata)
@@ -264,7 +271,22 @@ class Checkpointer:
     @property
     def push_error(self) -> Exception | None:
         """The error of the last background push if it failed after its retries, else ``None``."""
-        return None if self._pusher is None else self._pusher.error
+        pusher = self._tier_pusher or self._pusher
+        return None if pusher is None else pusher.error
+
+    @property
+    def durable_steps(self) -> list[int]:
+        """With ``local``/``remote``: the steps whose save this node saw reach the bucket
+        (node 0: the whole save, its tags moved; other nodes: this node's part), oldest first."""
+        return [] if self._tier_pusher is None else list(self._tier_pusher.durable)
+
+    @property
+    def not_durable_steps(self) -> list[int]:
+        """With ``local``/``remote``: the steps saved locally that never reached the bucket
+        from this node (a newer save was pushed instead, the push failed, or node 0 waited in
+        vain for another node's part); they are not on the bucket and :meth:`resume` on new
+        nodes never sees them."""
+        return [] if self._tier_pusher is None else list(self._tier_pusher.not_durable)
 
     def wait_pushed(self, timeout: float | None = None):
         """Block until every push requested so far has finished (``timeout`` in seconds,
@@ -276,27 +298,37 @@ class Checkpointer:
             CkptStoreError: the last push failed after its retries (its error; a
                 BackendError, NotAStoreError, RefConflictError...).
         """
-        if self._pusher is None:
+        pusher = self._tier_pusher or self._pusher
+        if pusher is None:
             raise InvalidArgumentError("this Checkpointer has no push_to")
-        if not self._pusher.wait(timeout):
-            raise TimeoutError(f"pushes to {self._pusher.remote} still running after {timeout} s")
-        if self._pusher.error is not None:
-            raise self._pusher.error
-        return self._pusher.report
+        if not pusher.wait(timeout):
+            raise TimeoutError(f"pushes to {pusher.remote} still running after {timeout} s")
+        if pusher.error is not None:
+            raise pusher.error
+        return getattr(pusher, "report", None)
 
     def _commit_dcp(self, tags: list[str], metadata: dict | None) -> CommitInfo | None:
         import torch.distributed.checkpoint as dcp
 
         from .dcp import StoreWriter
 
-        writer = StoreWriter(self.store.path, tags[0], tags=tags[1:], message=f"step {self.steps}",
-                             metadata=self._metadata(metadata))
-        dcp.save(self._state(), storage_writer=writer)
+        meta = self._metadata(metadata)
+        if self._layout is None:
+            writer = StoreWriter(self.store.path, tags[0], tags=tags[1:], message=f"step {self.steps}", metadata=meta)
+            dcp.save(self._state(), storage_writer=writer)
+        else:  # this node's ranks commit their part to the node's local store
+            from .tiers import part_tag
+
+            writer = StoreWriter(self.store.path, tags[0], tags=[*tags[1:], part_tag(tags[0], self._layout.node)],
+                                 message=f"step {self.steps}, node {self._layout.node}", metadata={**meta, **self._layout.meta})
+            dcp.save(self._state(), storage_writer=writer, process_group=self._layout.group)
         info = writer.commit_info
-        if info is not None:  # the coordinator prunes and pushes
+        if info is not None:  # the coordinator (with tiers: each node's first rank) prunes and pushes
             self._prune(self.store.opened())
             if self._pusher is not None:
                 self._pusher.request()
+            if self._tier_pusher is not None:
+                self._tier_pusher.request(tags[0])
         return info
 
     def _prune(self, store: Store) -> None:
@@ -324,6 +356,98 @@ class Checkpointer:
         self.steps = state["checkpointer"]["step"]
         return self.steps
 
+    def _local_steps(self) -> list[int]:
+        """The steps this node's local store holds whole for this layout (its part, committed)."""
+        store = self.store.opened(must_exist=False)
+        if store is None:
+            return []
+        out = []
+        for tag, info in store.tagged().items():
+            m = self._tag_re.match(tag)
+            if m and info.metadata.get("step") == int(m.group(1)) and all(info.metadata.get(k) == v for k, v in self._layout.meta.items()):
+                out.append(int(m.group(1)))
+        return sorted(out)
+
+    def _resume_tiers(self, ref: str | None) -> int | None:
+        """Every rank: the newest step every node holds locally, loaded from the local stores
+        (each node over its own group), else (none, or one failed to verify) the bucket's."""
+        import torch
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from .dcp import StoreReader
+
+        lay, remote = self._layout, self._remote
+        on = lay.group is not None
+        state = self._state()
+        state["checkpointer"] = {"step": -1}
+        steps = self._local_steps()[-64:] if ref is None else []
+        if on:
+            mine = torch.full((64,), -1, dtype=torch.int64)
+            mine[: len(steps)] = torch.tensor(steps, dtype=torch.int64)
+            every = [torch.empty_like(mine) for _ in range(lay.world)]
+            dist.all_gather(every, mine)
+            held = [{int(x) for x in t if x >= 0} for t in every]
+            common = set.intersection(*held)
+            if common and any(max(h) != max(common) for h in held) and self._bucket_step() > max(common):
+                common = set()  # a node holds a newer step than the others: the bucket may too, and has it
+        else:
+            common = set(steps)
+        failure = None
+        if common:
+            tag = self.tag_format.format(step=max(common))
+            try:
+                dcp.load(state, storage_reader=StoreReader(self.store.path, tag, process_group=lay.group), process_group=lay.group)
+            except (CheckpointException, CkptStoreError) as exc:
+                failure = exc
+                warnings.warn(f"the local tier could not restore {tag} ({exc}); resuming from {remote}", stacklevel=2)
+            failed = torch.tensor([failure is not None], dtype=torch.int32)
+            if on:
+                dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if not failed.item():
+                return self._restored(state, "local")
+        found = torch.zeros(17, dtype=torch.uint8)
+        if not on or dist.get_rank() == 0:
+            try:
+                with Store(remote) as bucket:
+                    found[1:] = torch.frombuffer(bytearray.fromhex(bucket.resolve(ref or self.latest_tag)), dtype=torch.uint8)
+                    found[0] = 1
+            except (NotAStoreError, RefNotFoundError):
+                if ref is not None:
+                    raise
+        if on:
+            dist.broadcast(found, src=0)
+        if not found[0]:
+            if failure is not None:
+                raise failure
+            return None
+        with Store(remote) as bucket:
+            dcp.load(state, storage_reader=StoreReader(bucket, bytes(found[1:].tolist()).hex()))
+        return self._restored(state, "remote")
+
+    def _bucket_step(self) -> int:
+        """Every rank: the step of the bucket's ``latest_tag`` (-1: none), read by rank 0."""
+        import torch
+        import torch.distributed as dist
+
+        found = torch.tensor([-1], dtype=torch.int64)
+        if dist.get_rank() == 0:
+            try:
+                with Store(self._remote) as bucket:
+                    found[0] = int(bucket.info(self.latest_tag).metadata.get("step", -1))
+            except (NotAStoreError, RefNotFoundError):
+                pass
+        dist.broadcast(found, src=0)
+        return int(found[0])
+
+    def _restored(self, state: dict, where: str) -> int:
+        for name in self.components:
+            self.objects[name] = state[name]
+        self.steps = state["checkpointer"]["step"]
+        self.resumed_from = where
+        return self.steps
+
     def resume(self, ref: str | None = None) -> int | None:
         """Restore every selected object in place from ``ref`` (default: the latest tag).
 
@@ -344,6 +468,8 @@ class Checkpointer:
                 start a separate one); nothing was restored.
             IntegrityError, ...: as :meth:`Store.checkout`.
         """
+        if self._layout is not None:
+            return self._resume_tiers(ref)
         if self.dcp:
             return self._resume_dcp(ref)
         try:
@@ -388,6 +514,12 @@ class Checkpointer:
         for name in self.components:
             self.objects[name] = target[name]
         self.steps = target["checkpointer"]["step"]
+        if implicit and self.run is None:
+            warnings.warn(
+                f"resumed {where}" + (f", made by script {made_by!r}" if made_by else "")
+                + ": another experiment in this store (another seed, say) needs its own Checkpointer(..., run='<name>')",
+                DefaultRunResumedWarning, stacklevel=2,
+            )
         return self.steps
 
 

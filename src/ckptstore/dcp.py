@@ -22,8 +22,9 @@ one ordinary commit (docs/distributed.md has the whole story):
    fsync, rename, fsync, the rank holding its packs' locks until its writer is released
    (after ``dcp.save`` returns), so GC never takes them for orphans meanwhile; on
    object storage each pack is uploaded whole by the rank itself (create-only PUTs, in
-   parallel), then its ``.idx``. Non-tensor values are encoded as the store's
-   type-preserving JSON (refused, naming the key, otherwise). No catalog or cache access.
+   parallel), then its ``.idx``. Raw bytes items (``io.BytesIO``, ``bytes``, ``bytearray``)
+   are stored as uint8 tensors, so as blobs; other non-tensor values are encoded as the
+   store's type-preserving JSON (refused, naming the key, otherwise). No catalog or cache access.
 3. **Commit** (coordinator, ``finish``): checks every reported pack is in the store at
    its size, then commits through ``Store.commit_manifest``, the store's own commit
    protocol: locally one catalog transaction indexes every rank's new blobs, rechecks
@@ -71,10 +72,11 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from . import jsonvalue
-from .adapters.base import REGISTRY, Adapter, Captured, ComponentState, Registry, capture, plain_token, register_adapter
+from .adapters.base import RAW, RAW_BYTES, REGISTRY, Adapter, Captured, ComponentState, Registry, capture, plain_token, raw_leaves, register_adapter
 from .errors import (
     IntegrityError,
     InvalidArgumentError,
+    NotAStoreError,
     RefNotFoundError,
     StoreWriteError,
     TargetMismatchError,
@@ -133,10 +135,26 @@ def _whole(item: WriteItem) -> bool:
 
 
 def _open(store: Store | str | os.PathLike, create: bool) -> Store:
+    """``store``, or the store at that location (made if missing and ``create``).
+
+    Raises:
+        NotAStoreError: no store there; a folder holding other files (a folder of DCP
+            checkpoints) is refused with what to pass instead.
+    """
     if isinstance(store, Store):
         return store
     if isinstance(store, (str, os.PathLike)):
-        return Store(store, create=create)
+        try:
+            return Store(store, create=create)
+        except NotAStoreError as exc:
+            folder = Path(store)
+            if "://" in str(store) or not folder.is_dir() or (folder / "catalog.sqlite").exists() or not any(folder.iterdir()):
+                raise
+            raise NotAStoreError(
+                f"{exc}. A store keeps its commits in a folder of its own (a DCP save is a commit in it, not a "
+                f"folder of files), so it is not made among other files: pass a new or empty folder, e.g. "
+                f"{folder / 'store'} inside your checkpoint folder, to StoreWriter and StoreReader (docs/distributed.md)"
+            ) from None
     raise InvalidArgumentError(f"store must be a ckptstore.Store or a path, got {type(store).__name__}")
 
 
@@ -292,9 +310,15 @@ class StoreWriter(StorageWriter):
             raise InvalidArgumentError("the save plan was not prepared by StoreWriter.prepare_global_plan (was another storage writer's plan used?)")
         results: list[WriteResult] = []
         values = {}
+        raw = {}  # raw bytes items (DCP's io.BytesIO, bytes, bytearray): stored as uint8 blobs
         for item in plan.items:  # every non-tensor value is checked before any blob is written
             if item.type == WriteItemType.BYTE_IO:
-                values[item.index] = jsonvalue.dumps(_lookup_object(planner, item), item.index.fqn)
+                value = _lookup_object(planner, item)
+                if type(value) in RAW_BYTES:
+                    leaves, forms = raw_leaves({"": value}, "")
+                    raw[item.index] = (leaves[""], forms[""])
+                else:
+                    values[item.index] = jsonvalue.dumps(value, item.index.fqn)
         root = _location(self.store)
         for k in [k for k, (token, _) in _REUSED.items() if token[0].ref() is None]:
             del _REUSED[k]  # tensors freed since
@@ -304,12 +328,12 @@ class StoreWriter(StorageWriter):
         tensors = []
         for item in plan.items:
             path = info.paths[item.index]
-            if item.type == WriteItemType.BYTE_IO:
+            if item.index in values:
                 text = values[item.index]
                 data = {"path": path, "kind": "json", "value": text}
                 results.append(WriteResult(index=item.index, size_in_bytes=len(text.encode()), storage_data=data))
                 continue
-            t = planner.resolve_data(item)
+            t = raw[item.index][0] if item.index in raw else planner.resolve_data(item)
             if not isinstance(t, torch.Tensor):
                 raise UnsupportedTypeError(f"{item.index.fqn}: the planner resolved a tensor item to a {type(t).__name__}")
             t = t.detach()
@@ -320,8 +344,10 @@ class StoreWriter(StorageWriter):
                 "path": path, "kind": "tensor", "dtype": dtype_name(t.dtype, item.index.fqn), "shape": list(t.shape),
                 "stride": stride, "nbytes": p.nbytes, "shard_bytes": p.shard_bytes, "keys": [], "locs": {}, "packs": {},
             }
+            if item.index in raw:
+                data["raw"] = raw[item.index][1]
             views = [mv[slice(*p.bounds(s))] for s in range(p.count)]
-            token = plain_token(t) if self.reuse_hashes else None
+            token = plain_token(t) if self.reuse_hashes and item.index not in raw else None
             cached = _REUSED.get((root, path)) if token is not None else None
             known = None
             if cached is not None and cached[0] == token and len(cached[1]) == p.count and sample_unchanged(cached[1], mv, p, path):
@@ -403,8 +429,9 @@ class StoreWriter(StorageWriter):
                 raise StoreWriteError(f"pack {pack}.pack written by a rank of this save is not in {store.location}")
             if held != size:
                 raise StoreWriteError(f"pack {pack}.pack written by a rank of this save holds {held} bytes, the rank wrote {size}")
-        meta = {"dcp": FORMAT_VERSION, **_metadata_json(metadata, ranks)}
-        component = Captured("", ADAPTER, DCPAdapter.version, {**meta, ESCAPED: True}, {})
+        raw = {data["path"]: data["raw"] for _, _, _, data in items if "raw" in data}
+        meta = {"dcp": FORMAT_VERSION, **_metadata_json(metadata, ranks, raw)}
+        component = Captured("", ADAPTER, DCPAdapter.version, {**meta, ESCAPED: True, **({RAW: raw} if raw else {})}, {})
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
             raise StoreWriteError(
@@ -477,13 +504,14 @@ def _lookup_object(planner: SavePlanner, item: WriteItem) -> Any:
     )
 
 
-def _metadata_json(metadata: Metadata, ranks: dict[str, int]) -> dict:
-    """DCP metadata as JSON values (see docs/distributed.md, "What is stored")."""
+def _metadata_json(metadata: Metadata, ranks: dict[str, int], raw: dict[str, str]) -> dict:
+    """DCP metadata as JSON values (see docs/distributed.md, "What is stored"); ``raw``:
+    ``{leaf path: "io.BytesIO" | "bytes" | "bytearray"}`` of the raw bytes items."""
     items = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, BytesStorageMetadata):
             path = item_path(fqn)
-            items[fqn] = {"bytes": path, "rank": ranks.get(path)}
+            items[fqn] = {"bytes": path, "rank": ranks.get(path), **({"raw": raw[path]} if path in raw else {})}
             continue
         if not isinstance(md, TensorStorageMetadata):
             raise UnsupportedTypeError(f"{fqn}: unknown DCP storage metadata {type(md).__name__}")
@@ -533,7 +561,12 @@ def metadata_from_json(meta: dict, leaves: dict[str, LeafRecord], where: str) ->
         _need(type(fqn) is str and type(e) is dict, where, "bad item")
         if "bytes" in e:
             leaf = leaves.get(e["bytes"])
-            _need(leaf is not None and leaf.kind == "json" and e["bytes"] == item_path(fqn), where, f"{fqn}: no JSON leaf")
+            if "raw" in e:  # raw bytes: a 1-d uint8 tensor leaf
+                _need(e["raw"] in RAW_BYTES.values() and leaf is not None and leaf.kind == "tensor" and leaf.dtype == "uint8"
+                      and leaf.shape is not None and len(leaf.shape) == 1 and leaf.stride is None, where, f"{fqn}: no raw bytes leaf")
+            else:
+                _need(leaf is not None and leaf.kind == "json", where, f"{fqn}: no JSON leaf")
+            _need(e["bytes"] == item_path(fqn), where, f"{fqn}: leaf path")
             sd_md[fqn] = BytesStorageMetadata()
             paths[MetadataIndex(fqn)] = e["bytes"]
             continue
@@ -566,6 +599,35 @@ def metadata_from_json(meta: dict, leaves: dict[str, LeafRecord], where: str) ->
     return md, paths
 
 
+@dataclass(frozen=True)
+class _ReadPlan:
+    """What the coordinator tells each rank in ``LoadPlan.storage_data``."""
+
+    commit_id: str
+    world: int  # the ranks the plan was made for
+    owners: dict  # {(digest, length): group rank} of the blobs several ranks need: the one rank that reads each
+
+
+def _rows(leaf: LeafRecord, items: list) -> tuple[int | None, int, int]:
+    """The bytes ``[lo, hi)`` of ``leaf`` that ``items`` (DCP read items) overlap, and its
+    row size in bytes (``None``: 0-d, empty or permuted, read whole)."""
+    shape = tuple(leaf.shape)
+    row = leaf.nbytes // shape[0] if shape and shape[0] and leaf.stride is None else None
+    if row is None:
+        return None, 0, leaf.nbytes
+    lo = min(item.storage_offsets[0] for item in items) * row
+    hi = max(item.storage_offsets[0] + item.lengths[0] for item in items) * row
+    return row, lo, hi
+
+
+def _shards(leaf: LeafRecord, lo: int, hi: int) -> range:
+    """The indices of the shards of ``leaf`` that hold its bytes ``[lo, hi)``."""
+    if not leaf.nbytes:
+        return range(0)
+    sb = ShardPlan(leaf.nbytes, leaf.shard_bytes).shard_bytes
+    return range(lo // sb, max(lo, hi - 1) // sb + 1)
+
+
 class StoreReader(StorageReader):
     """DCP ``StorageReader`` that loads a DCP commit of a ckptstore store.
 
@@ -576,20 +638,35 @@ class StoreReader(StorageReader):
         ref: a tag, a commit id or a unique prefix; resolved once, here, so a tag
             moved during the load does not change what is read.
         verify: rehash every blob read (default on).
+        restore_once: a blob that several ranks' load plans need (a replicated tensor
+            under data parallelism) is read from the store by one of them, verified there,
+            and broadcast over ``process_group`` to the others, so one load reads each
+            blob of the commit at most once whatever the world size (the coordinator
+            gives each rank a contiguous run of about equal bytes, so each reads few long ranges). ``False``: every rank reads
+            all it needs itself. Off without an initialized process group. The shared
+            blobs are held in memory (CPU, or the current CUDA device for NCCL) until
+            the load ends: at most the commit's replicated bytes per rank.
+        process_group: the group given to ``dcp.load`` (default: the default group).
 
-    :attr:`blobs_read` and :attr:`bytes_read` count what this rank read from packs.
+    :attr:`blobs_read` and :attr:`bytes_read` count what this rank read from packs,
+    :attr:`blobs_received` and :attr:`bytes_received` what it received from other ranks.
 
     Raises (at construction): NotAStoreError, RefNotFoundError, AmbiguousRefError;
     InvalidArgumentError when the commit was not made by :class:`StoreWriter`;
     IntegrityError for a damaged record or metadata. During ``dcp.load``:
-    IntegrityError (BlobMissingError, BlobCorruptError) naming the leaf and blob.
+    IntegrityError (BlobMissingError, BlobCorruptError) naming the leaf and blob; on the
+    other ranks, when a rank failed to read the blobs it reads for them, IntegrityError
+    naming that rank (no rank waits forever on a broadcast that will not come).
     """
 
-    def __init__(self, store: Store | str | os.PathLike, ref: str, *, verify: bool = True):
+    def __init__(self, store: Store | str | os.PathLike, ref: str, *, verify: bool = True, restore_once: bool = True,
+                 process_group: Any = None):
         self.store = _open(store, create=False)
         self.verify = verify
-        self.blobs_read = 0
-        self.bytes_read = 0
+        self.restore_once = restore_once
+        self.process_group = process_group
+        self.blobs_read = self.bytes_read = self.blobs_received = self.bytes_received = 0
+        self._reader = None
         self._load(ref)
 
     def _load(self, ref: str) -> None:
@@ -602,6 +679,7 @@ class StoreReader(StorageReader):
             )
         self._leaves = {r.path: r for r in record.leaves}
         self._metadata, self._paths = metadata_from_json(comp["meta"], self._leaves, f"commit {cid}")
+        self._raw = {e["bytes"]: e["raw"] for e in comp["meta"]["items"].values() if "raw" in e}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
@@ -620,26 +698,137 @@ class StoreReader(StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
+    def _by_path(self, items: list) -> dict[str, list]:
+        by_path: dict[str, list] = {}
+        for item in items:
+            path = self._paths.get(item.storage_index)
+            if path is None:
+                raise IntegrityError(f"commit {self.commit_id}: DCP asked for {item.storage_index}, which the commit does not hold")
+            by_path.setdefault(path, []).append(item)
+        return by_path
+
+    def _needed(self, by_path: dict[str, list]) -> list[tuple[bytes, int]]:
+        """The blobs a rank whose plan reads ``by_path`` needs, in order."""
+        out = []
+        for path, items in by_path.items():
+            leaf = self._leaves[path]
+            if leaf.kind == "tensor":
+                out.extend(leaf.keys[i] for i in _shards(leaf, *_rows(leaf, items)[1:]))
+        return list(dict.fromkeys(out))
+
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return [replace(p, storage_data=self.commit_id) for p in plans]  # every rank must read the coordinator's commit
+        """Coordinator: every rank must read the coordinator's commit; with ``restore_once``,
+        pick for each blob several ranks need the one rank that reads it: the shared blobs, in
+        the commit's order, cut into one run of about equal bytes per rank (a blob whose run's
+        rank does not need it goes to the needing rank with the fewest bytes so far)."""
+        owners: dict[tuple[bytes, int], int] = {}
+        if self.restore_once and len(plans) > 1:
+            needs = [self._needed(self._by_path(p.items)) for p in plans]
+            needers: dict[tuple[bytes, int], list[int]] = {}
+            for rank, keys in enumerate(needs):
+                for k in keys:
+                    needers.setdefault(k, []).append(rank)
+            load = [sum(k[1] for k in keys if len(needers[k]) == 1) for keys in needs]
+            shared = [k for k, rs in needers.items() if len(rs) > 1]  # in the commit's order, which is the packs' order
+            per, acc = sum(k[1] for k in shared) / len(plans), 0
+            for k in shared:  # contiguous runs, one per rank: each reads few long ranges
+                run = min(int(acc // per), len(plans) - 1) if per else 0
+                owners[k] = run if run in needers[k] else min(needers[k], key=lambda r: (load[r], r))
+                load[owners[k]] += k[1]
+                acc += k[1]
+        info = _ReadPlan(self.commit_id, len(plans), owners)
+        return [replace(p, storage_data=info) for p in plans]
+
+    def _group(self, info: _ReadPlan):
+        """The process group to share blobs over, or ``None`` (nothing shared, or no group)."""
+        import torch.distributed as dist
+
+        if not info.owners or not dist.is_available() or not dist.is_initialized():
+            return None
+        if dist.get_world_size(self.process_group) != info.world:
+            raise InvalidArgumentError(
+                f"the load plan is for {info.world} ranks, the process group has {dist.get_world_size(self.process_group)}: "
+                "give StoreReader(process_group=) the group given to dcp.load"
+            )
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
+    def _exchange(self, info: _ReadPlan, group, where: str) -> dict[tuple[bytes, int], memoryview]:
+        """Read the shared blobs this rank owns (verified), then broadcast each owner's blobs
+        to every rank; returns ``{blob key: its bytes}`` for every shared blob."""
+        import torch.distributed as dist
+
+        me = dist.get_rank(group)
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        by_owner: dict[int, list[tuple[bytes, int]]] = {}
+        for k, o in info.owners.items():
+            by_owner.setdefault(o, []).append(k)
+        bufs = {o: torch.empty(sum(k[1] for k in keys), dtype=torch.uint8) for o, keys in by_owner.items()}
+        views: dict[tuple[bytes, int], memoryview] = {}
+        for o, keys in by_owner.items():
+            mv, at = byte_view(bufs[o]), 0
+            for k in keys:
+                views[k], at = mv[at : at + k[1]], at + k[1]
+        failure: BaseException | None = None
+        if me in by_owner:
+            try:
+                mine = by_owner[me]
+                locs = self.store.locate(mine)
+                missing = [k for k in mine if k not in locs]
+                if missing:
+                    raise IntegrityError(f"{where}: blob {address(*missing[0])} (shared by several ranks) is not in the catalog")
+                self._fetch([(locs[k], views[k], f"{where}, blob {address(*k)}") for k in mine])
+            except Exception as exc:  # noqa: BLE001 - every rank learns of it below, then this rank raises it
+                failure = exc
+        failed = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device)
+        failed[me] = failure is not None
+        dist.all_reduce(failed, group=group)
+        if failure is not None:
+            raise failure
+        if failed.any():
+            ranks = [int(r) for r in torch.nonzero(failed.cpu()).flatten()]
+            raise IntegrityError(f"{where}: rank(s) {ranks} could not read the blobs they read for the other ranks (see their errors)")
+        for o in sorted(by_owner):
+            t = bufs[o].to(device) if nccl else bufs[o]
+            dist.broadcast(t, group=group, group_src=o)
+            if nccl and o != me:
+                bufs[o].copy_(t)
+            if o != me:
+                self.blobs_received += len(by_owner[o])
+                self.bytes_received += bufs[o].numel()
+        return views
+
+    def _fetch(self, tasks: list[tuple[BlobLoc, memoryview, str]]) -> None:
+        """Read each ``(blob, destination, where)`` from the store, verified (inside :meth:`read_data`)."""
+        reader = self._reader
+        reader.prefetch([t[0] for t in tasks])  # object storage: one coalesced ranged read per pack
+        run = lambda task: reader.read_into(task[0], task[1], task[2], self.verify)
+        workers = min(4, os.cpu_count() or 1)
+        if sum(t[1].nbytes for t in tasks) > _INLINE_HASH_BYTES and workers > 1 and len(tasks) > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                list(pool.map(run, tasks))
+        else:
+            for task in tasks:
+                run(task)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read only the shards the items of this rank's plan overlap, verified."""
-        if plan.storage_data is not None and plan.storage_data != self.commit_id:
+        """Read only the shards the items of this rank's plan overlap, verified (blobs other
+        ranks need too: read by one rank, received from it)."""
+        info = plan.storage_data
+        if not isinstance(info, _ReadPlan):
+            raise InvalidArgumentError("the load plan was not prepared by StoreReader.prepare_global_plan (was another storage reader's plan used?)")
+        if info.commit_id != self.commit_id:
             raise InvalidArgumentError(
-                f"this rank resolved its ref to commit {self.commit_id[:12]}, the coordinator to {str(plan.storage_data)[:12]} "
+                f"this rank resolved its ref to commit {self.commit_id[:12]}, the coordinator to {info.commit_id[:12]} "
                 "(a tag moved between them): load by commit id"
             )
         where = f"commit {self.commit_id}"
-        by_path: dict[str, list] = {}
-        for item in plan.items:
-            path = self._paths.get(item.storage_index)
-            if path is None:
-                raise IntegrityError(f"{where}: DCP asked for {item.storage_index}, which the commit does not hold")
-            by_path.setdefault(path, []).append(item)
-        locs = self.store.locate([k for p in by_path for k in self._leaves[p].keys])
-        reader = self.store.pack_reader(sparse=True)  # ranged, coalesced reads on object storage
+        by_path = self._by_path(plan.items)
+        group = self._group(info)
+        reader = self._reader = self.store.pack_reader(sparse=True)  # ranged, coalesced reads on object storage
         try:
+            shared = self._exchange(info, group, where) if group is not None else {}
+            locs = self.store.locate([k for k in self._needed(by_path) if k not in shared])
             for path, path_items in by_path.items():
                 leaf = self._leaves[path]
                 if leaf.kind == "json":
@@ -649,8 +838,21 @@ class StoreReader(StorageReader):
                         buf.seek(0)
                         planner.load_bytes(item, buf)
                     continue
-                self._read_tensor(reader, leaf, locs, path_items, planner, where)
+                if path in self._raw:  # raw bytes: read whole, handed to the planner as DCP's own reader does
+                    buf = torch.empty(leaf.shape[0], dtype=torch.uint8)
+                    self._read_tensor(leaf, locs, shared, [_WholeLeaf(leaf.shape)], _IntoBuffer(buf), where)
+                    data = buf.numpy().tobytes()
+                    form = self._raw[path]
+                    value = data if form == "bytes" else bytearray(data) if form == "bytearray" else io.BytesIO(data)
+                    for item in path_items:
+                        out = io.BytesIO()
+                        torch.save(value, out)  # made here from the verified blob: the planner unpickles only these
+                        out.seek(0)
+                        planner.load_bytes(item, out)
+                    continue
+                self._read_tensor(leaf, locs, shared, path_items, planner, where)
         finally:
+            self._reader = None
             self.blobs_read += reader.blobs_read
             self.bytes_read += reader.bytes_read
             self.store.io.blobs_read += reader.blobs_read
@@ -660,46 +862,37 @@ class StoreReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _read_tensor(self, reader, leaf: LeafRecord, locs: dict, items: list, planner: LoadPlanner, where: str) -> None:
+    def _read_tensor(self, leaf: LeafRecord, locs: dict, shared: dict, items: list, planner: LoadPlanner, where: str) -> None:
         dtype = DTYPES[leaf.dtype]
         shape = tuple(leaf.shape)
         splan = ShardPlan(leaf.nbytes, leaf.shard_bytes)
 
-        def read(first: int, last: int, view: memoryview, start: int) -> None:
+        def read(shards: range, view: memoryview, start: int) -> None:
             tasks = []
-            for i in range(first, last + 1 if leaf.nbytes else first):
+            for i in shards:
                 key = leaf.keys[i]
+                a, b = splan.bounds(i)
+                if key in shared:  # read once by its owner, received here
+                    view[a - start : b - start] = shared[key]
+                    continue
                 loc = locs.get(key)
                 if loc is None:
                     raise IntegrityError(f"{where}, leaf {leaf.path}: shard {i} (blob {address(*key)}) is not in the catalog")
-                a, b = splan.bounds(i)
                 tasks.append((loc, view[a - start : b - start], f"{where}, leaf {leaf.path}, shard {i}"))
-            reader.prefetch([task[0] for task in tasks])  # object storage: one coalesced ranged read per pack
-            run = lambda task: reader.read_into(task[0], task[1], task[2], self.verify)
-            workers = min(4, os.cpu_count() or 1)
-            if leaf.nbytes > _INLINE_HASH_BYTES and workers > 1 and len(tasks) > 1:
-                with ThreadPoolExecutor(workers) as pool:
-                    list(pool.map(run, tasks))
-            else:
-                for task in tasks:
-                    run(task)
+            if tasks:
+                self._fetch(tasks)
 
         if leaf.stride is None and len(items) == 1 and all(o == 0 for o in items[0].storage_offsets) and tuple(items[0].lengths) == shape:
             target = planner.resolve_tensor(items[0]).detach()
             if target.device.type == "cpu" and target.dtype == dtype and tuple(target.shape) == shape and target.is_contiguous():
-                read(0, splan.count - 1, byte_view(target), 0)  # the whole chunk, straight into the destination
+                read(_shards(leaf, 0, leaf.nbytes), byte_view(target), 0)  # the whole chunk, straight into the destination
                 planner.commit_tensor(items[0], target)
                 return
-        row = leaf.nbytes // shape[0] if shape and shape[0] and leaf.stride is None else None
-        if row is None:  # 0-d, empty, or a permuted layout: read it whole
-            lo, hi = 0, leaf.nbytes
-        else:
-            lo = min(item.storage_offsets[0] for item in items) * row
-            hi = max(item.storage_offsets[0] + item.lengths[0] for item in items) * row
-        first, last = lo // splan.shard_bytes, max(lo, hi - 1) // splan.shard_bytes
-        start, stop = splan.bounds(first)[0], splan.bounds(last)[1] if leaf.nbytes else 0
+        row, lo, hi = _rows(leaf, items)
+        shards = _shards(leaf, lo, hi)
+        start, stop = (splan.bounds(shards[0])[0], splan.bounds(shards[-1])[1]) if shards else (0, 0)
         buf = torch.empty(stop - start, dtype=torch.uint8)
-        read(first, last, byte_view(buf), start)
+        read(shards, byte_view(buf), start)
         if row is None:
             if leaf.nbytes == 0:
                 src = torch.empty(shape, dtype=dtype)
@@ -727,6 +920,34 @@ class StoreReader(StorageReader):
                 raise IntegrityError(f"{where}, leaf {leaf.path}: DCP expects {list(target.shape)}, the stored chunk gives {list(piece.shape)}")
             target.copy_(piece)
             planner.commit_tensor(item, target)
+
+
+@dataclass(frozen=True)
+class _WholeLeaf:
+    """A read item covering a whole 1-d leaf of ``shape`` (what ``_read_tensor`` reads of an item)."""
+
+    shape: tuple
+
+    @property
+    def storage_offsets(self) -> tuple:
+        return (0,)
+
+    @property
+    def lengths(self) -> tuple:
+        return tuple(self.shape)
+
+
+class _IntoBuffer:
+    """The part of a ``LoadPlanner`` that ``_read_tensor`` uses, reading into ``buf``."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+
+    def resolve_tensor(self, item: Any) -> torch.Tensor:
+        return self.buf
+
+    def commit_tensor(self, item: Any, tensor: torch.Tensor) -> None:
+        pass
 
 
 # --- objects that ckptstore has adapters for, inside a DCP state dict -----------------------------

@@ -188,3 +188,10 @@ class HyperparameterOverrideWarning(UserWarning):
     """A restore set a hyperparameter (a prioritized sampler's ``alpha``, ``beta`` or
     ``eps``, a sampler's ``shuffle`` or ``drop_last``) to the committed value, replacing a
     different one the target was built with; the message names the leaf and both values."""
+
+
+class DefaultRunResumedWarning(UserWarning):
+    """``Checkpointer.resume()`` without ``run=`` continued the store's default run from its
+    latest commit (the message names the step, the commit and the script that made it):
+    an experiment meant to start afresh (another seed of the same script) needs its own
+    ``run=``. Not raised for named runs."""

@@ -261,7 +261,7 @@ class Home:
             if len(rows) > 1:
                 ids = ", ".join(r["id"][:12] for r in rows)
                 raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix: matches {ids}")
-        raise RefNotFoundError(records.unknown_ref(ref, self.store.root))
+        raise RefNotFoundError(records.unknown_ref(ref, self.store.root, [t for t in self.store.tags() if t.startswith(ref + "/")]))
 
     def tagged(self) -> dict[str, CommitInfo]:
         """``{tag name: CommitInfo of the commit it names}``, sorted by name, read in one

@@ -19,10 +19,15 @@ dict with str keys         a JSON object (a key ``"$"`` is escaped as a tag)
 other dict                 ``{"$": "dict", "v": [[key, value], ...]}``
 slice                      ``{"$": "slice", "v": [start, stop, step]}``
 Ellipsis                   ``{"$": "ellipsis"}``
+numpy scalar               ``{"$": "numpy", "dtype": "<f4", "v": value}``
 =========================  =============================================
 
-Subclasses of these types (``bool`` aside, numpy scalars, named tuples) are
-refused: they would come back as their base type.
+numpy scalars (``np.float64``, ``np.float32``, ``np.int64``, ``np.bool_``... what
+``np.mean`` returns) of the bool, integer, float (up to 64 bits) and complex (up to
+128 bits, ``v`` is ``[real, imag]``) kinds keep their numpy type: ``v`` is the value as
+the matching Python number, which holds it exactly. Other subclasses of these types
+(named tuples, ``np.str_``), ``np.longdouble`` and numpy's date, string and void
+scalars are refused: they would come back as another type or value.
 """
 
 from __future__ import annotations
@@ -85,10 +90,41 @@ def _encode(value: Any, path: str, depth: int) -> Any:
         return {"$": "slice", "v": [_encode(x, f"{path}.slice", depth + 1) for x in (value.start, value.stop, value.step)]}
     if value is Ellipsis:
         return {"$": "ellipsis"}
+    if _is_numpy_scalar(value) and _numpy_dtype(value.dtype):
+        v = value.item()
+        return {"$": "numpy", "dtype": value.dtype.str, "v": [_encode(v.real, path, depth + 1), _encode(v.imag, path, depth + 1)]
+                if value.dtype.kind == "c" else _encode(v, path, depth + 1)}
+    if t in (bytes, bytearray) or t.__module__ == "_io" and t.__qualname__ == "BytesIO":
+        raise UnsupportedTypeError(
+            f"{path}: raw bytes ({t.__qualname__}) are stored as blobs only as a component or as the value of a "
+            "dict key, not inside a list, a tuple, a dict with non-str keys, metadata or a JSON leaf"
+        )
+    if any(k.__module__ == "torch" and k.__qualname__ == "Tensor" for k in t.__mro__):
+        raise UnsupportedTypeError(
+            f"{path}: a tensor inside a list, a tuple, a dict with non-str keys, metadata or a JSON leaf; "
+            "tensors are stored only as a component or as the value of a str dict key"
+        )
     raise UnsupportedTypeError(
         f"{path}: values of type {t.__module__}.{t.__qualname__} cannot be stored without pickle "
-        "(supported: tensors, None, bool, int, float, str, list, tuple, dict, slice, Ellipsis)"
+        "(supported: tensors, nested tensors, numpy arrays and scalars, bytes, bytearray, io.BytesIO, "
+        "None, bool, int, float, str, list, tuple, dict, slice, Ellipsis)"
     )
+
+
+def _is_numpy_scalar(value: Any) -> bool:
+    """A numpy scalar (numpy is imported only by code that made one, so the command line's
+    catalog-only commands do not import it)."""
+    if type(value).__module__ != "numpy":
+        return False
+    import numpy as np
+
+    return isinstance(value, np.generic)
+
+
+def _numpy_dtype(dtype: Any) -> bool:
+    """A numpy scalar dtype whose values a Python number holds exactly (bool, int, uint,
+    float up to 64 bits, complex up to 128 bits)."""
+    return dtype.kind in "biu" or (dtype.kind == "f" and dtype.itemsize <= 8) or (dtype.kind == "c" and dtype.itemsize <= 16)
 
 
 def decode(data: Any) -> Any:
@@ -129,7 +165,19 @@ def _decode(data: Any, depth: int) -> Any:
             return slice(*(_decode(x, depth + 1) for x in _list(v, 3)))
         if tag == "ellipsis":
             return Ellipsis
-    except TypeError as exc:  # unhashable dict key
+        if tag == "numpy" and set(data) == {"$", "dtype", "v"} and type(data["dtype"]) is str:
+            import numpy as np
+
+            dtype = np.dtype(data["dtype"])
+            if dtype.str == data["dtype"] and _numpy_dtype(dtype):
+                x = _decode(v, depth + 1)
+                if dtype.kind == "c":
+                    re, im = _list(x, 2)
+                    x = complex(re, im)
+                elif type(x) is not {"b": bool, "i": int, "u": int, "f": float}[dtype.kind]:
+                    raise TypeError(f"a {type(x).__name__} for a numpy {dtype}")
+                return dtype.type(x)
+    except (TypeError, ValueError, OverflowError) as exc:  # unhashable dict key, a bad numpy dtype or value as exc:  # unhashable dict key
         raise CkptStoreError(f"malformed tagged JSON value {tag!r}: {exc}") from None
     raise CkptStoreError(f"unknown or malformed tagged JSON value {tag!r}")
 

@@ -347,11 +347,15 @@ _LOOKS_LIKE_ID = re.compile(r"^[0-9a-fA-F]{4,32}$")
 MIN_PREFIX = 4  # the fewest hex digits read as a commit id prefix (as git: fewer are too easily a mistyped tag)
 
 
-def unknown_ref(ref: str, where: object) -> str:
+def unknown_ref(ref: str, where: object, run_tags: list[str] = ()) -> str:
     """The message for a ``ref`` that names no tag and no commit in ``where``; it states
-    the prefix rule when ``ref`` is hex digits too few to be read as one."""
+    the prefix rule when ``ref`` is hex digits too few to be read as one, and names a few
+    of ``run_tags`` (the tags ``<ref>/...`` there: ``ref`` is a run's name)."""
     short = re.fullmatch(r"[0-9a-fA-F]{1,%d}" % (MIN_PREFIX - 1), ref)
     rule = f" (a commit id prefix needs at least {MIN_PREFIX} hex digits)" if short else ""
+    if run_tags:
+        named = sorted(run_tags, key=lambda t: (not t.endswith("/latest"), t))[:3]
+        rule += f" ({ref!r} is a run: name one of its tags, e.g. {', '.join(map(repr, named))})"
     return f"no tag or commit named {ref!r} in {where}{rule}"
 
 

@@ -728,7 +728,7 @@ def resolve(backend: Backend, ref: str) -> tuple[str, str | None]:
             return found[0], None
         if found:
             raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix in {backend.url}: matches {', '.join(c[:12] for c in found[:10])}")
-    raise RefNotFoundError(unknown_ref(ref, backend.url))
+    raise RefNotFoundError(unknown_ref(ref, backend.url, [t for t in backend.list_refs() if t.startswith(ref + "/")]))
 
 
 def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> TransferReport:

@@ -11,6 +11,9 @@ so successive checkpoints share every unchanged shard::
     ckpt.save("checkpoints/step-1000")                         # unchanged code
     ckpt.load("checkpoints/step-1000")
 
+Checkpoints saved before ``use_store`` was added keep loading: their components
+are restored through TorchRL's own adapters (see :func:`use_store`).
+
 TorchRL's ``Trainer(checkpoint=ckpt, ...)`` saves through the same object, so
 a Trainer gets dedup the same way.
 
@@ -103,11 +106,48 @@ DEFAULT_TYPES = (ReplayBuffer, torch.nn.Module, torch.optim.Optimizer)
 
 
 def use_store(checkpoint: Checkpoint, store: Store, types: Iterable[type] = DEFAULT_TYPES) -> Checkpoint:
-    """Route every component of ``checkpoint`` of one of ``types`` through ``store``; returns it."""
+    """Route every component of ``checkpoint`` of one of ``types`` through ``store``; returns it.
+
+    Checkpoints saved before (by TorchRL's own adapters, ``torchrl.state_dict`` and the
+    like) still load: ``checkpoint.load`` restores each component whose manifest names
+    another adapter than ``ckptstore.store`` through TorchRL's own adapter resolution, and
+    the rest from the store. The next save writes every such component to the store.
+    """
+    types = tuple(types)
     adapter = StoreCheckpointAdapter(store)
     for t in types:
         checkpoint.register_adapter(t, adapter)
+    if not getattr(checkpoint.load, "ckptstore_legacy", False):
+        checkpoint.load = _loading_legacy(checkpoint, checkpoint.load, types)
     return checkpoint
+
+
+def _loading_legacy(checkpoint: Checkpoint, load: Any, types: tuple[type, ...]) -> Any:
+    """``checkpoint.load`` that loads the components saved before :func:`use_store` with
+    TorchRL's own adapters (a plain ``Checkpoint`` holding only them), the others with ``load``."""
+
+    def load_both(path: str | Path, *, components: Iterable[str] | None = None, component_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+        records = Checkpoint.manifest(path).get("components", {})
+        values = checkpoint.components
+        requested = set(values) if components is None else set(components)
+        legacy = {n for n in requested if n in values and isinstance(values[n], types) and isinstance(records.get(n), dict)
+                  and records[n].get("adapter") != StoreCheckpointAdapter.adapter_id}
+        if not legacy:
+            return load(path, components=components, component_options=component_options, **kwargs)
+        options = component_options or {}
+        result = load(path, components=requested - legacy, component_options={n: o for n, o in options.items() if n not in legacy}, **kwargs)
+        old = Checkpoint(strict=checkpoint.strict)
+        for name in sorted(legacy):
+            old.register(name, values[name])
+        before = old.load(path, components=legacy, component_options={n: o for n, o in options.items() if n in legacy}, **kwargs)
+        result.loaded |= before.loaded
+        result.incompatible.update(before.incompatible)
+        result.values.update(before.values)
+        result.unrequested -= legacy
+        return result
+
+    load_both.ckptstore_legacy = True
+    return load_both
 
 
 def references(checkpoint: str | Path) -> list[tuple[str, str]]:

@@ -26,5 +26,8 @@ def counted(n: int, noun: str, plural: str | None = None) -> str:
 
 def dedup(logical: int, new: int, value: float | None) -> str:
     """A commit's dedup ratio (logical / new bytes, ``value``) as :func:`ratio` prints it;
-    ``"all held"`` when it added no new bytes (the store held every shard) instead of ``"inf"``."""
-    return "all held" if logical and not new else ratio(value)
+    ``"all held"`` when it added no new bytes (the store held every shard) instead of ``"inf"``,
+    and ``"-"`` for a commit of no tensor bytes at all."""
+    if not new:
+        return "all held" if logical else "-"
+    return ratio(value)

@@ -152,11 +152,6 @@ class BlobState:
         return f"BlobState({self.state['blob']})"
 
 
-def _bytes_xfail(storage, request) -> None:
-    if storage.name == "ckptstore":
-        request.applymarker(pytest.mark.xfail(strict=False, reason="issue 24 values: bytes (a DCP byte item that is not JSON)"))
-
-
 # --- TestDistributedStateDictSaveLoad ----------------------------------------------------------
 
 
@@ -178,8 +173,7 @@ def test_read_write_only_tensor(storage, thread_count):
 
 @pytest.mark.parametrize("ext", ["rot13", "zstd"])
 @pytest.mark.parametrize("thread_count", _THREAD_COUNTS)
-def test_read_write_tensor_and_blob(storage, thread_count, ext, request):
-    _bytes_xfail(storage, request)
+def test_read_write_tensor_and_blob(storage, thread_count, ext):
     self = unittest.TestCase()
     with tempfile.TemporaryDirectory() as path:
         state_dict_to_save = MyTestModule().state_dict()
@@ -611,14 +605,12 @@ def _run_e2e_test(rank: int, world: int, base: str, name: str, async_op: bool, c
     return True
 
 
-def test_e2e(storage, request):
-    _bytes_xfail(storage, request)
+def test_e2e(storage):
     assert run_ranks(2, _run_e2e_test, os.environ["DCP_TEST_TMP"], storage.name, False, False, timeout=100) == [True, True]
 
 
 @pytest.mark.parametrize("cache_staged_state_dict", [False])  # True stages into pinned memory: CUDA
-def test_e2e_async_cached(storage, cache_staged_state_dict, request):
-    _bytes_xfail(storage, request)
+def test_e2e_async_cached(storage, cache_staged_state_dict):
     assert run_ranks(2, _run_e2e_test, os.environ["DCP_TEST_TMP"], storage.name, True, cache_staged_state_dict, timeout=100) == [True, True]
 
 

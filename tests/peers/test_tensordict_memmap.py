@@ -202,9 +202,7 @@ def test_memmap_threads(storage, td_name, tmpdir):
 
 
 @pytest.mark.parametrize("like", [True, False])
-def test_save_load_memmap_stacked_td(storage, like, tmpdir, request):
-    if storage.name == "ckptstore":
-        request.applymarker(pytest.mark.xfail(strict=False, reason="issue 24 values: LazyStackedTensorDict heterogeneous"))
+def test_save_load_memmap_stacked_td(storage, like, tmpdir):
     a = TensorDict({"a": [1]}, [])
     b = TensorDict({"b": [1]}, [])
     c = LazyStackedTensorDict.lazy_stack([a, b])

@@ -509,9 +509,7 @@ def test_global_rng_roundtrip(storage, tmp_path, format):
 
 
 @pytest.mark.parametrize("format", FORMATS)
-def test_compressed_replay_buffer_roundtrip(storage, tmp_path, format, request):
-    if storage.name == "ckptstore":
-        request.applymarker(pytest.mark.xfail(strict=False, reason="issue 24 values: CompressedListStorage"))
+def test_compressed_replay_buffer_roundtrip(storage, tmp_path, format):
     path = tmp_path / "checkpoint"
     source = OptionReplayBuffer(storage=CompressedListStorage(10), batch_size=1)
     source.extend(TensorDict({"observation": torch.randn(4, 3)}, [4]))

@@ -4,7 +4,7 @@ TorchRL's adapters are imported the first time an object or a stored
 component from ``torchrl`` is met, so ``import ckptstore`` does not import TorchRL.
 """
 
-from . import rng, torch_nn, values  # noqa: F401  (registers the built-in adapters)
+from . import rng, torch_nn, training, values  # noqa: F401  (registers the built-in adapters)
 from .base import (
     REGISTRY,
     Adapter,

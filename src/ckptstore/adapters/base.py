@@ -32,6 +32,8 @@ State from a newer version raises :class:`~ckptstore.errors.AdapterVersionError`
 
 from __future__ import annotations
 
+import io
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -43,6 +45,7 @@ from .. import jsonvalue
 from ..errors import (
     AdapterError,
     AdapterVersionError,
+    IntegrityError,
     InvalidNameError,
     MissingLeafError,
     ShapeMismatchError,
@@ -79,13 +82,26 @@ class Json:
         self.value = value
 
 
+#: Raw byte values, stored as uint8 tensor leaves (blobs) and restored as the same type.
+RAW_BYTES = {bytes: "bytes", bytearray: "bytearray", io.BytesIO: "io.BytesIO"}
+#: Component meta key ``{relative path: form}`` of the leaves stored as plain tensors for
+#: a value of another kind: ``"bytes"``, ``"bytearray"``, ``"io.BytesIO"`` (one uint8
+#: leaf at the path), ``{"nested": "jagged", "ragged_dim": d, "parts": [...]}`` (leaves
+#: ``<path>/values``, ``<path>/offsets`` and, when set, ``<path>/lengths``) or
+#: ``{"nested": "strided", "parts": ["values", "sizes"]}`` (``<path>/values``: every
+#: component's elements concatenated, ``<path>/sizes``: int64 ``[n, ndim]``). Reserved:
+#: adapters' ``meta()`` must not use it.
+RAW = "ckptstore.raw"
+
+
 def flatten(tree: Any, path: str = "") -> dict[str, Any]:
-    """Flatten a state tree into ``{path: tensor or JSON value}``.
+    """Flatten a state tree into ``{path: tensor, raw bytes or JSON value}``.
 
     A non-empty ``dict`` with ``str`` keys is a subtree, each key escaped into one
     path segment (:func:`ckptstore.layout.escape`: any ``str`` is a key, ``"x/y"``
-    is stored as ``x%2Fy``); a tensor is a tensor leaf; a :class:`Json` or anything
-    else is a JSON value (checked here).
+    is stored as ``x%2Fy``); a tensor (nested ones included) is a tensor leaf;
+    ``bytes``, ``bytearray`` and ``io.BytesIO`` are raw byte leaves (see
+    :func:`raw_leaves`); a :class:`Json` or anything else is a JSON value (checked here).
 
     Raises:
         UnsupportedTypeError: a value that is neither, naming its path and type.
@@ -102,6 +118,9 @@ def flatten(tree: Any, path: str = "") -> dict[str, Any]:
         elif is_subtree(node):
             for k, v in node.items():
                 walk(v, join(p, escape(k)))
+            return
+        if type(node) in RAW_BYTES:
+            out[p] = node
             return
         if _holds_tensor(node):
             if type(node) is dict:
@@ -137,6 +156,111 @@ def unflatten(flat: Mapping[str, Any]) -> Any:
             node = node.setdefault(p, {})
         node[last] = value
     return root
+
+
+def _byte_tensor(data: bytes | bytearray) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # bytes are read-only: the tensor is only read (hashed, written to a pack)
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
+def raw_leaves(leaves: dict[str, Any], component: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Put the raw byte values and nested tensors of ``leaves`` (absolute paths, as
+    :func:`flatten` gives them) in plain tensor form; returns the new leaves, in the same
+    order, and ``{path relative to component: form}`` for the component meta :data:`RAW`.
+
+    Raw bytes become one 1-d uint8 tensor (a ``bytes`` shares its memory, an
+    ``io.BytesIO`` gives its whole value). A jagged nested tensor gives its ``values``,
+    ``offsets`` and ``lengths`` (when set) tensors; a strided one its components'
+    elements concatenated (``values``) and their ``sizes`` (int64 ``[n, ndim]``).
+    """
+    out: dict[str, Any] = {}
+    forms: dict[str, Any] = {}
+    cut = len(component) + 1 if component else 0
+    for path, value in leaves.items():
+        rel = "" if path == component else path[cut:]
+        t = type(value)
+        if t in RAW_BYTES:
+            out[path] = _byte_tensor(value.getvalue() if t is io.BytesIO else value)
+            forms[rel] = RAW_BYTES[t]
+        elif isinstance(value, torch.Tensor) and value.is_nested:
+            if value.layout == torch.jagged:
+                parts = {"values": value.values(), "offsets": value.offsets()}
+                if value.lengths() is not None:
+                    parts["lengths"] = value.lengths()
+                forms[rel] = {"nested": "jagged", "ragged_dim": int(value._ragged_idx), "parts": list(parts)}
+            else:
+                pieces = value.unbind()
+                flat = [x.reshape(-1) for x in pieces]
+                parts = {
+                    "values": torch.cat(flat) if flat else torch.empty(0, dtype=value.dtype, device=value.device),
+                    "sizes": torch.tensor([list(x.shape) for x in pieces], dtype=torch.int64).reshape(len(pieces), value.dim() - 1),
+                }
+                forms[rel] = {"nested": "strided", "parts": list(parts)}
+            for name, part in parts.items():
+                out[join(path, name)] = part.detach()
+        else:
+            out[path] = value
+    return out, forms
+
+
+def _restore_raw(state: ComponentState) -> None:
+    """Turn the leaves :func:`raw_leaves` wrote back into raw bytes and nested tensors, in
+    place (a nested tensor some of whose parts a partial checkout left out stays in parts).
+
+    Raises:
+        IntegrityError: a malformed :data:`RAW` entry or a leaf that does not fit it.
+    """
+    forms = state.meta.get(RAW)
+    if not forms:
+        return
+    if type(forms) is not dict:
+        raise IntegrityError(f"{state.where('')}: malformed raw leaf forms {forms!r}")
+    new: dict[str, Any] = {}
+    for rel, form in forms.items():
+        if form in RAW_BYTES.values():
+            leaf = state.leaves.get(rel)
+            if leaf is None or not isinstance(leaf, (torch.Tensor, LazyTensor)):
+                continue  # not selected, or restored already
+            dtype, shape = state.spec(rel)
+            if dtype != torch.uint8 or len(shape) != 1:
+                raise IntegrityError(f"{state.where(rel)}: raw bytes stored as {dtype} {list(shape)}, not a 1-d uint8 tensor")
+            data = state.tensor(rel).cpu().numpy().tobytes()
+            new[rel] = data if form == "bytes" else bytearray(data) if form == "bytearray" else io.BytesIO(data)
+        elif type(form) is dict and form.get("nested") in ("jagged", "strided"):
+            names = form.get("parts")
+            allowed = ("values", "offsets", "lengths") if form["nested"] == "jagged" else ("values", "sizes")
+            if type(names) is not list or not {"values", allowed[1]} <= set(names) <= set(allowed):
+                raise IntegrityError(f"{state.where(rel)}: malformed nested tensor parts {names!r}")
+            parts = {n: join(rel, n) for n in names}
+            if any(p not in state.leaves or not state.is_tensor(p) for p in parts.values()):
+                continue  # a partial checkout of some of its parts, or restored already
+            t = {n: state.tensor(p) for n, p in parts.items()}
+            try:
+                if form["nested"] == "jagged":
+                    nt = torch.nested.nested_tensor_from_jagged(t["values"], t["offsets"], t.get("lengths"), jagged_dim=form["ragged_dim"])
+                else:
+                    sizes = [tuple(int(n) for n in row) for row in t["sizes"].tolist()]
+                    pieces = torch.split(t["values"], [int(torch.Size(s).numel()) for s in sizes]) if sizes else []
+                    nt = torch.nested.nested_tensor([p.reshape(s) for p, s in zip(pieces, sizes)], dtype=t["values"].dtype, device=t["values"].device)
+            except (RuntimeError, ValueError, TypeError, KeyError, IndexError) as exc:
+                raise IntegrityError(f"{state.where(rel)}: the stored parts do not make a nested tensor ({exc})") from None
+            new[rel] = (nt, list(parts.values()))
+        else:
+            raise IntegrityError(f"{state.where(rel)}: unknown raw leaf form {form!r}")
+    if not new:
+        return
+    parts_of = {p: rel for rel, v in new.items() if type(v) is tuple for p in v[1]}
+    leaves: dict[str, Any] = {}
+    for key, value in state.leaves.items():
+        rel = parts_of.get(key)
+        if rel is not None:
+            leaves.setdefault(rel, new[rel][0])
+        else:
+            leaves[key] = new.get(key, value)
+    state.leaves = leaves
 
 
 class LazyTensor:
@@ -321,6 +445,12 @@ class Adapter:
         """Child objects of a container (by name), or ``None`` for a leaf adapter."""
         return None
 
+    def refusal(self, obj: Any, path: str) -> Exception | None:
+        """For an adapter that stands for objects that cannot be stored (a family of
+        classes only some of which are supported): the error to raise for ``obj`` at
+        ``path`` when it is met, or ``None`` to handle it."""
+        return None
+
     def targets(self, obj: Any) -> dict[str, Any] | None:
         """Child objects to restore into; defaults to :meth:`children`."""
         return self.children(obj)
@@ -441,6 +571,9 @@ class Registry:
         for klass in type(obj).__mro__:
             adapter = self.by_type.get(klass)
             if adapter is not None:
+                problem = adapter.refusal(obj, path)
+                if problem is not None:
+                    raise problem
                 return adapter
         if any(self._load(k.__module__.split(".")[0]) for k in type(obj).__mro__):
             return self.for_object(obj, path)
@@ -616,24 +749,32 @@ def capture(obj: Any, registry: Registry = REGISTRY, path: str = "") -> list[Cap
     out = []
     for p, adapter, o in found:
         state = adapter.to_state(o, scope=scope) if adapter.uses_scope else adapter.to_state(o)
-        leaves = flatten(state, p)
+        leaves, forms = raw_leaves(flatten(state, p), p)
         tokens = {join(p, rel): token for rel, token in adapter.fingerprints(o).items()}
+        raw = {join(p, rel) for rel in forms}
         for leaf, value in leaves.items():
-            if leaf not in tokens and isinstance(value, torch.Tensor):
+            if leaf not in tokens and isinstance(value, torch.Tensor) and not any(under(leaf, r) for r in raw):
                 token = plain_token(value)
                 if token is not None:
                     tokens[leaf] = token
-        out.append(Captured(p, adapter.name, adapter.version, adapter.meta(o), leaves, tokens, o if tokens else None))
+        meta = adapter.meta(o)
+        if forms:
+            meta = {**meta, RAW: forms}
+        out.append(Captured(p, adapter.name, adapter.version, meta, leaves, tokens, o if tokens else None))
     return out
 
 
 def migrate(adapter: Adapter, state: ComponentState) -> ComponentState:
-    """Bring ``state`` to ``adapter.version`` through its migrations.
+    """Bring ``state`` to ``adapter.version`` through its migrations, after turning the
+    leaves stored in plain tensor form back into raw bytes and nested tensors (component
+    meta :data:`RAW`; those leaves are read here).
 
     Raises:
         AdapterVersionError: stored version newer than the adapter's, or a
             missing migration step.
+        IntegrityError: a raw leaf that does not fit its form.
     """
+    _restore_raw(state)
     if state.version == adapter.version:
         return state
     where = state.path or "<root>"

@@ -26,18 +26,31 @@ from tensordict import TensorDict, is_non_tensor, is_tensor_collection
 from torchrl.checkpoint import GlobalRNGState
 from torchrl.collectors import BaseCollector
 from torchrl.data.replay_buffers import (
+    CompressedListStorage,
+    ConsumingSampler,
+    ImmutableDatasetWriter,
     LazyMemmapStorage,
     ListStorage,
     PrioritizedSampler,
     PrioritizedSliceSampler,
+    PromptGroupSampler,
     RandomSampler,
     ReplayBuffer,
     RoundRobinWriter,
+    Sampler,
+    SamplerEnsemble,
     SamplerWithoutReplacement,
     SliceSampler,
     SliceSamplerWithoutReplacement,
+    StalenessAwareSampler,
+    Storage,
+    StorageEnsemble,
+    StoreStorage,
+    StreamingSliceSampler,
     TensorDictMaxValueWriter,
     TensorStorage,
+    Writer,
+    WriterEnsemble,
 )
 from torchrl.objectives.utils import TargetNetUpdater
 from torchrl.trainers import Trainer
@@ -45,6 +58,7 @@ from torchrl.trainers import Trainer
 from .. import jsonvalue
 from ..errors import HyperparameterOverrideWarning, ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
 from .base import (
+    REGISTRY,
     Adapter,
     ComponentState,
     Json,
@@ -700,59 +714,100 @@ def _scalar(x: Any) -> Any:
 # --- list storage ---------------------------------------------------------------------
 
 
+def _list_state(items: list, max_size: int) -> dict:
+    """The state of a list storage's items (see :class:`ListStorageAdapter`)."""
+    leaves, kinds, batch_sizes = {}, [], []
+    td_adapter = TensorDictAdapter()
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor) and not is_tensor_collection(item):
+            kinds.append("tensor")
+            leaves[str(i)] = item
+        elif is_tensor_collection(item):
+            if not isinstance(item, TensorDict):
+                item = item.to_tensordict()
+            kinds.append("tensordict")
+            batch_sizes.append(list(item.batch_size))
+            leaves[str(i)] = td_adapter.to_state(item) or Json({})
+        else:
+            try:
+                jsonvalue.encode(item, f"storage/items/{i}")
+            except UnsupportedTypeError as exc:
+                raise UnsupportedTypeError(f"{exc} (an item of a ListStorage is stored as a tensor, a TensorDict or a JSON value)") from None
+            kinds.append("json")
+            leaves[str(i)] = Json(item)
+    return {"max_size": int(max_size), "kinds": kinds, "batch_sizes": batch_sizes, "items": leaves or Json({})}
+
+
+def _list_items(state: ComponentState) -> list:
+    """The items stored by :func:`_list_state`, rebuilt."""
+    items, sizes = [], iter(state.json("batch_sizes"))
+    for i, kind in enumerate(state.json("kinds")):
+        key = f"items/{i}"
+        if kind == "tensor":
+            items.append(state.tensor(key).clone())
+        elif kind == "tensordict":
+            td = TensorDict({}, batch_size=next(sizes))
+            for leaf in state.keys(key):
+                rel = split(leaf[len(key) + 1:])
+                td.set(rel, state.tensor(leaf)) if state.is_tensor(leaf) else td.set_non_tensor(rel, state.json(leaf))
+            items.append(td)
+        else:
+            items.append(state.json(key))
+    return items
+
+
 @register_adapter
 class ListStorageAdapter(Adapter):
-    """``ListStorage``: ``max_size`` and ``items/<i>``, each a tensor, a TensorDict
-    (its keys below ``items/<i>``) or a JSON value; ``kinds`` says which, and
-    ``batch_sizes`` the TensorDicts' batch sizes. Anything else is refused."""
+    """``ListStorage`` and ``LazyStackStorage``: ``max_size`` and ``items/<i>``, each a
+    tensor, a TensorDict (its keys below ``items/<i>``) or a JSON value; ``kinds`` says
+    which, and ``batch_sizes`` the TensorDicts' batch sizes. Anything else is refused."""
 
     name = "torchrl.storage.list"
     types = (ListStorage,)
 
     def to_state(self, obj: ListStorage) -> dict:
-        items, kinds, batch_sizes = {}, [], []
-        td_adapter = TensorDictAdapter()
-        for i, item in enumerate(obj._storage):
-            if isinstance(item, torch.Tensor) and not is_tensor_collection(item):
-                kinds.append("tensor")
-                items[str(i)] = item
-            elif is_tensor_collection(item):
-                if not isinstance(item, TensorDict):
-                    item = item.to_tensordict()
-                kinds.append("tensordict")
-                batch_sizes.append(list(item.batch_size))
-                items[str(i)] = td_adapter.to_state(item) or Json({})
-            else:
-                try:
-                    jsonvalue.encode(item, f"storage/items/{i}")
-                except UnsupportedTypeError as exc:
-                    raise UnsupportedTypeError(f"{exc} (ListStorage holds tensors, TensorDicts or JSON values)") from None
-                kinds.append("json")
-                items[str(i)] = Json(item)
-        return {"max_size": int(obj.max_size), "kinds": kinds, "batch_sizes": batch_sizes, "items": items or Json({})}
+        return _list_state(obj._storage, obj.max_size)
 
     def check(self, obj: Any, state: ComponentState) -> None:
         _expect(obj, ListStorage, state)
+        if isinstance(obj, CompressedListStorage):
+            raise TargetMismatchError(f"{state.where('')}: stored a {state.meta.get('class')}, target is a CompressedListStorage")
         if state.json("max_size") != obj.max_size:
             raise TargetMismatchError(f"{state.where('')}: capacity (max_size) differs: stored {state.json('max_size')}, target {obj.max_size}")
 
     def from_state(self, obj: ListStorage, state: ComponentState) -> ListStorage:
-        items, sizes = [], iter(state.json("batch_sizes"))
-        for i, kind in enumerate(state.json("kinds")):
-            key = f"items/{i}"
-            if kind == "tensor":
-                items.append(state.tensor(key).clone())
-            elif kind == "tensordict":
-                td = TensorDict({}, batch_size=next(sizes))
-                for leaf in state.keys(key):
-                    rel = split(leaf[len(key) + 1:])
-                    td.set(rel, state.tensor(leaf)) if state.is_tensor(leaf) else td.set_non_tensor(rel, state.json(leaf))
-                items.append(td)
-            else:
-                items.append(state.json(key))
-        obj._storage = items
+        obj._storage = _list_items(state)
         if hasattr(obj, "_bump_mutation_revision"):
             obj._bump_mutation_revision()
+        return obj
+
+
+@register_adapter
+class CompressedListStorageAdapter(Adapter):
+    """``CompressedListStorage``: its items decompressed, stored as :class:`ListStorageAdapter`
+    stores a list's (the store compresses and deduplicates them itself); restored by
+    writing each item again through the target storage, which compresses it with its own
+    compression function (the default one gives the same bytes). Slots never written are
+    JSON nulls (``kinds`` ``"json"``) and stay empty."""
+
+    name = "torchrl.storage.compressed_list"
+    types = (CompressedListStorage,)
+
+    def to_state(self, obj: CompressedListStorage) -> dict:
+        return _list_state([None if c is None else obj._get_item(i) for i, c in enumerate(obj._storage)], obj.max_size)
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, CompressedListStorage, state)
+        if state.json("max_size") != obj.max_size:
+            raise TargetMismatchError(f"{state.where('')}: capacity (max_size) differs: stored {state.json('max_size')}, target {obj.max_size}")
+
+    def from_state(self, obj: CompressedListStorage, state: ComponentState) -> CompressedListStorage:
+        items = _list_items(state)
+        obj._storage, obj._metadata = [None] * len(items), [None] * len(items)
+        for i, item in enumerate(items):
+            if item is not None:
+                obj._set_item(i, obj._to_device(item))  # as ``set`` writes an item
+        obj._bump_mutation_revision()
         return obj
 
 
@@ -804,6 +859,108 @@ class MaxValueWriterAdapter(Adapter):
         obj._cursor = state.json("cursor")
         obj._write_count = state.json("write_count")
         return obj
+
+
+# --- samplers and writers whose state is their state_dict ------------------------------
+
+
+class _StateDictPart(StateDictAdapter):
+    """A sampler whose ``state_dict()`` (tensors and numbers) is its whole mutable state."""
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, self.types[0], state)
+        same_class(obj, state)
+
+
+@register_adapter
+class ConsumingSamplerAdapter(_StateDictPart):
+    """``ConsumingSampler``: its ``state_dict()``: ``max_sample_count``, the per-slot
+    ``_sample_count`` (int64) and ``_live_mask`` (bool), the free list, ``_ran_out``."""
+
+    name = "torchrl.sampler.consuming"
+    types = (ConsumingSampler,)
+
+
+@register_adapter
+class StreamingSliceSamplerAdapter(_StateDictPart):
+    """``StreamingSliceSampler``: its ``state_dict()``: slot versions, queued and pending
+    slices, the last trajectory; the target must have the same ``slice_len``."""
+
+    name = "torchrl.sampler.streaming_slice"
+    types = (StreamingSliceSampler,)
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        super().check(obj, state)
+        stored = int(state.tensor("slice_len")) if state.is_tensor("slice_len") else None
+        if stored != obj.slice_len:
+            raise TargetMismatchError(f"{state.where('slice_len')}: stored slice_len {stored}, target {obj.slice_len}")
+
+
+@register_adapter
+class PromptGroupSamplerAdapter(_StateDictPart):
+    """``PromptGroupSampler``: ``position_recency`` (int64) and ``recency_clock`` (none
+    before the first write); its group index is a cache, rebuilt on the next sample."""
+
+    name = "torchrl.sampler.prompt_group"
+    types = (PromptGroupSampler,)
+
+
+@register_adapter
+class StalenessAwareSamplerAdapter(_StateDictPart):
+    """``StalenessAwareSampler``: ``consumer_version`` and ``max_staleness``."""
+
+    name = "torchrl.sampler.staleness_aware"
+    types = (StalenessAwareSampler,)
+
+
+@register_adapter
+class ImmutableDatasetWriterAdapter(Adapter):
+    """``ImmutableDatasetWriter``: stateless (it refuses writes)."""
+
+    name = "torchrl.writer.immutable"
+    types = (ImmutableDatasetWriter,)
+
+    def to_state(self, obj: ImmutableDatasetWriter) -> dict:
+        return {}
+
+    def check(self, obj: Any, state: ComponentState) -> None:
+        _expect(obj, ImmutableDatasetWriter, state)
+
+    def from_state(self, obj: ImmutableDatasetWriter, state: ComponentState) -> ImmutableDatasetWriter:
+        return obj
+
+
+#: Why the TorchRL storages, samplers and writers ckptstore refuses cannot be stored.
+REFUSED = {
+    StorageEnsemble: "an ensemble of storages; commit each storage (or each buffer of a ReplayBufferEnsemble) on its own",
+    StoreStorage: "its items live in an external key-value server (Redis), which a commit cannot copy or restore",
+    SamplerEnsemble: "an ensemble of samplers; commit each buffer of the ensemble on its own",
+    WriterEnsemble: "an ensemble of writers; commit each buffer of the ensemble on its own",
+}
+
+
+@register_adapter
+class UnsupportedPartAdapter(Adapter):
+    """Every TorchRL storage, sampler or writer without an adapter of its own: refused at
+    commit and checkout, naming the class, why, and the classes that are supported."""
+
+    name = "torchrl.unsupported"
+    types = (Storage, Sampler, Writer)
+
+    def refusal(self, obj: Any, where: str) -> UnsupportedTypeError:
+        kind = next(k for k in (Storage, Sampler, Writer) if isinstance(obj, k))
+        supported = sorted({t.__name__ for t, a in REGISTRY.by_type.items()
+                            if issubclass(t, kind) and t is not kind and not isinstance(a, UnsupportedPartAdapter)})
+        default = "the base class, with no state of its own" if type(obj) is kind else "ckptstore has no adapter for this class"
+        reason = next((r for t, r in REFUSED.items() if isinstance(obj, t)), default)
+        return UnsupportedTypeError(
+            f"{where or '<root>'}: a {type(obj).__module__}.{type(obj).__qualname__} (a TorchRL {kind.__name__.lower()}) "
+            f"cannot be stored: {reason}. Supported {kind.__name__.lower()}s (and their subclasses): {', '.join(supported)} "
+            "(docs/adapters.md); register an adapter for others with ckptstore.register_adapter"
+        )
+
+    def to_state(self, obj: Any) -> Any:
+        raise self.refusal(obj, "")
 
 
 # --- training services ------------------------------------------------------------------

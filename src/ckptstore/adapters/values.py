@@ -1,17 +1,18 @@
-"""Adapters for plain values: tensors, JSON values, dicts and TensorDicts."""
+"""Adapters for plain values: tensors, numpy arrays, JSON values, raw bytes, dicts and TensorDicts."""
 
 from __future__ import annotations
 
+import io
 import itertools
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_non_tensor, is_tensor_collection
 
 from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
-from .base import REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, split
+from .base import RAW_BYTES, REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, split, under
 
 
 @register_adapter
@@ -81,10 +82,11 @@ class NumpyAdapter(Adapter):
 
 @register_adapter
 class JsonAdapter(Adapter):
-    """A JSON value (None, bool, int, float, str, list, tuple, slice, Ellipsis)."""
+    """A JSON value (None, bool, int, float, str, list, tuple, slice, Ellipsis, and numpy
+    scalars, restored as the same numpy type: :mod:`ckptstore.jsonvalue`)."""
 
     name = "json"
-    types = (type(None), bool, int, float, str, list, tuple, slice, type(Ellipsis))
+    types = (type(None), bool, int, float, str, list, tuple, slice, type(Ellipsis), np.bool_, np.number)
 
     def to_state(self, obj: Any) -> Any:
         return obj
@@ -93,13 +95,45 @@ class JsonAdapter(Adapter):
         return state.json("")
 
 
+@register_adapter
+class BytesAdapter(Adapter):
+    """Raw bytes (``bytes``, ``bytearray``, ``io.BytesIO``): one uint8 tensor leaf, so
+    stored as blobs (deduplicated, verified, read only when selected), restored as the
+    same type (an ``io.BytesIO`` positioned at 0). Restored in place into a ``bytearray``
+    or an ``io.BytesIO``; otherwise a new object is returned."""
+
+    name = "bytes"
+    types = tuple(RAW_BYTES)
+
+    def to_state(self, obj: Any) -> Any:
+        return obj
+
+    def from_state(self, obj: Any, state: ComponentState) -> Any:
+        value = state.value("")
+        if type(obj) is type(value) and type(value) in (bytearray, io.BytesIO):
+            _refill(obj, value.getvalue() if type(value) is io.BytesIO else bytes(value))
+            return obj
+        return value
+
+
+def _refill(obj: bytearray | io.BytesIO, data: bytes) -> None:
+    """Make a ``bytearray`` or ``io.BytesIO`` hold ``data`` in place (a stream positioned at 0)."""
+    if type(obj) is bytearray:
+        obj[:] = data
+        return
+    obj.seek(0)
+    obj.truncate()
+    obj.write(data)
+    obj.seek(0)
+
+
 def _needs_container(value: Any) -> bool:
     """Does a dict hold (at any depth) an object that needs its own adapter?"""
     for v in value.values():
         if isinstance(v, (dict, OrderedDict)):
             if _needs_container(v):
                 return True
-        elif not isinstance(v, (torch.Tensor, *JsonAdapter.types)):
+        elif not isinstance(v, (torch.Tensor, *JsonAdapter.types, *RAW_BYTES)):
             return True
     return False
 
@@ -183,7 +217,8 @@ def _check_unaliased(obj: dict, where: str) -> None:
 
 def _update(obj: dict, value: dict) -> None:
     """Make ``obj`` equal ``value`` in place, keeping the target's nested dicts (the
-    objects a caller may hold) and overwriting its tensors of the same dtype and shape."""
+    objects a caller may hold), overwriting its tensors of the same dtype and shape and
+    refilling its ``bytearray`` and ``io.BytesIO`` values."""
     for k in [k for k in obj if k not in value]:
         del obj[k]
     for k, v in value.items():
@@ -192,6 +227,8 @@ def _update(obj: dict, value: dict) -> None:
             _update(old, v)
         elif isinstance(old, torch.Tensor) and isinstance(v, torch.Tensor) and (old.dtype, old.shape) == (v.dtype, v.shape) and old.device.type != "meta":
             old.copy_(v)  # in place, on the target's device
+        elif type(old) is type(v) and type(v) in (bytearray, io.BytesIO):
+            _refill(old, v.getvalue() if type(v) is io.BytesIO else bytes(v))
         else:
             obj[k] = v
 
@@ -242,7 +279,11 @@ class TensorDictAdapter(Adapter):
     """A TensorDict: its tensor leaves by nested key, non-tensor leaves as JSON.
 
     The batch size and device go in the component's metadata; NonTensorStack
-    leaves are listed there so they come back as stacks. Restored in place into
+    leaves are listed there so they come back as stacks. A ``LazyStackedTensorDict``
+    whose members differ in keys or shapes is stored member by member (``<i>/<key>``;
+    meta ``lazy``: ``{path: {"dim": stack dim, "batch_sizes": [...]}}``) and comes back
+    as a lazy stack of the same members; a homogeneous one as a TensorDict of its
+    stacked leaves. Restored in place into
     a TensorDict of the same batch size (tensors of the same shape and dtype are
     overwritten, others replaced); otherwise a new TensorDict is built.
 
@@ -260,6 +301,11 @@ class TensorDictAdapter(Adapter):
         the escaped paths of non-tensor stacks and the batch sizes of nested TensorDicts
         that are empty or batched beyond their parent (what setting leaves cannot rebuild)."""
         tree: dict = {}
+        if _heterogeneous(td):  # members with other keys or shapes: stored member by member
+            info["lazy"][prefix] = {"dim": td.stack_dim, "batch_sizes": [list(m.batch_size) for m in td.tensordicts]}
+            for i, member in enumerate(td.tensordicts):
+                tree[str(i)] = self._walk(member, join(prefix, str(i)), info) or Json({})
+            return tree
         for key in td.keys():
             value = td._get_str(key, None)
             path = join(prefix, escape(key))
@@ -271,7 +317,7 @@ class TensorDictAdapter(Adapter):
                     tree[key] = Json(value.data)
             elif is_tensor_collection(value):
                 sub = self._walk(value, path, info)
-                if not sub or list(value.batch_size) != list(td.batch_size):
+                if path not in info["lazy"] and (not sub or list(value.batch_size) != list(td.batch_size)):
                     info["nested"][path] = list(value.batch_size)
                 tree[key] = sub or Json({})  # an empty TensorDict is a leaf, so partial= can select it
             else:
@@ -279,7 +325,7 @@ class TensorDictAdapter(Adapter):
         return tree
 
     def _flat(self, td: TensorDictBase) -> tuple[dict, dict]:
-        info: dict = {"stacks": [], "nested": {}}
+        info: dict = {"stacks": [], "nested": {}, "lazy": {}}
         return self._walk(td, "", info), info
 
     def to_state(self, obj: TensorDictBase) -> Any:
@@ -295,6 +341,8 @@ class TensorDictAdapter(Adapter):
         }
         if info["nested"]:
             out["nested"] = info["nested"]
+        if info["lazy"]:
+            out["lazy"] = info["lazy"]
         return out
 
     def check(self, obj: Any, state: ComponentState) -> None:
@@ -316,9 +364,31 @@ class TensorDictAdapter(Adapter):
                 f"{state.where('')}: stored on {device}, which this machine does not have; "
                 "pass map_location='cpu' (or another device) to checkout"
             )
+        if "" in _lazy(state):
+            return self._stack(state, "")
         td = TensorDict({}, batch_size=state.meta.get("batch_size", []), device=device)
         self._fill(td, state)
         return td
+
+    def _member(self, state: ComponentState, prefix: str, batch_size: list) -> ComponentState:
+        """The state under ``prefix`` (one member of a stored lazy stack) as a component of its own."""
+        cut = len(prefix) + 1 if prefix else 0
+
+        def rel(paths):
+            return {p[cut:]: v for p, v in paths.items() if p != prefix and under(p, prefix)}
+        meta = {"batch_size": batch_size, "device": state.meta.get("device"),
+                "stacks": list(rel(dict.fromkeys(state.meta.get("stacks", ())))), "nested": rel(state.meta.get("nested", {})),
+                "lazy": rel(_lazy(state))}
+        return ComponentState(join(state.path, prefix), state.adapter, state.version, meta, rel(state.leaves))
+
+    def _stack(self, state: ComponentState, prefix: str) -> LazyStackedTensorDict:
+        """The heterogeneous lazy stack stored at ``prefix``: each member built from its own leaves."""
+        spec = _lazy(state)[prefix]
+        members = [self.build(self._member(state, join(prefix, str(i)), b)) for i, b in enumerate(spec["batch_sizes"])]
+        try:
+            return LazyStackedTensorDict(*members, stack_dim=spec["dim"])
+        except (RuntimeError, ValueError, IndexError) as exc:
+            raise TargetMismatchError(f"{state.where(prefix)}: the stored members do not stack along dim {spec['dim']} ({exc})") from None
 
     def _fill(self, td: TensorDictBase, state: ComponentState) -> None:
         stacks = set(state.meta.get("stacks", ()))
@@ -326,6 +396,12 @@ class TensorDictAdapter(Adapter):
         if not (type(nested_sizes) is dict and all(type(b) is list and all(type(n) is int and n >= 0 for n in b) for b in nested_sizes.values())):
             raise TargetMismatchError(f"{state.where('')}: malformed nested batch sizes {nested_sizes!r}")
         keys = state.keys()
+        lazy = [p for p in _lazy(state) if not any(q != p and under(p, q) for q in _lazy(state))]  # the outermost stacks
+        for path in lazy:
+            if any(under(k, path) for k in keys):
+                td.set(split(path), self._stack(state, path))
+        keys = [k for k in keys if not any(under(k, p) for p in lazy)]
+        nested_sizes = {p: b for p, b in nested_sizes.items() if not any(under(p, q) for q in lazy)}
         for path in sorted(nested_sizes, key=lambda p: p.count("/")):  # parents first, only those read
             if path in keys or state.keys(path):
                 nested = split(path)
@@ -349,10 +425,41 @@ class TensorDictAdapter(Adapter):
                 td.set_non_tensor(nested, state.json(key))
 
     def from_state(self, obj: Any, state: ComponentState) -> Any:
-        if not isinstance(obj, TensorDictBase):
+        if not isinstance(obj, TensorDictBase) or "" in _lazy(state):
             return self.build(state)
         self._fill(obj, state)
         return obj
+
+
+def _heterogeneous(td: TensorDictBase) -> bool:
+    """A lazy stack whose members differ in keys or in the shape or dtype of a tensor
+    (one TensorDict of stacked leaves cannot hold it)."""
+    if not isinstance(td, LazyStackedTensorDict) or len(td.tensordicts) < 2:
+        return False
+
+    def spec(member: TensorDictBase) -> dict:
+        return {k: (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) and not is_tensor_collection(v) else None
+                for k, v in member.items(include_nested=True, leaves_only=True)}
+
+    first = spec(td.tensordicts[0])
+    return any(spec(m) != first for m in td.tensordicts[1:])
+
+
+def _lazy(state: ComponentState) -> dict:
+    """The stored heterogeneous lazy stacks ``{escaped path: {"dim", "batch_sizes"}}`` (``""``: the component itself).
+
+    Raises:
+        TargetMismatchError: a malformed entry.
+    """
+    lazy = state.meta.get("lazy", {})
+    ok = type(lazy) is dict and all(
+        type(v) is dict and set(v) == {"dim", "batch_sizes"} and type(v["dim"]) is int and type(v["batch_sizes"]) is list
+        and v["batch_sizes"] and all(type(b) is list and all(type(n) is int and n >= 0 for n in b) for b in v["batch_sizes"])
+        for v in lazy.values()
+    )
+    if not ok:
+        raise TargetMismatchError(f"{state.where('')}: malformed lazy stack entries {lazy!r}")
+    return lazy
 
 
 __all__ = ["REGISTRY", "DictAdapter", "JsonAdapter", "NonTensorData", "TensorAdapter", "TensorDictAdapter"]
