@@ -520,13 +520,12 @@ class BucketHome(Home):
     # --- commit ------------------------------------------------------------------------------
 
     def prepare_shared_commit(self) -> None:
-        """The home's part of :meth:`Store.prepare_shared_commit`: the bucket holds
+        """The home's part of :meth:`~ckptstore.store.Store.prepare_shared_commit`: the bucket holds
         ``ckptstore.json`` (written now if missing, so that the other processes' packs land in
         a store a GC can collect), and the cache indexes every pack on the bucket (one listing,
         the ``.idx`` of each pack not seen before).
 
         Raises:
-            StoreWriteError: the cache folder cannot be written.
             BackendError: the storage failed.
         """
         if self.marker is None:
@@ -689,7 +688,7 @@ class BucketHome(Home):
         return self.index_infos([cid])[cid]  # resolve copied it
 
     def infos(self, ids: list[str]):
-        """As :meth:`Store.infos`, the records of ``ids`` the cache lacks copied from the bucket
+        """As :meth:`~ckptstore.store.Store.infos`, the records of ``ids`` the cache lacks copied from the bucket
         first (one HEAD each; ids the bucket does not hold are left out).
 
         Raises:
@@ -731,7 +730,7 @@ class BucketHome(Home):
         return super().show(cid)
 
     def du(self) -> dict:
-        """Space accounting of the bucket, as :meth:`Store.du`: ``pack_bytes`` sums the
+        """Space accounting of the bucket, as :meth:`~ckptstore.store.Store.du`: ``pack_bytes`` sums the
         packs and indexes under ``blobs/``, ``catalog_bytes`` the local cache, ``tmp_bytes`` 0."""
         self.log()  # every commit record cached, the ones the bucket lost forgotten
         self.refresh_index()
