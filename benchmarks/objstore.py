@@ -16,7 +16,7 @@ in all: ``blocks/b0`` 6/16, ``b1`` and ``b2`` 4/16 each, ``b3`` 1/16 and ``head`
 every tensor (a ring buffer's overwrite, a fine-tuned slice). Each repetition uses fresh
 prefixes and deletes them afterwards. Operations:
 
-1. **commit** of the state into an empty prefix (a new :class:`~ckptstore.bucket.BucketStore`,
+1. **commit** of the state into an empty prefix (a new :class:`~ckptstore.Store` on ``s3://``,
    opened outside the timed window) against the **wire floor**: the same bytes as ONE
    object, one create-only PUT of one contiguous buffer through the same client
    (``S3Backend.put_new``, obstore), the two in alternating order. Target: <= 1.3x.
@@ -191,7 +191,7 @@ class _CountingObstore:
 
 def counting_backend(url: str):
     """An :class:`~ckptstore.backends.S3Backend` for ``url`` whose client counts its
-    requests (``.counter``: a :class:`Counter`); pass it as ``BucketStore(url, backend=…)``."""
+    requests (``.counter``: a :class:`Counter`); pass it as ``Store(url, backend=…)``."""
     from ckptstore.backends import S3Backend
 
     class CountingBackend(S3Backend):
@@ -303,7 +303,7 @@ def peak_rss():
 def phases(store, counter: Counter):
     """Time the phases of ``store``'s next commit (wrapping its methods on the instance)."""
     marks: dict[str, float] = {}
-    orig_leaves, orig_writer, orig_index = store._leaves, store.pack_writer, store.index_commit
+    orig_leaves, orig_writer, orig_index = store._leaves, store.pack_writer, store.home.index_commit  # the index step is the home's
 
     def timed_leaves(*a, **k):
         marks["hash_start"] = time.perf_counter()
@@ -331,14 +331,14 @@ def phases(store, counter: Counter):
         finally:
             marks["index_end"] = time.perf_counter()
 
-    store._leaves, store.pack_writer, store.index_commit = timed_leaves, timed_writer, timed_index
+    store._leaves, store.pack_writer, store.home.index_commit = timed_leaves, timed_writer, timed_index
     out: dict = {}
     marks["start"] = time.perf_counter()
     try:
         yield out
     finally:
         marks["end"] = time.perf_counter()
-        del store._leaves, store.pack_writer, store.index_commit
+        del store._leaves, store.pack_writer, store.home.index_commit
         packs = [(a, b, n) for a, b, key, n in counter.puts if key.endswith(".pack") and a >= marks["start"]]
         out.update({
             "capture_s": marks.get("hash_start", marks["start"]) - marks["start"],
@@ -380,7 +380,7 @@ def child(spec: dict) -> dict:
     checkout (another fresh cache) and the read floor, in ``spec["order"]``."""
     import obstore
 
-    from ckptstore.bucket import BucketStore
+    from ckptstore import Store
 
     out: dict = {}
     caches = Path(spec["caches"])
@@ -390,7 +390,7 @@ def child(spec: dict) -> dict:
         os.environ["XDG_CACHE_HOME"] = str(caches / name)
         t0 = time.perf_counter()
         backend = counting_backend(spec["url"])
-        store = BucketStore(spec["url"], create=False, backend=backend)
+        store = Store(spec["url"], create=False, backend=backend)
         td = store.checkout("main", partial=partial)
         seconds = time.perf_counter() - t0
         r = {"seconds": seconds, "io_bytes_read": store.io.bytes_read, "io_blobs_read": store.io.blobs_read, **backend.counter.summary(),
@@ -432,7 +432,7 @@ def run_child(spec: dict, cache_root: Path) -> dict:
 
 def repetition(rep: int, state: dict, floor_buf, gen, args, work: Path) -> dict:
     import ckptstore
-    from ckptstore.bucket import BucketStore
+    from ckptstore import Store
     from ckptstore.packs import BLOB_HEADER
 
     tag = f"r{rep}-{os.getpid()}"
@@ -446,7 +446,7 @@ def repetition(rep: int, state: dict, floor_buf, gen, args, work: Path) -> dict:
         if "commit" in args.ops or "recommit" in args.ops or "partial" in args.ops or "whole" in args.ops:
             floor_backend = counting_backend(f"s3://{BUCKET}")
             backend = counting_backend(url)
-            store = BucketStore(url, backend=backend, **kwargs)
+            store = Store(url, backend=backend, **kwargs)
             order = ["floor", "commit"] if rep % 2 == 0 else ["commit", "floor"]
             for op in order:
                 if op == "floor":
@@ -557,7 +557,7 @@ def sweep(variants: list[dict], state: dict, floor_buf, reps: int) -> list[dict]
     from concurrent.futures import ThreadPoolExecutor
 
     import ckptstore.bucket
-    from ckptstore.bucket import BucketStore
+    from ckptstore import Store
 
     default_uploads = ckptstore.bucket.UPLOADS
     results: list[dict] = []
@@ -582,7 +582,7 @@ def sweep(variants: list[dict], state: dict, floor_buf, reps: int) -> list[dict]
                     backend = counting_backend(f"s3://{BUCKET}/{prefix}")
                     ckptstore.bucket.UPLOADS = v.get("uploads", default_uploads)  # read when the store starts its upload threads
                     try:
-                        store = BucketStore(f"s3://{BUCKET}/{prefix}", backend=backend,
+                        store = Store(f"s3://{BUCKET}/{prefix}", backend=backend,
                                             **({"pack_bytes": v["pack_mib"] * MiB} if "pack_mib" in v else {}))
                     finally:
                         ckptstore.bucket.UPLOADS = default_uploads

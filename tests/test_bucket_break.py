@@ -67,10 +67,9 @@ def test_a_tag_that_moved_is_a_successful_commit_even_if_its_reflog_record_fails
     from datetime import timedelta
 
     from ckptstore.backends import S3Backend
-    from ckptstore.bucket import BucketStore
 
     fast = {"max_retries": 1, "backoff": {"init_backoff": timedelta(milliseconds=5), "max_backoff": timedelta(milliseconds=10), "base": 2}}
-    s = BucketStore(url, backend=S3Backend(url, retry_config=fast))
+    s = ckptstore.Store(url, backend=S3Backend(url, retry_config=fast))
     first = s.commit({"w": torch.arange(4.0)}, tag="latest")
     s3_server.set_faults([{"method": "PUT", "key": f"/{url[5:]}/reflog/", "action": "500-before", "count": 1000}])
     try:

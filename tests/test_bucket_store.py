@@ -1,4 +1,4 @@
-"""``Store("s3://…")`` (ckptstore.bucket.BucketStore) against a real moto S3 server:
+"""``Store("s3://…")`` (a store whose home is a ckptstore.bucket.BucketHome) against a real moto S3 server:
 processes racing on one tag, writers and GCs SIGKILLed at random instants, GC beside
 a writer, a server failing requests, and hostile objects on the bucket.
 
@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 
 import ckptstore
-from ckptstore.bucket import BucketStore
+from ckptstore.bucket import BucketHome
 
 from . import bucket_workers
 from .conftest import assert_bit_equal
@@ -85,7 +85,7 @@ def test_four_processes_commit_to_one_tag_and_no_update_is_lost(tmp_path, url):
     assert len(made) == 80
 
     store = ckptstore.Store(url)
-    assert isinstance(store, BucketStore)
+    assert type(store) is ckptstore.Store and isinstance(store.home, BucketHome)
     for cid, meta in made.items():
         _assert_state(store.checkout(cid), meta, f"commit {cid} of writer {meta['w']}, step {meta['i']}")
         assert store.info(cid).metadata == meta
@@ -107,7 +107,7 @@ def test_four_processes_commit_to_one_tag_and_no_update_is_lost(tmp_path, url):
 # --- 2. writers and GCs SIGKILLed at random instants -----------------------------------------------
 
 
-def _check_tags(store: BucketStore, writers: dict, seed: int, why: str) -> dict:
+def _check_tags(store: ckptstore.Store, writers: dict, seed: int, why: str) -> dict:
     """Every tag names a commit of the writer that moves it, at least the last one that
     writer saw return (or the next, if it died between its CAS and its report), and
     checks out bit-exactly to the state of that commit's metadata. ``writers``: tag ->
@@ -465,7 +465,7 @@ def _raw_put(url: str, key: str, data: bytes) -> None:
     obstore.put(S3Store(bucket, prefix=prefix), key, data)
 
 
-def _fresh(url: str, tmp_path) -> BucketStore:
+def _fresh(url: str, tmp_path) -> ckptstore.Store:
     """A store on ``url`` with an empty cache of its own (a machine that never saw it)."""
     return ckptstore.Store(url, cache=tmp_path / f"cache-{uuid.uuid4().hex[:8]}")
 

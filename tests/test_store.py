@@ -8,6 +8,7 @@ import torch
 import ckptstore
 from ckptstore.errors import (
     AmbiguousRefError,
+    InvalidArgumentError,
     InvalidNameError,
     NotAStoreError,
     PartialPathError,
@@ -111,6 +112,18 @@ def test_store_folder_checks(tmp_path):
     s.close()
     with ckptstore.Store(tmp_path / "new") as again:
         assert again.shard_bytes == 4096  # saved with the store
+
+
+def test_one_store_class_on_its_local_home_and_object_storage_options_refused_for_a_folder(tmp_path):
+    from ckptstore.home import LocalHome
+
+    with ckptstore.Store(tmp_path / "s", create=True) as s:
+        assert type(s) is ckptstore.Store and type(s.home) is LocalHome and s.location == str(tmp_path / "s")
+        assert not hasattr(s, "backend")  # a folder's objects are files, not a backend
+    for option in ({"cache": tmp_path / "c"}, {"backend": object()}):
+        with pytest.raises(InvalidArgumentError, match="for a store on object storage"):
+            ckptstore.Store(tmp_path / "s", **option)
+    assert not (tmp_path / "c").exists()
 
 
 def test_custom_adapter_registration_and_versions(store):

@@ -191,7 +191,7 @@ def test_a_first_logged_write_under_inference_mode_does_not_break_the_log():
 
 def test_a_commit_after_a_few_rows_changed_hashes_only_their_shards(tmp_path, monkeypatch):
     import ckptstore.layout
-    import ckptstore.store as store_module
+    import ckptstore.commit as store_module
 
     hashed: list[int] = []
     real = store_module.digest

@@ -1,16 +1,18 @@
-"""A store that lives on object storage: ``Store("s3://bucket/prefix")``
+"""The home of a store on object storage: ``Store("s3://bucket/prefix")``
 (docs/design.md, "Object storage" and "A store on object storage").
 
-:class:`BucketStore` is the :class:`~ckptstore.store.Store` facade with three parts
-swapped for object storage, everything else (adapters, sharding, hashing, the manifest,
-checkout's planning and restoring) shared with the local store:
+:class:`BucketHome` is the :class:`~ckptstore.home.Home` that the
+:class:`~ckptstore.store.Store` facade runs on for an ``s3://`` location: the three parts of
+a home for object storage, everything else (the commit protocol, adapters, sharding,
+hashing, the manifest, checkout's planning and restoring, GC and fsck) shared with the
+local store:
 
 - **objects**: new blobs go into packs assembled in memory (:class:`~ckptstore.remote.BucketPackWriter`, shared with push),
   each put whole with a create-only PUT, then its ``.idx``; reads are ranged GETs of
   only the needed blobs, coalesced and in parallel (:class:`BucketReader`), each checked
   against its entry header and rehashed;
 - **refs**: tags live on the bucket (``refs/<tag>``) and move by compare-and-swap
-  (:class:`~ckptstore.refs.BucketRefs`, the facade's ``self.refs``); a commit takes the
+  (:class:`~ckptstore.refs.BucketRefs`, the facade's ``refs``); a commit takes the
   tag's current commit as its parent, and a lost race rebuilds the record on the new
   parent and tries again (bounded: ``RefBusyError``);
 - **the index**: a SQLite catalog of the local store's schema under the user's cache
@@ -18,7 +20,10 @@ checkout's planning and restoring) shared with the local store:
   records, so dedup lookups and blob lookups cost no round trips. Every row is a copy
   of an immutable object on the bucket (or a mirror of a ref read from it): deleting
   the folder loses nothing. Tags are always read from the bucket before a move, a
-  checkout or a listing (a listing reads only the refs whose ETag changed).
+  checkout or a listing (a listing reads only the refs whose ETag changed). The home's
+  queries (``held``, ``find_commit``, ``tagged``, ``info``, ``infos``, ``log``, ``show``,
+  ``du``) copy the records they need into the cache, then answer from it as
+  :class:`~ckptstore.home.Home` does.
 
 The bucket is the truth: a commit exists once ``commits/<xx>/<cid>`` exists and is
 reachable once a ref names it (order: packs, ``.idx``, record, ref CAS, reflog object).
@@ -48,7 +53,6 @@ from .bucketgc import BucketGC
 from .errors import (
     BlobCorruptError,
     BlobMissingError,
-    CatalogCorruptError,
     IntegrityError,
     NotAStoreError,
     ObjectNotFoundError,
@@ -82,7 +86,8 @@ from .remote import (
     read_marker,
 )
 from .remote import resolve as resolve_remote
-from .store import CommitInfo, ReusedBlobsGone, Store, weakly
+from .commit import CommitInfo, ReusedBlobsGone
+from .home import Home, weakly
 from .threads import Pool
 
 #: Seconds: a cached commit the bucket's listing lacks is forgotten only once this old (its record may be in flight).
@@ -109,8 +114,8 @@ class BucketReader:
     cache has been refreshed from the bucket.
     """
 
-    def __init__(self, store: BucketStore):
-        self.store, self.backend = store, store.backend
+    def __init__(self, home: BucketHome):
+        self.home, self.backend = home, home.backend
         self._got: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()
         self.blobs_read = 0
@@ -131,7 +136,7 @@ class BucketReader:
                 for loc, buf in zip(group, bufs):
                     self._got[(pid, loc.offset)] = buf
 
-        list(self.store.requests.map(fetch, by_pack.items()))
+        list(self.home.requests.map(fetch, by_pack.items()))
 
     def _entry(self, loc: BlobLoc, where: str):
         with self._lock:
@@ -158,8 +163,8 @@ class BucketReader:
         try:
             return loc, read(loc)
         except BlobMissingError:
-            self.store.refresh_index()
-            moved = self.store.relocate(loc)
+            self.home.refresh_index()
+            moved = self.home.store.relocate(loc)
             if moved is None or moved == loc:
                 raise
             return moved, read(moved)
@@ -211,11 +216,11 @@ class DetachedPackWriter(BucketPackWriter):
         self.backend.close()
 
 
-class BucketStore(Store):
-    """A store under ``s3://bucket/prefix``: ``Store("s3://…")`` returns one.
+class BucketHome(Home):
+    """The home of a store under ``s3://bucket/prefix``: ``Store("s3://…")`` builds one.
 
-    The same API as the local :class:`~ckptstore.store.Store` (commit, checkout,
-    tags, log, reflog, gc, fsck...), with these differences:
+    The store (:class:`~ckptstore.store.Store`, the same class as for a folder) keeps its
+    API (commit, checkout, tags, log, reflog, gc, fsck...), with these differences:
 
     - ``create``: the bucket is never created (a missing one is ``NotAStoreError``);
       an empty prefix becomes a store on the first commit (``ckptstore.json``). With
@@ -237,9 +242,10 @@ class BucketStore(Store):
         BackendError: obstore is missing or the server cannot be reached.
     """
 
-    def __init__(self, path: str, *, create: bool | None = None, shard_bytes: int | None = None, compression_level: int | None = None,
-                 pack_bytes: int = PACK_BYTES, workers: int | None = None, registry=None, reuse_hashes: bool = True,
-                 cache: str | os.PathLike | None = None, backend: Backend | None = None):
+    pack_bytes = PACK_BYTES
+    disposable_index = True
+
+    def __init__(self, store, path: str, create: bool | None, cache: str | os.PathLike | None, backend: Backend | None):
         self.backend = backend if backend is not None else open_backend(path)
         self.url = self.backend.url
         try:
@@ -247,37 +253,43 @@ class BucketStore(Store):
             self._marker_complete = False
             if self.marker is None and create is False:
                 raise NotAStoreError(f"{self.url} is not a ckptstore store (no {MARKER}; a first commit creates one)")
-            if self.marker is not None:
-                shard_bytes = shard_bytes or self.marker.get("shard_bytes")
-                compression_level = self.marker.get("compression_level") if compression_level is None else compression_level
             self.uploads = Pool(UPLOADS, thread_name_prefix="ckptstore-upload")
             self.requests = Pool(REQUESTS, thread_name_prefix="ckptstore-request")
-            folder = Path(cache or cache_folder(self.url))
-            settings = {"create": True, "shard_bytes": shard_bytes, "compression_level": compression_level, "pack_bytes": pack_bytes,
-                        "workers": workers, "registry": registry, "reuse_hashes": reuse_hashes}
-            try:
-                super().__init__(folder, **settings)
-            except CatalogCorruptError:  # a damaged cache holds only copies of the bucket: move it aside, build a new one
-                aside = folder.with_name(f"{folder.name}.damaged-{uuid.uuid4().hex[:8]}")
-                try:
-                    folder.replace(aside)
-                except FileNotFoundError:
-                    pass  # another process moved it first
-                shutil.rmtree(aside, ignore_errors=True)
-                super().__init__(folder, **settings)
         except BaseException:
             self.backend.close()
             raise
-        self.refs: BucketRefs = BucketRefs(self.backend, *weakly(self, "catalog"), self.root, self.requests,
-                                           *weakly(self, "_has_store", "_need_store", "_packs_of"))
+        super().__init__(store, Path(cache or cache_folder(self.url)))
         self._index_lock = threading.Lock()
         self._indexed = False  # refresh_index ran in this object
         self._copying = threading.local()  # .on: this thread copies a commit of the bucket into the cache
         #: Packs the last refreshes could not index from their ``.idx`` (walked instead) or not at all: ``{pack id: PackEntries}``.
         self.pack_problems: dict[str, Any] = {}
 
-    def __repr__(self) -> str:
-        return f"Store({self.url!r})"
+    def settings(self, shard_bytes: int | None, compression_level: int | None) -> tuple[int | None, int | None]:
+        """The settings asked, else the marker's (``ckptstore.json``)."""
+        if self.marker is not None:
+            shard_bytes = shard_bytes or self.marker.get("shard_bytes")
+            compression_level = self.marker.get("compression_level") if compression_level is None else compression_level
+        return shard_bytes, compression_level
+
+    def create_index(self, create: bool | None) -> bool:
+        """The cache is created on opening (it holds only copies)."""
+        return True
+
+    def discard_index(self) -> None:
+        """Move a damaged cache aside and delete it (it holds only copies of the bucket)."""
+        folder = self.root
+        aside = folder.with_name(f"{folder.name}.damaged-{uuid.uuid4().hex[:8]}")
+        try:
+            folder.replace(aside)
+        except FileNotFoundError:
+            pass  # another process moved it first
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def make_refs(self) -> BucketRefs:
+        """Tags on the bucket (``refs/<tag>``), mirrored into the cache."""
+        return BucketRefs(self.backend, *weakly(self.store, "catalog"), self.root, self.requests,
+                          *weakly(self, "_has_store", "_need_store", "_packs_of"))
 
     @property
     def location(self) -> str:
@@ -285,8 +297,7 @@ class BucketStore(Store):
         return self.url
 
     def close(self) -> None:
-        """Wait for asynchronous commits, then release threads, the cache and the client."""
-        super().close()
+        """Release the upload and request threads and the client."""
         self.uploads.shutdown()
         self.requests.shutdown()
         self.backend.close()
@@ -304,10 +315,14 @@ class BucketStore(Store):
     # --- objects -----------------------------------------------------------------------------
 
     def pack_writer(self) -> BucketPackWriter:
-        return BucketPackWriter(self.backend, self.compression_level, self.pack_bytes, self.uploads)
+        return BucketPackWriter(self.backend, self.store.compression_level, self.store.pack_bytes, self.uploads)
 
     def pack_reader(self, sparse: bool = False) -> BucketReader:
         return BucketReader(self)
+
+    def pack_size(self, pack: str) -> int | None:
+        info = self.backend.head(pack_key(pack))
+        return None if info is None else info.size
 
     def refresh_index(self, only: list[str] | None = None, avoid: set[str] = frozenset()) -> int:
         """Bring the cache's blob index up to date with the bucket: read the ``.idx`` of
@@ -324,7 +339,7 @@ class BucketStore(Store):
             BackendError: the storage failed.
         """
         with self._index_lock:
-            cat = self.catalog
+            cat = self.store.catalog
             seen = {r[0] for r in cat.rows("SELECT id FROM packs", raw=True)}
             if only is not None and len(only) > REQUESTS:
                 only = None  # a long hint costs more HEADs than one listing
@@ -404,10 +419,10 @@ class BucketStore(Store):
             new = [c for c in dict.fromkeys(batch) if c not in seen]
             seen.update(new)
             for c in new:
-                if self.has_cached(c):
-                    t = self.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (c,), raw=True)[0][0]
+                if self.store.has_cached(c):
+                    t = self.store.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (c,), raw=True)[0][0]
                     heapq.heappush(heap, (-t, c))
-            for c, rec in self.requests.map(fetch, [c for c in new if not self.has_cached(c)]):
+            for c, rec in self.requests.map(fetch, [c for c in new if not self.store.has_cached(c)]):
                 if rec is not None:
                     records[c] = rec
                     heapq.heappush(heap, (-rec.created_at, c))
@@ -420,7 +435,7 @@ class BucketStore(Store):
             if c in records:
                 visit(list(records[c].parents))
             else:
-                visit([r[0] for r in self.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)])
+                visit([r[0] for r in self.store.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)])
         self.index_records(records, packs, lenient)
 
     def index_records(self, records: dict[str, Any], packs: list[str] | None = None, lenient: bool = False) -> None:
@@ -440,10 +455,10 @@ class BucketStore(Store):
             rec = records[c]
             components, leaves = recreate(rec)
             keys = [k for leaf in leaves for k in leaf.keys]
-            if not refreshed and len(self.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
+            if not refreshed and len(self.store.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
                 if packs:
                     self.refresh_index(packs)
-                if not packs or len(self.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
+                if not packs or len(self.store.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
                     self.refresh_index()
                 refreshed = True
 
@@ -452,7 +467,7 @@ class BucketStore(Store):
 
             self._copying.on = True
             try:
-                self.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
+                self.store.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
                                      origin=(c, rec.parents, rec.created_at))
             except BlobMissingError:
                 if not lenient:
@@ -469,57 +484,54 @@ class BucketStore(Store):
         had: set = set()
         for p in parents:
             try:
-                rec = self.record(p) if self.has_cached(p) else fetch_record(self.backend, p)
+                rec = self.store.record(p) if self.store.has_cached(p) else fetch_record(self.backend, p)
             except (IntegrityError, RefNotFoundError):
                 continue  # dropped by a GC: the lineage ends there
             had.update(k for leaf in rec.leaves for k in leaf.keys)
         new = [k for k in dict.fromkeys(keys) if k not in had]
-        where = self.locate(new)
-        with self.catalog.write():
-            self.catalog.conn.execute(
+        where = self.store.locate(new)
+        with self.store.catalog.write():
+            self.store.catalog.conn.execute(
                 "UPDATE commits SET new_bytes = ?, shards_new = ?, stored_bytes = ? WHERE id = ?",
                 (sum(n for _, n in new), len(new), sum(BLOB_HEADER.size + loc.stored_len for loc in where.values()), cid),
             )
 
-    def commit_manifest(self, *args, **kwargs):
-        """As :meth:`Store.commit_manifest`; the first commit of this object brings the
-        cache's blob index up to date first, so that a fresh machine uploads only what
-        the bucket lacks."""
+    def before_commit(self) -> None:
+        """The first commit of this store object brings the cache's blob index up to date
+        first, so that a fresh machine uploads only what the bucket lacks."""
         if getattr(self._copying, "on", False):
-            return super().commit_manifest(*args, **kwargs)
+            return
         if not self._indexed:
             self.refresh_index()
         for sub in ("blobs", "tmp"):  # the cache folder may have been deleted under us: it holds only copies
             (self.root / sub).mkdir(parents=True, exist_ok=True)
-        info, ids = super().commit_manifest(*args, **kwargs)
-        at = self.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (info.id,), raw=True)[0][0]
-        return replace(info, created_at=at), ids  # the record is dated when it was built, after its parents were read
+
+    def dated(self, info):
+        """The commit's time as its record says: dated when it was built, after its parents were read."""
+        if getattr(self._copying, "on", False):
+            return info
+        at = self.store.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (info.id,), raw=True)[0][0]
+        return replace(info, created_at=at)
 
     def has_commit(self, cid: str) -> bool:
         """Does the bucket hold commit ``cid`` (a full id)?"""
-        return self.has_cached(cid) or (type(cid) is str and bool(_CID.fullmatch(cid)) and self.backend.head(commit_key(cid)) is not None)
+        return self.store.has_cached(cid) or (type(cid) is str and bool(_CID.fullmatch(cid)) and self.backend.head(commit_key(cid)) is not None)
 
     # --- commit ------------------------------------------------------------------------------
 
     def prepare_shared_commit(self) -> None:
-        """As :meth:`Store.prepare_shared_commit`: the cache can be written, the bucket holds
+        """The home's part of :meth:`~ckptstore.store.Store.prepare_shared_commit`: the bucket holds
         ``ckptstore.json`` (written now if missing, so that the other processes' packs land in
         a store a GC can collect), and the cache indexes every pack on the bucket (one listing,
         the ``.idx`` of each pack not seen before).
 
         Raises:
-            StoreWriteError: the cache folder cannot be written.
             BackendError: the storage failed.
         """
-        super().prepare_shared_commit()
         if self.marker is None:
-            ensure_marker(self.backend, self)
+            ensure_marker(self.backend, self.store)
             self.marker = read_marker(self.backend)
         self.refresh_index()
-
-    def pack_size(self, pack: str) -> int | None:
-        info = self.backend.head(pack_key(pack))
-        return None if info is None else info.size
 
     def _check_packs(self, known: dict, written: dict) -> None:
         """After the commit's record is on the bucket and before its ref CAS (invariant 6):
@@ -528,7 +540,7 @@ class BucketStore(Store):
         and written again. Checked after the record exists, a pack no mark names now can
         be marked only by a GC that lists the record at its sweep and so keeps the pack,
         whatever the grace period and however slow the commit was until now."""
-        where = self.locate(list(known)) if known else {}
+        where = self.store.locate(list(known)) if known else {}
         packs = {loc.pack for loc in where.values()} | {loc.pack for loc in written.values()}
         if not packs:
             return
@@ -554,9 +566,9 @@ class BucketStore(Store):
         """
         marked = self.marked_packs()
         self.refresh_index(avoid=marked)
-        where = self.locate(list(keys))
+        where = self.store.locate(list(keys))
         held = {o.key for o in self.backend.list("blobs")}  # a row may still name a pack gone from the bucket
-        return self._lookup([k for k, loc in where.items() if loc.pack not in marked and pack_key(loc.pack) in held])
+        return self.store._lookup([k for k, loc in where.items() if loc.pack not in marked and pack_key(loc.pack) in held])
 
     def marked_packs(self) -> set[str]:
         """Pack ids a GC mark (``gc/*.json``) names; every listed pack if a mark is unreadable."""
@@ -568,7 +580,7 @@ class BucketStore(Store):
             except ObjectNotFoundError:
                 continue  # swept and removed meanwhile
             except (ValueError, KeyError, TypeError):
-                return {r[0] for r in self.catalog.rows("SELECT id FROM packs", raw=True)}
+                return {r[0] for r in self.store.catalog.rows("SELECT id FROM packs", raw=True)}
         return out
 
     def index_commit(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0,
@@ -580,17 +592,17 @@ class BucketStore(Store):
             return super().index_commit(components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents,
                                         created_at, t0, expect, given_packs)
         if self.marker is None:
-            ensure_marker(self.backend, self)
+            ensure_marker(self.backend, self.store)
             self.marker = read_marker(self.backend)
         elif not self._marker_complete:  # once per process: the first writer may have been killed between the copy and the marker
             complete_marker(self.backend)
         self._marker_complete = True
         if written:  # blobs written again after a GC marked their old pack: the cache points here now
-            with self.catalog.write():
-                self.catalog.db["packs"].insert_all(  # first: a blob row must name a known pack (foreign key)
+            with self.store.catalog.write():
+                self.store.catalog.db["packs"].insert_all(  # first: a blob row must name a known pack (foreign key)
                     ({"id": pid, "size": size, "created_at": created_at} for pid, size in writer.pack_ids), ignore=True
                 )
-                self.catalog.conn.executemany(
+                self.store.catalog.conn.executemany(
                     "UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE hash = ? AND raw_len = ?",
                     [(loc.pack, loc.offset, loc.stored_len, loc.codec, loc.digest, loc.raw_len) for loc in written.values()],
                 )
@@ -601,7 +613,7 @@ class BucketStore(Store):
         while True:
             # Every tag is re-read each attempt: one moved by an earlier attempt is moved on to this attempt's record,
             # so that all of them name one commit when the call returns. Our own earlier records are no parents.
-            current = self.refs.versions(tags)
+            current = self.store.refs.versions(tags)
             if explicit_parents is not None:
                 parents = explicit_parents
             else:
@@ -611,7 +623,7 @@ class BucketStore(Store):
             cid, parent_ids, seconds, ids = super().index_commit(components, leaves, keys, known, written, writer, [], message, meta_json,
                                                                  parents, created_at, t0, expect, given_packs)
             ours.add(cid)
-            text = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
+            text = self.store.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
             self.backend.put_new(commit_key(cid), text.encode())
             self._check_packs(known, written)
             packs = self._packs_of(cid)
@@ -621,7 +633,7 @@ class BucketStore(Store):
                 if old == cid:
                     continue
                 try:
-                    self.refs.swap(t, old, version, cid, "commit", packs)  # dated when sent, not the commit's time
+                    self.store.refs.swap(t, old, version, cid, "commit", packs)  # dated when sent, not the commit's time
                 except RefConflictError:
                     lost = True
                     break
@@ -633,99 +645,99 @@ class BucketStore(Store):
                                    f"commit {cid} is stored but they may not all name it")
             time.sleep(delay * RANDOM.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
-        self.refs.mirror({t: cid for t in tags})
+        self.store.refs.mirror({t: cid for t in tags})
         return cid, parent_ids, seconds, ids
 
     def _packs_of(self, cid: str | None) -> list[str]:
         """Ids of the packs holding commit ``cid``'s blobs, as the cache knows them (a tag's hint)."""
         if cid is None:
             return []
-        keys = list(dict.fromkeys(k for leaf in self.record(cid).leaves for k in leaf.keys))
-        return sorted({loc.pack for loc in self.locate(keys).values()})
+        keys = list(dict.fromkeys(k for leaf in self.store.record(cid).leaves for k in leaf.keys))
+        return sorted({loc.pack for loc in self.store.locate(keys).values()})
 
     def tagged(self) -> dict:
         """``{tag name: CommitInfo}`` as on the bucket now. A tag whose commit record is
         missing or damaged is listed all the same, its info saying so (``created_at`` 0,
         no parents, zero counts): listing tags never depends on the state of the commits."""
-        named = self.tags()
+        named = self.store.tags()
         for cid in dict.fromkeys(named.values()):
             try:
                 self._cache([cid])
             except (IntegrityError, BlobMissingError):
                 pass  # listed all the same, below; checking it out raises the error, and fsck reports it
-        self.refs.mirror(named)
-        infos = self._infos(list(set(named.values())))  # copied above: a damaged record is listed, not fetched again
+        self.store.refs.mirror(named)
+        infos = self.index_infos(list(set(named.values())))  # copied above: a damaged record is listed, not fetched again
         unreadable = "(the commit record is missing or damaged: see `ckptstore fsck --deep`)"
         return {name: infos.get(cid) or CommitInfo(cid, (name,), (), 0.0, unreadable, {}, 0, 0, 0, 0, 0, 0.0) for name, cid in named.items()}
 
-    def _held(self, cid: str) -> str:
+    def held(self, cid: str) -> str:
         """``cid`` (named by a tag), once its record is in the cache (copied from the bucket,
         reading only the indexes of the packs its tag names, if it named any)."""
-        self._cache([cid], packs=self.refs.hint(cid))
+        self._cache([cid], packs=self.store.refs.hint(cid))
         return cid
 
-    def _find_commit(self, ref: str) -> str:
+    def find_commit(self, ref: str) -> str:
         """The commit a full id or unique id prefix ``ref`` names on the bucket; its record is then in the cache."""
         cid, _ = resolve_remote(self.backend, ref)
         self._cache([cid])
         return cid
 
     def info(self, ref: str):
-        cid = self.resolve(ref)
-        self.tags()
-        return self._infos([cid])[cid]  # resolve copied it
+        cid = self.store.resolve(ref)
+        self.store.tags()
+        return self.index_infos([cid])[cid]  # resolve copied it
 
     def infos(self, ids: list[str]):
-        """As :meth:`Store.infos`, the records of ``ids`` the cache lacks copied from the bucket
+        """As :meth:`~ckptstore.store.Store.infos`, the records of ``ids`` the cache lacks copied from the bucket
         first (one HEAD each; ids the bucket does not hold are left out).
 
         Raises:
             BackendError: the storage failed.
         """
         self._need_store()
-        todo = [c for c in dict.fromkeys(ids) if not self.has_cached(c) and self.has_commit(c)]
+        todo = [c for c in dict.fromkeys(ids) if not self.store.has_cached(c) and self.has_commit(c)]
         if todo:
             self._cache(todo, lenient=True)
-        return self._infos(ids)
+        return self.index_infos(ids)
 
     def log(self, ref: str | None = None, limit: int | None = None):
         """Lineage of ``ref`` on the bucket (every commit without ``ref``), newest first;
         with ``limit``, about ``limit`` records are fetched (:meth:`_cache`)."""
         if limit is not None and (type(limit) is not int or limit < 1):
             return super().log(ref, limit)  # the facade's error for a bad limit
-        refs = self.refs.read_all(strict=False) if self._has_store() else {}
+        refs = self.store.refs.read_all(strict=False) if self._has_store() else {}
         if ref is None:
             ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")]
             self._cache([c for c in ids if _CID.fullmatch(c)], lenient=True)
             # A commit is indexed in the cache just before its record is put: in a cache folder shared with a writer,
             # only a commit older than FORGET_AFTER that the listing lacks is one the bucket lost.
-            rows = self.catalog.rows("SELECT id FROM commits WHERE created_at < ?", (time.time() - FORGET_AFTER,), raw=True)
+            rows = self.store.catalog.rows("SELECT id FROM commits WHERE created_at < ?", (time.time() - FORGET_AFTER,), raw=True)
             listed = set(ids)
             self.forget([r[0] for r in rows if r[0] not in listed])
-            self.refs.mirror(refs, complete=True)
+            self.store.refs.mirror(refs, complete=True)
             return [c for c in super().log(None) if c.id in listed][:limit]  # (a younger one the bucket lost is not listed either)
-        ref = self.resolve(ref)
+        ref = self.store.resolve(ref)
         self._cache([ref], lineage=True, limit=limit)
-        self.refs.mirror(refs, complete=True)
+        self.store.refs.mirror(refs, complete=True)
         return super().log(ref, limit)
 
     def show(self, ref: str) -> dict:
-        cid = self.resolve(ref)
+        cid = self.store.resolve(ref)
         try:
-            self._cache(list(self.record(cid).parents[:1]))  # its first parent, for shared_with_parent
+            self._cache(list(self.store.record(cid).parents[:1]))  # its first parent, for shared_with_parent
         except IntegrityError:
             pass  # not on the bucket (an imported commit, or dropped by a GC): nothing is shared
         return super().show(cid)
 
     def du(self) -> dict:
-        """Space accounting of the bucket, as :meth:`Store.du`: ``pack_bytes`` sums the
+        """Space accounting of the bucket, as :meth:`~ckptstore.store.Store.du`: ``pack_bytes`` sums the
         packs and indexes under ``blobs/``, ``catalog_bytes`` the local cache, ``tmp_bytes`` 0."""
         self.log()  # every commit record cached, the ones the bucket lost forgotten
         self.refresh_index()
         listed = {o.key: o.size for o in self.backend.list("blobs")}
         packs = [k.rsplit("/", 1)[1][:-5] for k in listed if k.endswith(".pack")]
         usage = super().du()
-        b = self.catalog.chunked("SELECT COUNT(*), COALESCE(SUM(raw_len), 0), COALESCE(SUM(stored_len + ?), 0) FROM blobs WHERE pack IN ({})",
+        b = self.store.catalog.chunked("SELECT COUNT(*), COALESCE(SUM(raw_len), 0), COALESCE(SUM(stored_len + ?), 0) FROM blobs WHERE pack IN ({})",
                                  packs, (BLOB_HEADER.size,), raw=True) if packs else []
         n, raw, stored = (sum(r[i] for r in b) for i in range(3)) if b else (0, 0, 0)
         usage.update(packs=len(packs), pack_bytes=sum(listed.values()), blobs=n, unique_bytes=raw, stored_bytes=stored, tmp_bytes=0,
@@ -736,7 +748,7 @@ class BucketStore(Store):
         """Drop commits from the cache (the bucket no longer holds them)."""
         if not cids:
             return
-        cat = self.catalog
+        cat = self.store.catalog
         with cat.write():
             cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", cids)
             for table in ("leaves", "components", "parents"):
@@ -744,8 +756,9 @@ class BucketStore(Store):
             cat.chunked("DELETE FROM tags WHERE commit_id IN ({})", cids)
             cat.chunked("DELETE FROM commits WHERE id IN ({})", cids)
 
-    def checkout(self, ref: str, partial=None, into: Any = None, verify: bool = True, map_location: Any = None) -> Any:
-        return super().checkout(self.resolve(ref), partial, into, verify, map_location)
+    def checkout_target(self, ref: str) -> str:
+        """``ref`` resolved on the bucket (its record copied into the cache) before checkout reads it."""
+        return self.store.resolve(ref)
 
     # --- maintenance ----------------------------------------------------------------------------
 
@@ -753,40 +766,19 @@ class BucketStore(Store):
         """This home's side of the GC protocol (:class:`ckptstore.bucketgc.BucketGC`: lock-free
         mark and sweep; ``grace`` defaults to 24 hours)."""
         self._need_store()
-        return BucketGC(self)
+        return BucketGC(self.store)
 
     def fsck_home(self) -> BucketFsck:
         """This home's side of fsck (:class:`ckptstore.fsck.BucketFsck`): the bucket's own objects;
         ``verify`` reads the commit's record from the bucket too (nothing of the cache is
         trusted, and the commit is not copied into it first)."""
         self._need_store()
-        return BucketFsck(self, self._bucket_commit)
+        return BucketFsck(self.store, self._bucket_commit)
 
     def _bucket_commit(self, ref: str) -> str:
         """The commit id ``ref`` (a tag or a full id) names on the bucket."""
         cid = ref if type(ref) is str and _CID.fullmatch(ref) else None
-        return cid if cid is not None else self.refs.read(ref) or resolve_remote(self.backend, ref)[0]
+        return cid if cid is not None else self.store.refs.read(ref) or resolve_remote(self.backend, ref)[0]
 
 
-def recover(url: str, force: bool = False):
-    """``Store.recover`` for ``url`` (``s3://bucket/prefix``): rebuild its cache from the
-    bucket's objects alone (:func:`ckptstore.recover.recover_bucket`, which says what is read,
-    rebuilt and reported) on a scratch cache that is then installed and removed. The cache
-    holds only copies of the bucket's objects, so ``force`` changes nothing.
-
-    Raises:
-        NotAStoreError: no store at ``url`` (a missing bucket, or no ``ckptstore.json``).
-        BackendError: the storage failed (nothing was installed).
-        CatalogBusyError: another process holds the cache's write lock.
-    """
-    from .recover import recover_bucket as rebuild
-
-    scratch = cache_folder(url)
-    probe = BucketStore(url, create=False, cache=scratch.with_name(f"{scratch.name}.recover-{uuid.uuid4().hex[:8]}"))
-    try:
-        return rebuild(probe, cache_folder(probe.url))
-    finally:
-        probe.close()
-        shutil.rmtree(probe.root, ignore_errors=True)
-
-__all__ = ["BucketReader", "BucketStore", "DetachedPackWriter", "cache_folder", "recover"]
+__all__ = ["BucketHome", "BucketReader", "DetachedPackWriter", "cache_folder"]

@@ -30,7 +30,7 @@ so delete what a commit in flight has uploaded: for when no writer runs).
 
 Writers check the marks after their record is on the bucket and before their ref CAS,
 and write again any blob they rely on (new or reused) in a marked or missing pack
-(:meth:`ckptstore.bucket.BucketStore.index_commit`, invariant 6), so a sweep a grace
+(:meth:`ckptstore.bucket.BucketHome.index_commit`, invariant 6), so a sweep a grace
 period after its mark removes nothing a commit landing meanwhile needs.
 
 fsck and recover of a bucket store are in :mod:`ckptstore.fsck` and :mod:`ckptstore.recover`.
@@ -104,7 +104,7 @@ def _state(store, c: Collector, at_grace_0: bool = False) -> _State:
     objects = {o.key: o for o in backend.list("blobs")}
     objects.update({o.key: o for o in backend.list("commits")})
     packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in objects.items() if k.endswith(".pack")}
-    found = dict(zip(packs, store.requests.map(lambda pid: pack_entries(backend, pid, packs[pid].size, index_key(pid) in objects), list(packs))))
+    found = dict(zip(packs, store.home.requests.map(lambda pid: pack_entries(backend, pid, packs[pid].size, index_key(pid) in objects), list(packs))))
     entries = {pid: f.entries for pid, f in found.items() if f.entries is not None}
     bad_indexes = {pid: f.index_problem for pid, f in found.items() if f.index_problem is not None}
     ids = [k.rsplit("/", 1)[1] for k in objects if k.startswith("commits/")]
@@ -117,7 +117,7 @@ def _state(store, c: Collector, at_grace_0: bool = False) -> _State:
             return cid, None  # gone, or damaged (fsck reports it); a failing server raises
 
     named = {c for c in refs.values() if c}
-    needs.update(store.requests.map(needed, [c for c in set(ids) | named if c not in needs]))
+    needs.update(store.home.requests.map(needed, [c for c in set(ids) | named if c not in needs]))
     # A tag keeps its commit whatever the cache could copy of it; one whose record cannot be read leaves the
     # blobs it needs unknown: no pack is garbage then (blind).
     blind = sorted(c for c in named if needs.get(c) is None)
@@ -142,7 +142,7 @@ def _dead_reflog(store, st: _State, cutoff: float) -> list[list]:
         except (ObjectNotFoundError, IntegrityError):
             return None  # gone, or damaged: kept for fsck
 
-    return [r for r in store.requests.map(load, todo) if r is not None and r[1] not in st.retained and r[2] not in st.retained]
+    return [r for r in store.home.requests.map(load, todo) if r is not None and r[1] not in st.retained and r[2] not in st.retained]
 
 
 def _blob_keys(entries) -> set:
@@ -330,7 +330,7 @@ def _sweep(store, c: Collector, grace: float, report: GCReport) -> None:
                 if new_ not in st.retained and old_ not in st.retained:
                     backend.delete(key)
                     report.reflog_removed += 1
-            store.forget(victims)
+            store.home.forget(victims)
             backend.delete(o.key)
             break
     report.commits_dropped = len(report.dropped)

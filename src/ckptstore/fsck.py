@@ -307,7 +307,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
 
 def check_bucket(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None,
                  repair: bool = False) -> FsckReport:
-    """Check a :class:`~ckptstore.bucket.BucketStore` against the bucket's own objects.
+    """Check a store on object storage (:class:`~ckptstore.bucket.BucketHome`) against the bucket's own objects.
 
     Every tag names a commit whose record is on the bucket and hashes to its id; every
     blob of every commit (or of ``commit``) is in a pack the bucket holds. With ``deep``,
@@ -352,7 +352,7 @@ def check_bucket(store, deep: bool = False, sample: float = 1.0, commit: str | N
         except IntegrityError as exc:
             return cid, exc
 
-    for cid, rec in store.requests.map(load, records):
+    for cid, rec in store.home.requests.map(load, records):
         if isinstance(rec, IntegrityError):
             report.damaged_commits.append(cid)
             report.problems.append(f"commit {cid}: {rec}")
@@ -362,7 +362,7 @@ def check_bucket(store, deep: bool = False, sample: float = 1.0, commit: str | N
     packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
     needed = {k for rec in recs.values() for leaf in rec.leaves for k in leaf.keys}
     if deep:
-        found = dict(zip(packs, store.requests.map(lambda p: pack_entries(backend, p, packs[p].size, index_key(p) in listed), list(packs))))
+        found = dict(zip(packs, store.home.requests.map(lambda p: pack_entries(backend, p, packs[p].size, index_key(p) in listed), list(packs))))
     else:
         store.refresh_index()
         found = {}
@@ -461,7 +461,7 @@ def _reread(store, locs, where: str):
                 out.append((loc, str(exc)))
         return out
 
-    return [r for rs in store.requests.map(read, list(by_pack.items())) for r in rs]
+    return [r for rs in store.home.requests.map(read, list(by_pack.items())) for r in rs]
 
 
 def _check_reflog(store, report: FsckReport) -> None:
@@ -477,7 +477,7 @@ def _check_reflog(store, report: FsckReport) -> None:
             return key
         return None
 
-    for key in store.requests.map(load, [o.key for o in backend.list("reflog")]):
+    for key in store.home.requests.map(load, [o.key for o in backend.list("reflog")]):
         if key is not None:
             report.damaged_reflog.append(key)
             report.problems.append(f"{key}: not a ref-move record (damaged); only the tag's history loses this entry")

@@ -88,6 +88,47 @@ class CommitRecord:
 
 
 @dataclass(frozen=True)
+class CommitInfo:
+    """One commit, as returned by :meth:`ckptstore.Store.commit` and :meth:`ckptstore.Store.log`.
+
+    Attributes:
+        id: 32 hex digits (XXH3-128 of the commit record).
+        tags: tags that pointed to it when returned (for ``commit``: the tags it moved).
+        parents: parent commit ids (lineage), first parent first.
+        created_at: seconds since the epoch.
+        logical_bytes: bytes of all tensors in the state.
+        new_bytes: raw bytes of shards the store did not hold before.
+        stored_bytes: bytes written to pack files (after compression, with headers).
+        shards_total: shard references in the manifest.
+        shards_new: blobs written by this commit.
+        seconds: wall time of the commit call.
+    """
+
+    id: str
+    tags: tuple[str, ...]
+    parents: tuple[str, ...]
+    created_at: float
+    message: str
+    metadata: dict
+    logical_bytes: int
+    new_bytes: int
+    stored_bytes: int
+    shards_total: int
+    shards_new: int
+    seconds: float
+
+    @property
+    def tag(self) -> str | None:
+        """The first tag, or ``None``."""
+        return self.tags[0] if self.tags else None
+
+    @property
+    def dedup_ratio(self) -> float:
+        """``logical_bytes / new_bytes`` (``inf`` when nothing was new)."""
+        return self.logical_bytes / self.new_bytes if self.new_bytes else float("inf")
+
+
+@dataclass(frozen=True)
 class Component:
     """A component as :meth:`ckptstore.Store.commit_manifest` takes it."""
 

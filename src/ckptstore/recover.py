@@ -411,7 +411,7 @@ def _rebuild_cache(store, report: RecoverReport) -> None:
     """Fill ``store``'s empty cache from its bucket; record what could not be restored in ``report``."""
     backend = store.backend
     store.refresh_index()
-    for pid, found in sorted(store.pack_problems.items()):
+    for pid, found in sorted(store.home.pack_problems.items()):
         if found.entries is None:
             report.damaged_packs[pid] = found.pack_problem
             also = f" (and {found.index_problem})" if found.index_problem else ""
@@ -428,13 +428,13 @@ def _rebuild_cache(store, report: RecoverReport) -> None:
             return exc
 
     records = {}
-    for cid, rec in zip(ids, store.requests.map(load, ids)):
+    for cid, rec in zip(ids, store.home.requests.map(load, ids)):
         if isinstance(rec, IntegrityError):
             report.bad_records += 1
             report.dropped_commits[cid] = f"its record is damaged ({rec})"
         else:
             records[cid] = rec
-    store.index_records(records, lenient=True)
+    store.home.index_records(records, lenient=True)
     for cid, rec in records.items():
         if store.has_cached(cid):
             continue
@@ -470,7 +470,7 @@ def _rebuild_cache(store, report: RecoverReport) -> None:
             return str(exc)
         return None
 
-    for key, problem in zip(reflog, store.requests.map(check_move, reflog)):
+    for key, problem in zip(reflog, store.home.requests.map(check_move, reflog)):
         if problem is None:
             report.reflog += 1
         elif problem:

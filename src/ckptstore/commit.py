@@ -1,0 +1,668 @@
+"""The commit protocol (docs/design.md, "Commit"), written once for both homes: from the
+captured state to the manifest, its shards hashed and the new ones written.
+
+1. adapters turn the object into components (state trees);
+2. each tensor is cut into row-aligned shards and hashed (XXH3-128), in threads; a tensor
+   whose fingerprint says it did not change takes its hashes and blob ids from the digest
+   cache, once a random sample of its shards rehashes to them;
+3. shards the index already knows are reused, the others are written to new packs through
+   the home's pack writer (:meth:`ckptstore.home.Home.pack_writer`);
+4. the home's index step (:meth:`ckptstore.home.Home.index_commit`: one catalog transaction
+   locally; :meth:`ckptstore.bucket.BucketHome.index_commit`, the record's PUT and the tags'
+   compare-and-swap, on object storage) checks that every reused
+   blob still exists (:class:`ReusedBlobsGone` otherwise: the blobs a GC's repack copied are
+   looked up, the others written again, and the step retried), indexes the commit and moves
+   the tags.
+
+:class:`CommitEngine` is the part of :class:`ckptstore.store.Store` that does steps 1 to 3
+and calls the home for step 4; :func:`paused_gc` pauses Python's collector around it.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from . import jsonvalue, progress, records
+from .errors import AdapterError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
+from .layout import ShardPlan, address, check_shape, digest, itemsize, sample_unchanged
+from .packs import BLOB_HEADER, BlobLoc, PackWriter
+from .records import CommitInfo, LeafRecord, check_message, check_tag
+
+if TYPE_CHECKING:
+    from .adapters.base import Captured
+
+_INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
+
+
+@dataclass
+class _Prehashed:
+    """A changed tensor leaf of an asynchronous commit, split when it was snapshotted:
+    its record, each shard's ``(digest, bytes)`` (copies of the shards that changed since
+    the last commit, views of the live tensor for the others, only read if their blob
+    must be written again, after a rehash; a copy's digest is ``b""`` until the commit
+    hashes it), the blob ids of the unchanged ones, and the last commit's
+    ``(digest, blob id)`` per shard."""
+
+    record: LeafRecord
+    shards: list[tuple[bytes, memoryview]]
+    reused: dict[int, int]  # shard index -> blob id
+    last: list[tuple[bytes, int]]
+
+
+def _storage_identity() -> type:
+    global _STORAGE_IDENTITY
+    if _STORAGE_IDENTITY is None:
+        from .adapters.base import StorageIdentity  # lazily: the adapters import torch
+
+        _STORAGE_IDENTITY = StorageIdentity
+    return _STORAGE_IDENTITY
+
+
+_STORAGE_IDENTITY: type | None = None
+
+
+def ints_json(values: Sequence[int]) -> str:
+    """``jsonvalue.dumps(list(values))`` of a shape or strides (Python ints), the short way."""
+    return "[" + ",".join(map(str, values)) + "]" if all(type(v) is int for v in values) else jsonvalue.dumps(list(values))
+
+
+def _flat_bytes(t: Any, path: str) -> memoryview:
+    """:func:`ckptstore.shards.tensor_bytes` of a CPU tensor in memory order: the
+    short way (through numpy) where it applies, else that function."""
+    from .shards import tensor_bytes
+
+    if t.is_contiguous() and t.numel():
+        try:
+            return memoryview(t.detach().numpy()).cast("B")
+        except (TypeError, RuntimeError, ValueError):  # no numpy dtype (bfloat16...), conjugate or negative bit, a subclass
+            pass
+    return tensor_bytes(t, path)
+
+
+class _Same:
+    """What the digest cache keeps of a tensor leaf beside its shard hashes, so that a
+    commit of it unchanged skips its per-shard work: its manifest record, its layout
+    (dtype, shape, strides) and ``{address: blob id}`` of its shards."""
+
+    __slots__ = ("record", "dtype", "shape", "stride", "blobs")
+
+    def __init__(self, record: LeafRecord, value: Any, blobs: dict[tuple[bytes, int], int]):
+        self.record, self.dtype, self.shape, self.stride, self.blobs = record, value.dtype, value.shape, value.stride(), blobs
+
+    @staticmethod
+    def of(entry: tuple | None, token: Any, value: Any, component: str) -> _Same | None:
+        """``entry[3]`` if ``entry`` (the digest cache's) says tensor ``value`` of ``component`` is unchanged."""
+        if entry is None or entry[3] is None or entry[0] != token:
+            return None
+        same = entry[3]
+        if same.record.component != component or value.dtype != same.dtype or value.shape != same.shape or value.stride() != same.stride:
+            return None
+        return same
+
+
+class ReusedBlobsGone(Exception):
+    """Raised by a home's index step (``index_commit``): blobs the commit reuses are gone (a GC); ``keys`` must be written again."""
+
+    def __init__(self, keys: list[tuple[bytes, int]]):
+        self.keys = keys
+
+
+def given_stored(written: dict[tuple[bytes, int], BlobLoc], given_packs) -> int:
+    """Bytes (headers included) of the blobs in ``written`` that other processes wrote to ``given_packs``."""
+    ids = {pid for pid, _ in given_packs}
+    return sum(loc.stored_len + BLOB_HEADER.size for loc in written.values() if loc.pack in ids) if ids else 0
+
+
+_background = threading.local()  # .active: this thread runs an asynchronous commit
+
+_gc_pause = threading.Lock()
+_gc_paused: list[bool] = []  # one entry per pause in progress, in any thread: whether the collector was enabled before the first
+
+
+@contextmanager
+def paused_gc():
+    """Pause Python's cyclic garbage collector around a commit, a snapshot or a checkout.
+
+    They allocate a few small objects per shard; with the many objects torch
+    and TorchRL keep alive, that can trigger a full collection costing a
+    quarter of a second in the middle of a commit (in a background commit, holding
+    the GIL the training loop needs). Pauses may overlap across threads; the
+    collector resumes when the last one ends, if it was enabled before the first.
+    """
+    with _gc_pause:
+        _gc_paused.append(gc.isenabled() if not _gc_paused else _gc_paused[0])
+        gc.disable()
+    try:
+        yield
+    finally:
+        with _gc_pause:
+            enabled = _gc_paused.pop()
+            if not _gc_paused and enabled:
+                gc.enable()
+
+
+class CommitEngine:
+    """Steps 1 to 3 of the commit protocol, and the digest cache (``reuse_hashes``), as
+    part of :class:`ckptstore.store.Store`: the store provides ``registry``, ``shard_bytes``,
+    ``workers``, ``pool``, ``reuse_hashes``, ``catalog``, ``resolve``, ``pack_writer``,
+    ``forget_hashes`` and its ``home`` (the index step ``index_commit``, ``relocate_reused``,
+    ``before_commit``, ``dated``)."""
+
+    def commit(
+        self,
+        obj: Any,
+        tag: str | Sequence[str] | None = None,
+        message: str = "",
+        metadata: dict | None = None,
+        parents: Sequence[str] | None = None,
+    ) -> CommitInfo:
+        """Commit ``obj`` and move ``tag`` (one name or several) to the new commit.
+
+        ``obj`` is anything with an adapter: a TorchRL replay buffer, module,
+        optimizer, :class:`~ckptstore.RNGState`, TensorDict, tensor, JSON value,
+        or a dict of them. Parents default to the commits the tags pointed to
+        (read inside the commit transaction); pass ``parents`` (refs) to override.
+
+        Returns:
+            CommitInfo with byte counts (bytes) and ``seconds``.
+
+        Raises:
+            UnsupportedTypeError: a value that cannot be stored without pickle
+                (names its path and type).
+            InvalidNameError: a bad tag name or state-tree key.
+            RefNotFoundError: a ``parents`` ref that does not exist.
+            StoreWriteError: writing failed (disk full...); nothing committed changes.
+            CatalogBusyError: the catalog stayed locked.
+        """
+        t0 = time.perf_counter()
+        with paused_gc():
+            return self.commit_components(self._capture(obj), tag, message, metadata, parents, t0=t0)
+
+    def _capture(self, obj: Any) -> list[Captured]:
+        import torch
+
+        from .adapters import capture
+
+        try:
+            with torch.no_grad():
+                return capture(obj, self.registry)
+        except RecursionError:
+            raise UnsupportedTypeError("the state is nested too deeply or refers to itself (a cycle)") from None
+
+    def commit_async(
+        self,
+        obj: Any,
+        tag: str | Sequence[str] | None = None,
+        message: str = "",
+        metadata: dict | None = None,
+        parents: Sequence[str] | None = None,
+    ) -> Future:
+        """Start a commit and return once the state is snapshotted; the rest runs in the background.
+
+        The call copies every tensor that may have changed since this store last
+        committed it (unchanged tensors, told by their fingerprints, are not copied;
+        of a TorchRL storage column only the shards holding rows written since are)
+        into snapshot buffers reused from earlier asynchronous commits, and freezes
+        JSON values. Training may then modify
+        the live objects. Asynchronous commits run one at a time, in call order, in
+        one background thread that also does their hashing and writing (not the
+        store's thread pool), so a training loop keeps the other cores.
+        One still running when the script ends finishes before the interpreter
+        exits (:meth:`close` also waits for it); only its future reports its errors.
+
+        Returns:
+            A ``concurrent.futures.Future`` resolving to the :class:`CommitInfo`
+            once the commit is durable, or raising what :meth:`commit` would.
+
+        Raises (at once): UnsupportedTypeError / InvalidNameError for state that
+        cannot be stored, as :meth:`commit`.
+        """
+        t0 = time.perf_counter()
+        with paused_gc():
+            components = self._snapshot(self._capture(obj))
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-commit")
+        future = self._committer.submit(self._commit_paused, components, tag, message, metadata, parents, t0)
+        self._pending = future
+        return future
+
+    def _commit_paused(self, components, tag, message, metadata, parents, t0) -> CommitInfo:
+        _background.active = True  # hash and write in this thread only (see _map)
+        try:
+            with paused_gc():
+                return self.commit_components(components, tag, message, metadata, parents, t0=t0, reuse_checked=True)
+        finally:
+            _background.active = False
+
+    def _snapshot(self, components: list[Captured]) -> list[Captured]:
+        """Copies of the leaves that may change after an asynchronous commit returns."""
+        import torch
+
+        from .adapters.base import Captured
+        from .shards import check_tensor, dense_order, physical, plan, tensor_bytes
+
+        free = self._pending is None or self._pending.done()  # the last snapshot's buffers are reusable
+        buffers = self._snapshots if free else {}
+        out = []
+        stale: set[str] = set()
+        for comp in components:
+            leaves = {}
+            for path, value in comp.leaves.items():
+                if not isinstance(value, torch.Tensor):
+                    leaves[path] = jsonvalue.loads(jsonvalue.dumps(value, path))
+                    continue
+                token = comp.fingerprints.get(path)
+                if token is not None:
+                    phys, _ = physical(value, path)
+                    p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+                    entry = self._cached(comp.owner, path, token)
+                    if entry is not None and entry[0] == token and len(entry[1]) == p.count:
+                        if sample_unchanged([d for d, _ in entry[1]], tensor_bytes(phys, path), p, path):
+                            # unchanged: its hashes and blob ids are taken now (the cache may change
+                            # before the background commit runs); its bytes are only reread if a GC
+                            # removed the blobs meanwhile, and rehashed then
+                            leaves[path] = self._prehash(comp.path, path, value, entry[1], dict(enumerate(entry[1])))
+                            continue
+                        stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
+                        self._digest_cache[id(self._keeper(comp.owner, token))][1].pop((path, self.shard_bytes), None)
+                    elif entry is not None:
+                        reuse = self._reusable(entry, token, value, p)
+                        if reuse and not sample_unchanged({i: d for i, (d, _) in reuse.items()}, tensor_bytes(phys, path), p, path):
+                            reuse = None
+                        if reuse is not None or p.count >= 4:
+                            leaves[path] = self._prehash(comp.path, path, value, entry[1], reuse)
+                            continue
+                check_tensor(value, path)
+                buf = buffers.get(path)
+                if buf is None or buf.dtype != value.dtype or buf.shape != value.shape or buf.stride() != value.stride():
+                    dense = value.is_contiguous() or dense_order(tuple(value.shape), value.stride()) is not None
+                    buf = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype) if dense else torch.empty(value.shape, dtype=value.dtype)
+                buf.copy_(value.detach())
+                leaves[path] = buf
+                buffers[path] = buf
+            tokens = {k: v for k, v in comp.fingerprints.items() if k not in stale}
+            out.append(Captured(comp.path, comp.adapter, comp.version, comp.meta, leaves, tokens, comp.owner))
+        self._snapshots = buffers
+        return out
+
+    def _prehash(self, component: str, path: str, value: Any, last: list[tuple[bytes, int]], known: dict[int, tuple[bytes, int]] | None) -> _Prehashed:
+        """Split a changed tensor into the shards an asynchronous commit must copy now and
+        the ones it may read later: for a replay buffer extended by a few rows, a copy of a
+        few shards instead of whole columns. With ``known`` (``{index: (hash, blob id)}``,
+        from :meth:`_reusable`), the other shards hold the rows written since the last
+        commit: they are copied, and hashed by the commit in the background. Without it,
+        every shard is hashed now (in threads; about twice as fast as copying here) and
+        only those whose hash differs from the one at the same index in ``last`` (its
+        previous commit's) are copied."""
+        from .shards import dtype_name, physical, plan, tensor_bytes
+
+        phys, stride = physical(value, path)
+        p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+        mv = tensor_bytes(phys, path)
+        views = [mv[a : a + p.shard_bytes] for a in range(0, p.nbytes, p.shard_bytes)] or [mv]
+        record = LeafRecord(path, component, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
+        if known is not None:
+            shards = [(known[i][0], view) if i in known else (b"", memoryview(bytearray(view))) for i, view in enumerate(views)]
+            return _Prehashed(record, shards, {i: blob for i, (_, blob) in known.items()}, last)
+        hashed = self._map(digest, views) if p.nbytes > _INLINE_HASH_BYTES else [digest(v) for v in views]
+        reused, shards = {}, []
+        for i, (d, view) in enumerate(zip(hashed, views)):
+            if i < len(last) and d == last[i][0]:
+                reused[i] = last[i][1]
+                shards.append((d, view))
+            else:
+                shards.append((d, memoryview(bytearray(view))))
+        return _Prehashed(record, shards, reused, last)
+
+    def commit_components(
+        self,
+        components: list[Captured],
+        tag: str | Sequence[str] | None = None,
+        message: str = "",
+        metadata: dict | None = None,
+        parents: Sequence[str] | None = None,
+        *,
+        t0: float | None = None,
+        reuse_checked: bool = False,
+    ) -> CommitInfo:
+        """Commit components already captured (by :func:`ckptstore.adapters.capture`
+        or built by an importer); same arguments, result and errors as :meth:`commit`.
+        ``reuse_checked``: the shard hashes reused by fingerprint were sample-checked
+        already (:meth:`commit_async` checks them when it snapshots the state)."""
+        t0 = time.perf_counter() if t0 is None else t0
+        tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
+        tags = list(dict.fromkeys(check_tag(t) for t in tags))
+        metadata = check_message(message, metadata)
+        parents = [parents] if isinstance(parents, str) else parents
+        explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
+        for c in components:
+            if records.ESCAPED in c.meta:
+                raise AdapterError(f"{c.path or '<root>'}: adapter {c.adapter} returned meta key {records.ESCAPED!r}, which ckptstore reserves")
+        components = [replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]  # paths in today's key encoding
+        leaves, views, tokens, prior, from_cache, unchanged = self._leaves(components, reuse_checked)
+        keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
+        unique: dict[tuple[bytes, int], memoryview] = {}
+        for shard_views in views:
+            for d, mv in shard_views:
+                unique.setdefault((d, len(mv)), mv)
+
+        def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
+            data = unique[key]
+            if key in from_cache:
+                # A hash kept from an earlier commit whose blob a GC freed since: the bytes are
+                # live memory. Copied once, so what is hashed is what is written (training may
+                # write between the two); if they moved on, this commit cannot be made.
+                data = bytes(data)
+                if digest(data) != key[0]:
+                    self.forget_hashes()  # the next commit rehashes instead of failing the same way
+                    raise StoreWriteError(
+                        f"blob {address(*key)} this commit reused was freed by a GC (another process or Store) while the commit "
+                        "ran, and its tensor has changed since, so its content at the commit is gone; commit again"
+                    )
+            return writer.append(data, key[0])
+
+        info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
+        if unchanged and any(ids[k] != b for k, b in prior.items()):  # blobs written again (a GC freed them): new ids
+            unchanged = set()
+        self._remember_digests(leaves, views, tokens, ids, unchanged)
+        return info
+
+    def commit_manifest(
+        self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None
+    ):
+        """Steps 3 and 4 of the commit protocol for a manifest already built (commits and
+        importers): ``leaves`` are :class:`LeafRecord` s, ``keys`` every tensor shard's
+        address in order, and ``write(writer, key)`` writes one new blob to a PackWriter.
+
+        ``prior`` maps addresses to blob ids believed to exist (the transaction
+        checks them). ``origin`` = ``(commit id, parents, created_at)`` recreates a
+        commit made elsewhere (an import) with its own id, parents and time: the
+        rebuilt record must hash to that id (IntegrityError otherwise), and a
+        commit the store already has is not written again (only the tags move).
+        ``written`` = ``(locations, packs)``: blobs other processes already made
+        durable in their own packs (the ranks of a ``torch.distributed.checkpoint``
+        save, :mod:`ckptstore.dcp`), ``{address: BlobLoc}`` and ``[(pack id, size)]``;
+        they are indexed in this commit's transaction and not written again (an
+        address the catalog already holds keeps its row; that copy is left for GC).
+        Returns the CommitInfo and every address's blob id.
+        """
+        self.home.before_commit()
+        if not self._open(create=True).writable:
+            raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+        meta_json = jsonvalue.dumps(metadata, "metadata")
+        bad, _ = records.path_problem({c.path: {"meta": c.meta} for c in components}, leaves)  # a store never accepts a commit it cannot check out
+        if bad:
+            raise InvalidNameError(f"cannot commit: {bad}")
+        for r in leaves:
+            if r.encoded is not None:  # checked by the commit that encoded it
+                continue
+            try:
+                if r.kind == "tensor":
+                    size = itemsize(r.dtype)
+                    if size is None:
+                        raise ValueError(f"unknown dtype {r.dtype!r}")
+                    check_shape(r.shape, size)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
+        known = dict(prior or {})
+        known.update(self._lookup([k for k in dict.fromkeys(keys) if k not in known]))
+        given, given_packs = written or ({}, [])
+        with self.pack_writer() as writer:
+            written = {k: loc for k, loc in given.items() if k not in known}
+            todo = [k for k in dict.fromkeys(keys) if k not in known and k not in written]
+            relocated: set[tuple[bytes, int]] = set()
+            while True:
+                with progress.task("commit: write new shards", sum(n for _, n in todo)) as advance:
+                    def write_one(key: tuple[bytes, int]) -> BlobLoc:
+                        loc = write(writer, key)
+                        advance(key[1])
+                        return loc
+
+                    for key, loc in zip(todo, self._map(write_one, todo)):
+                        written[key] = loc
+                writer.finish()
+                try:
+                    created_at = time.time() if origin is None else origin[2]
+                    cid, parent_ids, seconds, ids = self.home.index_commit(
+                        components, leaves, keys, known, written, writer, tags, message, meta_json,
+                        explicit_parents if origin is None else list(origin[1]), created_at, t0, None if origin is None else origin[0],
+                        given_packs,
+                    )
+                    break
+                except ReusedBlobsGone as gone:  # a GC removed them meanwhile: find the copies its repack made, write the rest again
+                    for k in gone.keys:
+                        known.pop(k, None)
+                        written.pop(k, None)
+                    again = self.home.relocate_reused([k for k in gone.keys if k not in relocated])  # once per blob: then written
+                    relocated.update(again)
+                    known.update(again)
+                    todo = [k for k in gone.keys if k not in again]
+        info = CommitInfo(
+            id=cid,
+            tags=tuple(tags),
+            parents=tuple(parent_ids),
+            created_at=created_at,
+            message=message,
+            metadata=metadata,
+            logical_bytes=sum(r.nbytes for r in leaves if r.kind == "tensor"),
+            new_bytes=sum(n for _, n in written),
+            stored_bytes=writer.stored_bytes + given_stored(written, given_packs),
+            shards_total=len(keys),
+            shards_new=len(written),
+            seconds=seconds,
+        )
+        return self.home.dated(info), ids
+
+    def _leaves(self, components: list[Captured], checked: bool = False):
+        """Manifest records; for each tensor leaf its shards' (digest, bytes);
+        ``(owner, path, token)`` per leaf whose hashes the digest cache can keep;
+        the blob ids the digest cache suggests for addresses (``prior``); and the
+        addresses whose hashes came from that cache, unverified (``from_cache``).
+
+        A leaf whose fingerprint is unchanged takes its hashes from the cache once
+        a random sample of its shards rehashes to them (unless ``checked``). A
+        changed one is hashed, and each shard whose hash equals the one at the same
+        position last time takes that blob id: no catalog lookup (the commit's
+        transaction checks every such id still holds that address).
+        """
+        import torch
+
+        from .shards import dtype_name, physical, plan, tensor_bytes
+
+        recs: list[LeafRecord] = []
+        views: list[list[tuple[bytes, memoryview]]] = []
+        tokens: list[tuple[Any, str, Any] | None] = []
+        prior: dict[tuple[bytes, int], int] = {}
+        from_cache: set[tuple[bytes, int]] = set()
+        previous: dict[int, list[tuple[bytes, int]]] = {}  # leaf index -> last commit's (hash, blob id) per shard
+        todo: list[tuple[int, memoryview]] = []
+        unchanged: set[int] = set()  # indices of the leaves taken whole from the digest cache
+        for comp in components:
+            for path, value in comp.leaves.items():
+                token = comp.fingerprints.get(path)
+                tokens.append(None if token is None else (comp.owner, path, token, value))
+                shards: list[tuple[bytes, memoryview]] = []
+                if isinstance(value, _Prehashed):
+                    rec, shards = value.record, list(value.shards)
+                    for i, blob in value.reused.items():
+                        key = (shards[i][0], len(shards[i][1]))
+                        prior[key] = blob
+                        from_cache.add(key)
+                    unhashed = [(len(recs), i) for i, (d, _) in enumerate(shards) if not d]
+                    if unhashed:
+                        todo.extend(unhashed)
+                        previous[len(recs)] = value.last
+                elif isinstance(value, torch.Tensor):
+                    entry = self._cached(comp.owner, path, token)
+                    kept = _Same.of(entry, token, value, comp.path)
+                    stale = False
+                    if kept is not None:
+                        # Unchanged since the last commit (equal fingerprint, same layout): its record,
+                        # hashes and blob ids are taken whole, once a sample of its shards rehashes to them.
+                        rec, hashes = kept.record, entry[1]
+                        mv = _flat_bytes(value if rec.stride is None else physical(value, path)[0], path)
+                        step = rec.shard_bytes
+                        ok = checked or sample_unchanged([hashes[0][0]] if len(hashes) == 1 else [d for d, _ in hashes], mv, entry[2], path)
+                        if ok:
+                            shards = [(d, mv[a : a + step]) for (d, _), a in zip(hashes, range(0, rec.nbytes, step))] if rec.nbytes else [(hashes[0][0], mv)]
+                            prior.update(kept.blobs)
+                            from_cache.update(kept.blobs)
+                            unchanged.add(len(recs))
+                            recs.append(rec)
+                            views.append(shards)
+                            continue
+                        stale = True  # the sample failed (and warned): hash it all
+                    phys, stride = physical(value, path)
+                    p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+                    rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
+                    mv = tensor_bytes(phys, path)
+                    known: dict[int, tuple[bytes, int]] = {}
+                    if entry is not None:
+                        same = entry[0] == token and len(entry[1]) == p.count
+                        known = dict(enumerate(entry[1])) if same else self._reusable(entry, token, value, p) or {}
+                        if known and (stale or (not checked and not sample_unchanged({i: d for i, (d, _) in known.items()}, mv, p, path))):
+                            known = {}
+                        if len(known) < p.count:
+                            previous[len(recs)] = entry[1]
+                    for s in range(p.count):
+                        shard = mv[slice(*p.bounds(s))]
+                        if s in known:
+                            key = (known[s][0], len(shard))
+                            prior[key] = known[s][1]
+                            from_cache.add(key)
+                        else:
+                            todo.append((len(recs), s))
+                        shards.append((known[s][0] if s in known else b"", shard))
+                else:
+                    rec = LeafRecord(path, comp.path, "json", None, None, 0, None, jsonvalue.dumps(value, path))
+                recs.append(rec)
+                views.append(shards)
+        total = sum(len(views[i][s][1]) for i, s in todo)
+        hash_one = lambda item: digest(views[item[0]][item[1]][1])
+        digests = self._map(hash_one, todo) if total > _INLINE_HASH_BYTES else [hash_one(item) for item in todo]
+        for (i, s), d in zip(todo, digests):
+            views[i][s] = (d, views[i][s][1])
+        for i, last in previous.items():
+            for (d, mv), (last_d, blob) in zip(views[i], last):
+                if d == last_d:
+                    prior[(d, len(mv))] = blob
+        return recs, views, tokens, prior, from_cache, unchanged
+
+    @staticmethod
+    def _keeper(owner: Any, token: Any) -> Any:
+        """What a digest-cache entry lives as long as: the tensor's storage for a plain
+        token (a dict owner cannot be weakly referenced, and a new dict each commit
+        must still find the hashes), else the object the adapter fingerprinted."""
+        if type(token) is tuple and token and type(token[0]) is _storage_identity():
+            return token[0].ref()
+        return owner
+
+    def _cached(self, owner: Any, path: str, token: Any) -> tuple[Any, list[tuple[bytes, int]], ShardPlan] | None:
+        """``(fingerprint, [(shard hash, blob id)], shard plan)`` of leaf ``path`` of
+        ``owner`` as this store last committed it at the current target shard size."""
+        if token is None or not self.reuse_hashes:
+            return None
+        owner = self._keeper(owner, token)
+        cached = self._digest_cache.get(id(owner))
+        if cached is None or cached[0]() is not owner:
+            return None
+        return cached[1].get((path, self.shard_bytes))
+
+    @staticmethod
+    def _reusable(entry: tuple, token: Any, value: Any, p: ShardPlan) -> dict[int, tuple[bytes, int]] | None:
+        """The shards of tensor ``value`` (cut by ``p``) that its last commit (``entry``
+        of the digest cache) stored at the same bounds and that no row written since
+        touches, as ``{index: (hash, blob id)}``; ``None`` unless ``token`` is a
+        :class:`~ckptstore.adapters.base.RowToken` that can name the rows (indices
+        along dim 0) written since that commit's token."""
+        import torch
+
+        from .adapters.base import RowToken
+
+        last_token, hashes, last = entry[:3]
+        rows = token.changed_rows(last_token) if isinstance(token, RowToken) else None
+        if rows is None or last.shard_bytes != p.shard_bytes or value.dim() == 0 or not value.is_contiguous():
+            return None
+        dirty: set[int] = set()
+        if value.shape[0] and p.nbytes:
+            row = p.nbytes // value.shape[0]
+            rows = rows[: int(torch.searchsorted(rows, value.shape[0]))]  # sorted; rows past the written ones are not in the leaf
+            if p.shard_bytes % row == 0:  # whole rows per shard (the plan's rule for rows up to the target)
+                dirty = set(torch.unique_consecutive(rows // (p.shard_bytes // row)).tolist())
+            else:  # rows cut into several shards
+                first, stop = rows * row // p.shard_bytes, ((rows + 1) * row - 1) // p.shard_bytes + 1
+                dirty = {i for a, b in zip(first.tolist(), stop.tolist()) for i in range(a, b)}
+        same = min(last.count, p.count)  # shards below the last one of either plan are whole in both
+        if last.bounds(same - 1) != p.bounds(same - 1):
+            same -= 1
+        return {i: hashes[i] for i in range(same) if i not in dirty}
+
+    def _remember_digests(self, leaves: list[LeafRecord], views: list, tokens: list, ids: dict[tuple[bytes, int], int], unchanged: set[int] = frozenset()) -> None:
+        """Keep each fingerprinted leaf's shard hashes and blob ids for the next commit;
+        a leaf of ``unchanged`` (taken whole from the cache, its blob ids confirmed) keeps its entry."""
+        import torch
+
+        fresh: dict[int, tuple[Any, dict]] = {}
+        for i, (rec, shards, entry) in enumerate(zip(leaves, views, tokens)):
+            if entry is not None:
+                owner, path, token, value = entry
+                owner = self._keeper(owner, token)
+                if owner is None:  # its storage is gone already
+                    continue
+                key = (path, self.shard_bytes)
+                old = self._digest_cache.get(id(owner)) if i in unchanged else None
+                if old is not None and old[0]() is owner and key in old[1]:
+                    kept = old[1][key]
+                else:
+                    hashes = [(d, ids[(d, len(mv))]) for d, mv in shards]
+                    same = _Same(rec, value, {(d, len(mv)): b for (d, mv), (_, b) in zip(shards, hashes)}) if isinstance(value, torch.Tensor) else None
+                    kept = (token, hashes, ShardPlan(rec.nbytes, rec.shard_bytes), same)
+                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][key] = kept
+        live = {k: v for k, v in self._digest_cache.items() if v[0]() is not None}  # entries of freed objects go
+        live.update(fresh)
+        self._digest_cache = live
+
+    def _map(self, fn, items: list) -> list:
+        """``[fn(x) for x in items]`` across the thread pool, a few chunks per thread
+        (one task per small item costs more in locking than the work). In the thread of
+        an asynchronous commit, in that thread alone: the pool's threads would compete
+        with the training loop for the cores (and the GIL) to finish the commit sooner,
+        which nothing waits for."""
+        if len(items) <= 1 or self.workers == 1 or getattr(_background, "active", False):
+            return [fn(x) for x in items]
+        size = -(-len(items) // (4 * self.workers))
+        failed = threading.Event()
+
+        def run(chunk: list) -> list:
+            out = []
+            for x in chunk:
+                if failed.is_set():  # another chunk failed: the result is discarded anyway
+                    break
+                try:
+                    out.append(fn(x))
+                except BaseException:
+                    failed.set()
+                    raise
+            return out
+
+        futures = [self.pool.submit(run, items[i : i + size]) for i in range(0, len(items), size)]
+        # No task may outlive this call, even on error: callers close the pack files `fn` writes to.
+        wait(futures)
+        return [y for f in futures for y in f.result()]
+
+    def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
+        """Blob ids of the addresses the catalog already holds."""
+        wanted = set(keys)
+        rows = self.catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
+        return {(h, n): i for h, n, i in rows if (h, n) in wanted}
+
+
+__all__ = ["CommitEngine", "CommitInfo", "ReusedBlobsGone", "given_stored", "ints_json", "paused_gc"]

@@ -1,0 +1,428 @@
+"""Homes: where a store's objects, refs and index live, behind one interface.
+
+A store (:class:`ckptstore.store.Store`, the facade) is a **home** and the protocols that
+run against it. A home provides three parts:
+
+- **objects**: the packs of blobs and records: :meth:`Home.pack_writer`,
+  :meth:`Home.pack_reader`, :meth:`Home.pack_size`;
+- **refs**: the tags, moved by compare-and-swap (:meth:`Home.make_refs`: a
+  :class:`~ckptstore.refs.CatalogRefs` locally, a :class:`~ckptstore.refs.BucketRefs` on
+  object storage);
+- **the index**: a SQLite catalog (``catalog.sqlite`` under :attr:`Home.root`): where the
+  local store lives, a cache of the bucket's immutable objects on object storage. The
+  commit's index step (:meth:`Home.index_commit`), the index's upkeep
+  (:meth:`Home.refresh_index`, :meth:`Home.relocate_reused`) and the queries that read refs
+  and commits (:meth:`Home.held`, :meth:`Home.find_commit`, :meth:`Home.tagged`,
+  :meth:`Home.info`, :meth:`Home.infos`, :meth:`Home.log`, :meth:`Home.show`, :meth:`Home.du`)
+  are written here against the catalog; a home whose index is a cache overrides them to
+  bring the cache up to date first.
+
+:class:`Home` is that shared part (the index as a catalog), :class:`LocalHome` the store in
+a folder; :class:`ckptstore.bucket.BucketHome` is the store on object storage. A home holds
+its store weakly (the store owns its home, not the reverse).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import jsonvalue, records
+from .catalog import damaged
+from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
+from .errors import AmbiguousRefError, IntegrityError, InvalidArgumentError, RefNotFoundError
+from .fsck import LocalFsck
+from .gc import LocalGC
+from .layout import address
+from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, PackReader, PackWriter, pack_path
+from .records import LeafRecord
+from .refs import ANY, CatalogRefs, Refs
+
+if TYPE_CHECKING:
+    from .store import Store
+
+#: The catalog's file name, under the home's :attr:`Home.root`.
+CATALOG = "catalog.sqlite"
+
+
+def weakly(owner: Any, *names: str) -> list:
+    """Callables returning ``owner.<name>`` (called, for a method) that do not keep ``owner``
+    alive: the store owns its refs, not the reverse (no reference cycle, so a store
+    dropped without ``close`` still frees its catalog connection at once)."""
+    me = weakref.ref(owner)
+
+    def one(name: str):
+        if callable(getattr(type(owner), name, None)):
+            return lambda *args: getattr(me(), name)(*args)
+        return lambda: getattr(me(), name)
+
+    return [one(n) for n in names]
+
+
+class Home:
+    """The part of a home both homes share: the index is a SQLite catalog (the store's
+    ``catalog``) under :attr:`root`. Subclasses provide the objects and the refs.
+
+    Attributes:
+        root: the folder of the catalog (locally the store's folder).
+        pack_bytes: the default pack size in bytes.
+        location: where the store lives, as ``Store(location)`` opens it.
+    """
+
+    pack_bytes = DEFAULT_PACK_BYTES
+    #: Whether the index holds only copies (a damaged one is moved aside and rebuilt).
+    disposable_index = False
+
+    def __init__(self, store: Store, root: Path):
+        self._store = weakref.ref(store)
+        self.root = root
+
+    @property
+    def store(self) -> Store:
+        """The store (the facade) this home belongs to."""
+        return self._store()
+
+    @property
+    def location(self) -> str:
+        """Where the store lives, as ``Store(location)`` opens it (here: the folder)."""
+        return str(self.root)
+
+    def settings(self, shard_bytes: int | None, compression_level: int | None) -> tuple[int | None, int | None]:
+        """The store's settings as asked, completed from the home's own (a bucket's marker)."""
+        return shard_bytes, compression_level
+
+    def create_index(self, create: bool | None) -> bool:
+        """Whether opening the store creates its catalog now (``create`` as ``Store`` takes it)."""
+        return bool(create)
+
+    def make_refs(self) -> Refs:
+        """The home's refs: tags in the catalog, moved in its transactions."""
+        return CatalogRefs(*weakly(self.store, "catalog", "_write"), str(self.root))
+
+    def close(self) -> None:
+        """Release what the home holds beside the catalog (nothing here)."""
+
+    # --- the commit's index step -----------------------------------------------------------
+
+    def before_commit(self) -> None:
+        """Ready the index for a commit's dedup lookups (nothing here: the catalog is current)."""
+
+    def dated(self, info: CommitInfo) -> CommitInfo:
+        """The CommitInfo a commit returns (its time as the record says; here as built)."""
+        return info
+
+    def prepare_shared_commit(self) -> None:
+        """The home's part of :meth:`ckptstore.store.Store.prepare_shared_commit` (nothing here)."""
+
+    def checkout_target(self, ref: str) -> str:
+        """``ref`` as checkout takes it (a home whose index is a cache resolves it first, copying the record)."""
+        return ref
+
+    def index_commit(
+        self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0, expect=None, given_packs=(),
+    ):
+        """Step 4 of the commit protocol: in one catalog transaction, check that the
+        reused blobs (``known``: address -> blob id) still exist (else
+        :class:`ReusedBlobsGone`), index the new blobs (``written``) and the commit, and move
+        ``tags``. ``expect``: the id the record must hash to (IntegrityError otherwise).
+        Returns ``(commit id, parent ids, seconds, {address: blob id})``."""
+        store = self.store
+        with store._write() as batch:
+            if known:
+                # An id must still hold the same address: GC may have freed it and a new blob taken the id since.
+                # The per-shard rows of a commit (thousands for a large buffer, most of them
+                # unchanged shards) go to SQLite as one JSON array in one statement, here and for
+                # the shards table below: executemany and fetchall release and retake the GIL once
+                # per row, and a thread that does that thousands of times starves the others of
+                # it (each waits a switch interval, 5 ms, to get it back), the training loop
+                # beside an asynchronous commit among them. This one returns only the mismatches.
+                reused = list(known.items())
+                # First one cheap statement: the addresses the ids hold now, in the ids' order, as one text;
+                # only if it differs, the one that names the ids that changed.
+                (now,), = store.catalog.rows(
+                    "SELECT group_concat(lower(hex(b.hash)) || '-' || b.raw_len, ' ') FROM json_each(?) j LEFT JOIN blobs b ON b.id = j.value",
+                    (json.dumps([i for _, i in reused]),), raw=True,
+                )
+                same = now == " ".join([address(d, n) for (d, n), _ in reused])
+                bad = [] if same else store.catalog.rows(
+                    "SELECT j.key FROM json_each(?) j LEFT JOIN blobs b ON b.id = json_extract(j.value, '$[0]') "
+                    "WHERE b.id IS NULL OR b.raw_len != json_extract(j.value, '$[2]') OR lower(hex(b.hash)) != json_extract(j.value, '$[1]')",
+                    (json.dumps([[i, d.hex(), n] for (d, n), i in reused]),), raw=True,
+                )
+                gone = [reused[k][0] for (k,) in bad]
+                if gone:
+                    raise ReusedBlobsGone(gone)
+            # Plain SQL, not sqlite-utils' tables: these look the schema up (several queries) on every call.
+            run_many = store.catalog.conn.executemany
+            run_many(
+                "INSERT OR IGNORE INTO packs (id, size, created_at) VALUES (?, ?, ?)",
+                [(pid, size, created_at) for pid, size in [*writer.pack_ids, *given_packs]],
+            )
+            run_many(
+                "INSERT OR IGNORE INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(loc.digest, loc.raw_len, loc.pack, loc.offset, loc.stored_len, loc.codec, created_at) for loc in written.values()],
+            )
+            ids = dict(known)
+            ids.update(store._lookup(list(written)))
+            if explicit_parents is not None:
+                parents = explicit_parents
+            else:
+                current = {r["name"]: r["commit_id"] for r in store.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
+                parents = list(dict.fromkeys(current[t] for t in tags if t in current))
+            per_leaf = self._keys_per_leaf(leaves, keys)
+            for r, keys_of in zip(leaves, per_leaf):
+                if r.encoded is None:
+                    r.encoded = (records.manifest_entry(r, keys_of), (
+                        r.path, r.component, r.kind, r.dtype, None if r.shape is None else ints_json(r.shape),
+                        None if r.stride is None else ints_json(r.stride), r.nbytes, r.shard_bytes, r.value,
+                    ))
+            manifest = [r.encoded[0] for r in leaves]
+            components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]
+            record = records.commit_text(parents, created_at, message, meta_json, components_json, manifest)
+            cid = records.commit_id(record)
+            seconds = time.perf_counter() - t0
+            if expect is not None and cid != expect:
+                raise IntegrityError(f"the commit's content hashes to {cid}, not to its recorded id {expect}")
+            if store.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)):  # imported before: only the tags move
+                if tags:
+                    store.refs.move(dict.fromkeys(tags, (ANY, cid)), "import", created_at, batch)
+                return cid, parents, seconds, ids
+            new_bytes = sum(n for _, n in written)
+            store.catalog.conn.execute(
+                "INSERT INTO commits (id, created_at, message, metadata, logical_bytes, new_bytes, stored_bytes, shards_total, shards_new, "
+                "seconds, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (cid, created_at, message, meta_json, sum(r.nbytes for r in leaves if r.kind == "tensor"), new_bytes,
+                 writer.stored_bytes + given_stored(written, given_packs), len(keys), len(written), seconds, record),
+            )
+            batch.append((records.KIND_COMMIT, cid, None, record))
+            run_many("INSERT INTO parents (commit_id, position, parent_id) VALUES (?, ?, ?)", [(cid, i, p) for i, p in enumerate(parents)])
+            run_many(
+                "INSERT INTO components (commit_id, path, adapter, version, meta) VALUES (?, ?, ?, ?, ?)",
+                [(cid, c.path, c.adapter, c.version, meta) for c, (_, _, _, meta) in zip(components, components_json)],
+            )
+            run_many(
+                "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(cid, *r.encoded[1]) for r in leaves],
+            )
+            leaf_ids = dict(store.catalog.rows("SELECT path, id FROM leaves WHERE commit_id = ?", (cid,), raw=True))
+            # A leaf's shard rows from one JSON array of blob ids, as the check above; the one row of a
+            # one-shard leaf (most of a state of many small leaves) as a plain row: json_each costs more.
+            single, multi = [], []
+            for r, keys_of in zip(leaves, per_leaf):
+                if len(keys_of) == 1:
+                    single.append((leaf_ids[r.path], 0, ids[keys_of[0]]))
+                elif keys_of:
+                    multi.append((leaf_ids[r.path], json.dumps([ids[k] for k in keys_of])))
+            run_many("INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)", single)
+            run_many("INSERT INTO shards (leaf_id, seq, blob_id) SELECT ?, key, value FROM json_each(?)", multi)
+            if tags:  # in this transaction: the commit's rows and its tag moves are one
+                store.refs.move(dict.fromkeys(tags, (ANY, cid)), "commit", created_at, batch)
+        return cid, parents, seconds, ids
+
+    @staticmethod
+    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
+        out, i = [], 0
+        for r in leaves:
+            n = max(1, -(-r.nbytes // r.shard_bytes)) if r.kind == "tensor" else 0  # ShardPlan.count
+            out.append(keys[i : i + n])
+            i += n
+        return out
+
+    def relocate_reused(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
+        """Blob ids of those of ``keys`` (addresses a commit meant to reuse, which a GC
+        removed meanwhile) that the store holds elsewhere. A local GC updates the catalog
+        in its own transaction, so a blob it moved is found by the next lookup; {} here
+        means every one is written again."""
+        return {}
+
+    def refresh_index(self, only: list[str] | None = None) -> int:
+        """Bring the index up to date with the objects before a lookup that must see every
+        blob the store holds; returns the packs read. A local store's catalog is updated by
+        every commit in its own transaction: nothing to do (0). On object storage the cache
+        reads the pack indexes it has not seen (:meth:`ckptstore.bucket.BucketHome.refresh_index`)."""
+        return 0
+
+    def held(self, cid: str) -> str:
+        """``cid`` (named by a tag), once the index holds its commit: the catalog does
+        already (the refs checked it)."""
+        return cid
+
+    def find_commit(self, ref: str) -> str:
+        """The commit a full id or unique id prefix ``ref`` names, from the index."""
+        ref_l = ref.lower()
+        if len(ref_l) >= records.MIN_PREFIX and all(c in "0123456789abcdef" for c in ref_l):
+            rows = self.store.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
+            if len(rows) == 1:
+                return rows[0]["id"]
+            if len(rows) > 1:
+                ids = ", ".join(r["id"][:12] for r in rows)
+                raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix: matches {ids}")
+        raise RefNotFoundError(records.unknown_ref(ref, self.store.root, [t for t in self.store.tags() if t.startswith(ref + "/")]))
+
+    def tagged(self) -> dict[str, CommitInfo]:
+        """``{tag name: CommitInfo of the commit it names}``, sorted by name, read in one
+        snapshot (a concurrent GC cannot drop a tagged commit in between)."""
+        with self.store.catalog.read():
+            named = self.store.tags()
+            infos = self.index_infos(list(set(named.values())))
+        for name, cid in named.items():
+            if cid not in infos:
+                raise damaged(self.store.catalog.path, f"tag {name!r} points to commit {cid}, which is not in the catalog")
+        return {name: infos[cid] for name, cid in named.items()}
+
+    def has_commit(self, cid: str) -> bool:
+        """Does the store hold commit ``cid`` (a full id)? ``False`` for a store not created yet."""
+        return self.store.has_cached(cid)
+
+    def info(self, ref: str) -> CommitInfo:
+        """The :class:`CommitInfo` of one commit.
+
+        Raises:
+            RefNotFoundError / AmbiguousRefError: bad ref.
+        """
+        with self.store.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its row
+            cid = self.store.resolve(ref)
+            found = self.index_infos([cid]).get(cid)
+        if found is None:
+            raise RefNotFoundError(f"commit {cid} is not in {self.store.root}")
+        return found
+
+    def infos(self, ids: list[str]) -> dict[str, CommitInfo]:
+        """``{commit id: CommitInfo}`` of the full commit ids ``ids`` the store holds (others are left out)."""
+        return self.index_infos(ids)
+
+    def index_infos(self, ids: list[str]) -> dict[str, CommitInfo]:
+        """:meth:`infos` from the index alone (what the index holds; on object storage, the cache)."""
+        rows = self.store.catalog.chunked("SELECT * FROM commits WHERE id IN ({})", ids)
+        parents: dict[str, list[str]] = {}
+        for r in self.store.catalog.chunked("SELECT commit_id, parent_id FROM parents WHERE commit_id IN ({}) ORDER BY position", ids):
+            parents.setdefault(r["commit_id"], []).append(r["parent_id"])
+        tags: dict[str, list[str]] = {}
+        for r in self.store.catalog.chunked("SELECT name, commit_id FROM tags WHERE commit_id IN ({}) ORDER BY name", ids):
+            tags.setdefault(r["commit_id"], []).append(r["name"])
+        return {
+            r["id"]: CommitInfo(
+                id=r["id"], tags=tuple(tags.get(r["id"], ())), parents=tuple(parents.get(r["id"], ())),
+                created_at=r["created_at"], message=r["message"], metadata=jsonvalue.loads(r["metadata"]),
+                logical_bytes=r["logical_bytes"], new_bytes=r["new_bytes"], stored_bytes=r["stored_bytes"],
+                shards_total=r["shards_total"], shards_new=r["shards_new"], seconds=r["seconds"],
+            )
+            for r in rows
+        }
+
+    def log(self, ref: str | None = None, limit: int | None = None) -> list[CommitInfo]:
+        """Lineage of ``ref`` (itself and all its ancestors), newest first.
+
+        Without ``ref``, every commit in the store, newest first. ``limit``
+        (>= 1) keeps the newest ones. Raises InvalidArgumentError for a bad limit.
+        """
+        if limit is not None and (type(limit) is not int or limit < 1):
+            raise InvalidArgumentError(f"invalid limit {limit!r}: must be an integer >= 1")
+        if ref is None:
+            ids = [r["id"] for r in self.store.catalog.rows("SELECT id FROM commits ORDER BY created_at DESC, id")]
+        else:
+            seen: list[str] = []
+            frontier = [self.store.resolve(ref)]
+            known: set[str] = set()
+            while frontier:
+                known.update(frontier)
+                seen += frontier
+                rows = self.store.catalog.chunked("SELECT parent_id FROM parents WHERE commit_id IN ({})", frontier)
+                frontier = list(dict.fromkeys(r["parent_id"] for r in rows if r["parent_id"] not in known))
+            ids = seen
+        infos = self.index_infos(ids)
+        out = sorted((infos[i] for i in ids if i in infos), key=lambda c: (-c.created_at, c.id))
+        return out[:limit] if limit else out
+
+    def show(self, ref: str) -> dict:
+        """What one commit holds, for ``ckptstore show``.
+
+        Returns ``{"commit": CommitInfo, "components": {path: {...}}, "leaves": [...]}``
+        where each leaf has ``path``, ``component``, ``kind``, ``dtype``, ``shape``,
+        ``logical_bytes``, ``stored_bytes`` (its blobs in packs, headers included),
+        ``shards`` and ``shared_with_parent`` (shards whose blob the first parent
+        also references).
+        """
+        info = self.store.info(ref)
+        parent = info.parents[0] if info.parents else ""
+        stats = {
+            r["path"]: r
+            for r in self.store.catalog.rows(
+                "SELECT l.path, COUNT(*) AS shards, SUM(b.stored_len + ?) AS stored, "
+                "SUM(s.blob_id IN (SELECT s2.blob_id FROM shards s2 JOIN leaves l2 ON l2.id = s2.leaf_id WHERE l2.commit_id = ?)) AS shared "
+                "FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? GROUP BY l.path",
+                (BLOB_HEADER.size, parent, info.id),
+            )
+        }
+        leaves = []
+        for r in self.store.catalog.rows("SELECT * FROM leaves WHERE commit_id = ? ORDER BY rowid", (info.id,)):
+            st = stats.get(r["path"])
+            leaves.append({
+                "path": r["path"], "component": r["component"], "kind": r["kind"], "dtype": r["dtype"],
+                "shape": None if r["shape"] is None else jsonvalue.loads(r["shape"]),
+                "logical_bytes": r["nbytes"], "stored_bytes": st["stored"] if st else 0,
+                "shards": st["shards"] if st else 0, "shared_with_parent": st["shared"] if st else 0,
+            })
+        return {"commit": info, "components": self.store.components(info.id), "leaves": leaves}
+
+    def du(self) -> dict:
+        """Space accounting in bytes, for ``ckptstore du``.
+
+        ``logical_bytes``: tensor bytes summed over all commits (what saving
+        each commit in full would write); ``unique_bytes``: raw bytes of distinct
+        blobs; ``stored_bytes``: bytes of live blobs in packs; ``pack_bytes``:
+        pack file sizes on disk (dead blobs included, until GC repacks);
+        ``catalog_bytes``; ``dedup_ratio`` = logical / unique;
+        ``compression_ratio`` = unique / stored.
+        """
+        c = self.store.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(logical_bytes), 0) AS logical FROM commits")[0]
+        b = self.store.catalog.rows(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(raw_len), 0) AS raw, COALESCE(SUM(stored_len + ?), 0) AS stored FROM blobs",
+            (BLOB_HEADER.size,),
+        )[0]
+        p = self.store.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(size), 0) AS size FROM packs")[0]
+        catalog = sum(f.stat().st_size for f in self.store.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak"))
+        tmp = sum(f.stat().st_size for f in (self.store.root / "tmp").iterdir() if f.is_file())
+        return {
+            "commits": c["n"], "tags": len(self.store.tags()), "blobs": b["n"], "packs": p["n"],
+            "logical_bytes": c["logical"], "unique_bytes": b["raw"], "stored_bytes": b["stored"],
+            "pack_bytes": p["size"], "catalog_bytes": catalog, "tmp_bytes": tmp,
+            "dedup_ratio": c["logical"] / b["raw"] if b["raw"] else None,
+            "compression_ratio": b["raw"] / b["stored"] if b["stored"] else None,
+        }
+
+
+class LocalHome(Home):
+    """A store in a folder: packs under ``blobs/`` (:mod:`ckptstore.packs`), the catalog
+    beside them, tags in the catalog."""
+
+    def pack_writer(self) -> PackWriter:
+        """A writer of new packs for one commit (:class:`ckptstore.packs.PackWriter`'s interface)."""
+        return PackWriter(self.root, self.store.compression_level, self.store.pack_bytes)
+
+    def pack_reader(self, sparse: bool = False) -> PackReader:
+        """A reader of this store's packs (:class:`ckptstore.packs.PackReader`'s interface);
+        ``sparse``: a few blobs will be read, no readahead."""
+        return PackReader(self.root, sparse, locate=self.store.relocate)
+
+    def pack_size(self, pack: str) -> int | None:
+        """Bytes of pack ``pack`` (an id) as the store holds it now, or ``None`` if it holds no such pack."""
+        try:
+            return pack_path(self.root, pack).stat().st_size
+        except OSError:
+            return None
+
+    def gc_home(self) -> LocalGC:
+        """This home's side of the GC protocol (:func:`ckptstore.gc.collect`)."""
+        return LocalGC(self.store)
+
+    def fsck_home(self) -> LocalFsck:
+        """This home's side of fsck (:func:`ckptstore.fsck.run`)."""
+        return LocalFsck(self.store)
+
+
+__all__ = ["CATALOG", "Home", "LocalHome", "weakly"]
