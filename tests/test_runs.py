@@ -354,3 +354,31 @@ def test_a_forked_child_leaves_its_parents_bucket_lease_alone(s3_server):
         assert held.commit().tags == ("exp-f/step-0", "exp-f/latest")
     finally:
         held.close()
+
+
+def test_a_dropped_checkpointer_gives_its_bucket_lease_up_without_io_then_at_exit(s3_server):
+    """A Checkpointer dropped without close(): its finalizer may run anywhere, so it does no
+    I/O (the lease objects stay); the process's exit deletes them, so the next run of the
+    script is not kept waiting for the lease to expire."""
+    import gc
+
+    url = "s3://ckpt/runs-dropped"
+    code = f"""
+        import gc, torch, ckptstore
+        c = ckptstore.Checkpointer({url!r}, {{"w": torch.zeros(2)}}, run="exp-d", on_signal=())
+        c.commit()
+        del c
+        gc.collect()
+        with ckptstore.Store({url!r}) as s:
+            print(len(s.backend.list("leases")))
+    """
+    assert _done(_python(code)).split() == ["1"]  # dropped: still there (no I/O from the finalizer)
+    with ckptstore.Store(url) as s:
+        assert s.backend.list("leases") == []  # deleted at the child's exit
+    held = _ckpt(url, {"w": torch.zeros(2)}, run="exp-d", lease_seconds=30.0)
+    del held
+    gc.collect()
+    with ckptstore.Store(url) as s:
+        assert len(s.backend.list("leases")) == 1
+    again = _ckpt(url, {"w": torch.zeros(2)}, run="exp-d", lease_seconds=30.0)  # this process gave it up: taken at once
+    again.close()

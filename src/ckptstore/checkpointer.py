@@ -200,7 +200,7 @@ class Checkpointer:
         if self._lease is None and not self.dcp:
             self._lease = acquire(self.store, self.run, self._lease_seconds, create=create)
             if self._lease is not None:
-                weakref.finalize(self, self._lease.release)
+                weakref.finalize(self, self._lease.abandon)
 
     def close(self) -> None:
         """Give the run's lease up (the store stays open; idempotent). The Checkpointer

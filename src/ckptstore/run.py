@@ -10,6 +10,7 @@ checks run names, lists the runs of a store (:func:`runs`) and holds the lease
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -128,6 +129,12 @@ class Lease:
     def release(self) -> None:
         """Give the run up (idempotent)."""
 
+    def abandon(self) -> None:
+        """Give the run up from a finalizer (its owner was garbage-collected): as
+        :meth:`release`, but with no I/O at that arbitrary point (any thread, a forked
+        child, a lock held); a bucket lease's objects are deleted at interpreter exit."""
+        self.release()
+
 
 def _segment(run: str | None) -> str:
     """``default`` or ``run-<escaped name>``: the key segment of a run's lease."""
@@ -232,6 +239,11 @@ class BucketLease(Lease):
                 previous._stop.set()
                 self.gen, previous.gen = previous.gen, None
                 BucketLease._held[key] = self
+            else:  # a lease this process abandoned (its Checkpointer was dropped): still this process's
+                mine = [i for i, (lease, _) in enumerate(_ABANDONED) if lease.url_key == key]
+                if mine:
+                    self.gen = _ABANDONED.pop(mine[-1])[1]
+                    BucketLease._held[key] = self
         if self.gen is None:
             gens = self._wait_expired()
             newest = max(gens, default=0)
@@ -317,11 +329,34 @@ class BucketLease(Lease):
             if BucketLease._held.get(self.url_key) is self:
                 del BucketLease._held[self.url_key]
         if gen is not None and os.getpid() == self.holder["pid"]:  # (a forked child's copy: the lease is its parent's)
-            try:
-                for o in self._generations().get(gen, ()):
-                    self.backend.delete(o.key)
-            except Exception:  # noqa: BLE001 - (the store was closed first, or the bucket failed) it expires by itself
-                pass
+            self._delete(gen)
+
+    def _delete(self, gen: int) -> None:
+        try:
+            for o in self._generations().get(gen, ()):
+                self.backend.delete(o.key)
+        except Exception:  # noqa: BLE001 - (the store was closed first, or the bucket failed) it expires by itself
+            pass
+
+    def abandon(self) -> None:
+        self._stop.set()
+        with BucketLease._lock:
+            gen, self.gen = self.gen, None
+            if BucketLease._held.get(self.url_key) is self:
+                del BucketLease._held[self.url_key]
+        if gen is not None and os.getpid() == self.holder["pid"]:
+            _ABANDONED.append((self, gen))
+
+
+_ABANDONED: list[tuple[BucketLease, int]] = []  # bucket leases given up by finalizers: deleted at exit
+
+
+@atexit.register
+def _delete_abandoned() -> None:
+    while _ABANDONED:
+        lease, gen = _ABANDONED.pop()
+        if os.getpid() == lease.holder["pid"]:
+            lease._delete(gen)
 
 
 def acquire(store, run: str | None, seconds: float = LEASE_SECONDS, create: bool = True) -> Lease | None:
