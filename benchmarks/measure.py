@@ -177,7 +177,8 @@ def evict_tree(path: str | os.PathLike) -> None:
 
 
 def resident_fraction(path: str | os.PathLike) -> float | None:
-    """Fraction of a tree's file pages in the page cache (mincore), or None if unknown."""
+    """Fraction of a tree's file pages in the page cache (mincore), or None if unknown.
+    A store's ``catalog.sqlite-reserve`` (room kept for a GC on a full disk, never read) is not counted."""
     try:
         import ctypes
         import mmap
@@ -188,7 +189,7 @@ def resident_fraction(path: str | os.PathLike) -> float | None:
     except (ImportError, OSError):
         return None
     p = Path(path)
-    files = [p] if p.is_file() else [Path(r) / n for r, _, fs in os.walk(p) for n in fs]
+    files = [p] if p.is_file() else [Path(r) / n for r, _, fs in os.walk(p) for n in fs if not n.endswith("-reserve")]
     total = resident = 0
     for f in files:
         size = f.stat().st_size

@@ -235,11 +235,19 @@ def reserve_path(catalog: Path) -> Path:
     return catalog.with_name(catalog.name + "-reserve")
 
 
-def keep_reserve(catalog: Path, size: int = RESERVE_BYTES) -> bool:
+def keep_reserve(catalog: Path, size: int | None = None) -> bool:
     """Make sure ``size`` bytes are allocated (``posix_fallocate``, not a sparse file) in
     the reserve beside ``catalog``; False when there is no room or no permission now
-    (no partial reserve is left then; a later open tries again)."""
+    (no partial reserve is left then; a later open tries again). ``None``:
+    :data:`RESERVE_BYTES`, or 1/64 of the filesystem when that is less (a small disk keeps
+    its room for data)."""
     path = reserve_path(catalog)
+    if size is None:
+        try:
+            fs = os.statvfs(path.parent)
+            size = min(RESERVE_BYTES, fs.f_blocks * fs.f_frsize // 64)
+        except OSError:
+            return False
     try:
         if path.stat().st_blocks * 512 >= size:
             return True

@@ -43,6 +43,7 @@ import fnmatch
 import heapq
 import os
 import re
+import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -424,6 +425,13 @@ class Collector:
         transaction indexes them, repoints the rows and retires the old packs. A crash before
         that transaction leaves the old packs indexed and the new ones orphans."""
         half, small = self.repack_candidates()
+        need = sum(p["live"] for p in half + small)
+        free = shutil.disk_usage(self.store.root).free
+        if half + small and free < need + (1 << 20):  # copies are written before the old packs go: a full disk first frees
+            report.withheld.append(
+                f"repacking {len(half + small)} packs needs {need} bytes of room and the disk has {free}: left for a later GC"
+            )
+            return
         if report.dry_run:  # what it moves out, the real run retires with the pack
             for p in half + small:
                 self.doomed[p["id"]] = (self.doomed.get(p["id"], (0, 0))[0] + p["n"], p["size"])
