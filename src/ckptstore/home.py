@@ -370,15 +370,7 @@ class Home:
         return {"commit": info, "components": self.store.components(info.id), "leaves": leaves}
 
     def du(self) -> dict:
-        """Space accounting in bytes, for ``ckptstore du``.
-
-        ``logical_bytes``: tensor bytes summed over all commits (what saving
-        each commit in full would write); ``unique_bytes``: raw bytes of distinct
-        blobs; ``stored_bytes``: bytes of live blobs in packs; ``pack_bytes``:
-        pack file sizes on disk (dead blobs included, until GC repacks);
-        ``catalog_bytes``; ``dedup_ratio`` = logical / unique;
-        ``compression_ratio`` = unique / stored.
-        """
+        """Space accounting in bytes, from the index: the fields of :meth:`ckptstore.Store.du`."""
         c = self.store.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(logical_bytes), 0) AS logical FROM commits")[0]
         b = self.store.catalog.rows(
             "SELECT COUNT(*) AS n, COALESCE(SUM(raw_len), 0) AS raw, COALESCE(SUM(stored_len + ?), 0) AS stored FROM blobs",
