@@ -117,29 +117,36 @@ def _rank_main(rank: int, world: int, cfg: dict, out: str) -> None:
     os._exit(0)
 
 
+def run_ranks(target, world: int, cfg: dict, out: str, timeout: float, what: str) -> dict:
+    """Run ``target(rank, world, cfg, out)`` in ``world`` forkserver processes (torch and
+    DCP preloaded), stopping all of them when one fails or after ``timeout`` seconds; the
+    JSON a rank wrote to ``out``. Raises RuntimeError (``what`` and the ranks' tracebacks,
+    from ``<out>.rank<r>.err``) when a rank failed or none wrote ``out``."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "ckptstore.dcp"])
+    procs = [ctx.Process(target=target, args=(r, world, cfg, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+        if any(p.exitcode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.1)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+        p.join(10)
+    errors = sorted(Path(out).parent.glob(Path(out).name + ".rank*.err"))
+    if errors or not Path(out).exists():
+        raise RuntimeError(f"{what} failed: " + ("\n".join(e.read_text() for e in errors) or "timed out"))
+    return json.loads(Path(out).read_text())
+
+
 def run_world(world: int, cfg: dict, timeout: float) -> dict:
     work = Path(tempfile.mkdtemp(prefix=f"ckptstore-dcp-{world}-", dir=cfg["workdir_root"]))
     try:
         cfg = {**cfg, "workdir": str(work / "data"), "rendezvous": str(work / "rendezvous")}
-        out = str(work / "result.json")
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "ckptstore.dcp"])
-        procs = [ctx.Process(target=_rank_main, args=(r, world, cfg, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.1)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
-        errors = sorted(work.glob("result.json.rank*.err"))
-        if errors or not Path(out).exists():
-            raise RuntimeError(f"{world} ranks failed: " + "\n".join(e.read_text() for e in errors) or "timed out")
-        return json.loads(Path(out).read_text())
+        return run_ranks(_rank_main, world, cfg, str(work / "result.json"), timeout, f"{world} ranks")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

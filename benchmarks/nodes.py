@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import shutil
 import statistics
@@ -38,6 +37,8 @@ import urllib.request
 import warnings
 from datetime import timedelta
 from pathlib import Path
+
+from .dcp import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.s3server when run from anywhere
@@ -148,25 +149,7 @@ def _rank_main(rank: int, world: int, cfg: dict, out: str) -> None:
 
 
 def run(world: int, cfg: dict, timeout: float = 1200) -> dict:
-    out = f"{cfg['work']}/{cfg['phase']}.json"
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed.checkpoint", "ckptstore.dcp"])
-    procs = [ctx.Process(target=_rank_main, args=(r, world, cfg, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(p.is_alive() for p in procs):
-        if any(p.exitcode not in (None, 0) for p in procs):
-            break
-        time.sleep(0.1)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(10)
-    errors = sorted(Path(cfg["work"]).glob(f"{cfg['phase']}.json.rank*.err"))
-    if errors or not Path(out).exists():
-        raise RuntimeError(f"{cfg['phase']} on {world} ranks failed: " + ("\n".join(e.read_text() for e in errors) or "timed out"))
-    return json.loads(Path(out).read_text())
+    return run_ranks(_rank_main, world, cfg, f"{cfg['work']}/{cfg['phase']}.json", timeout, f"{cfg['phase']} on {world} ranks")
 
 
 def main(argv: list[str] | None = None) -> int:

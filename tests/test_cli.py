@@ -13,9 +13,10 @@ from ckptstore import cli as cli_module
 from ckptstore.cli import main
 
 
-def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+def cli_at(width: int, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run the CLI in process on a console ``width`` columns wide (as ``COLUMNS=width``): ``(exit code, stdout, stderr)``."""
     monkeypatch.setattr("sys.argv", ["ckptstore", *args])
-    monkeypatch.setattr(cli_module, "console", Console(width=300, highlight=False))  # no wrapping in captured output
+    monkeypatch.setattr(cli_module, "console", Console(width=width, highlight=False))
     try:
         main()
         code = 0
@@ -23,6 +24,11 @@ def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
         code = exc.code if isinstance(exc.code, int) else 1
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """:func:`cli_at` on a console wide enough not to wrap."""
+    return cli_at(300, monkeypatch, capsys, *args)
 
 
 @pytest.fixture
@@ -236,19 +242,6 @@ def test_object_storage_mistakes_get_one_line_hints(s3_server, tmp_path, monkeyp
     monkeypatch.delenv("AWS_ALLOW_HTTP")
     code, _, err = cli(monkeypatch, capsys, "tags", "--store", "s3://ckpt/x")
     assert code != 0 and "AWS_ALLOW_HTTP=true" in err and len(err.strip().splitlines()) == 1
-
-
-def cli_at(width: int, monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """:func:`cli` on a console ``width`` columns wide (as ``COLUMNS=width``)."""
-    monkeypatch.setattr("sys.argv", ["ckptstore", *args])
-    monkeypatch.setattr(cli_module, "console", Console(width=width, highlight=False))
-    try:
-        main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture

@@ -275,15 +275,11 @@ class Home:
         return {name: infos[cid] for name, cid in named.items()}
 
     def has_commit(self, cid: str) -> bool:
-        """Does the store hold commit ``cid`` (a full id)? ``False`` for a store not created yet."""
+        """As :meth:`ckptstore.Store.has_commit` (its docstring: returns, raises), on this home."""
         return self.store.has_cached(cid)
 
     def info(self, ref: str) -> CommitInfo:
-        """The :class:`CommitInfo` of one commit.
-
-        Raises:
-            RefNotFoundError / AmbiguousRefError: bad ref.
-        """
+        """As :meth:`ckptstore.Store.info` (its docstring: returns, raises), on this home."""
         with self.store.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its row
             cid = self.store.resolve(ref)
             found = self.index_infos([cid]).get(cid)
@@ -315,11 +311,7 @@ class Home:
         }
 
     def log(self, ref: str | None = None, limit: int | None = None) -> list[CommitInfo]:
-        """Lineage of ``ref`` (itself and all its ancestors), newest first.
-
-        Without ``ref``, every commit in the store, newest first. ``limit``
-        (>= 1) keeps the newest ones. Raises InvalidArgumentError for a bad limit.
-        """
+        """As :meth:`ckptstore.Store.log` (its docstring: returns, raises), on this home."""
         if limit is not None and (type(limit) is not int or limit < 1):
             raise InvalidArgumentError(f"invalid limit {limit!r}: must be an integer >= 1")
         if ref is None:
@@ -339,14 +331,7 @@ class Home:
         return out[:limit] if limit else out
 
     def show(self, ref: str) -> dict:
-        """What one commit holds, for ``ckptstore show``.
-
-        Returns ``{"commit": CommitInfo, "components": {path: {...}}, "leaves": [...]}``
-        where each leaf has ``path``, ``component``, ``kind``, ``dtype``, ``shape``,
-        ``logical_bytes``, ``stored_bytes`` (its blobs in packs, headers included),
-        ``shards`` and ``shared_with_parent`` (shards whose blob the first parent
-        also references).
-        """
+        """As :meth:`ckptstore.Store.show` (its docstring: returns, raises), on this home."""
         info = self.store.info(ref)
         parent = info.parents[0] if info.parents else ""
         stats = {
@@ -393,16 +378,15 @@ class LocalHome(Home):
     beside them, tags in the catalog."""
 
     def pack_writer(self) -> PackWriter:
-        """A writer of new packs for one commit (:class:`ckptstore.packs.PackWriter`'s interface)."""
+        """As :meth:`ckptstore.Store.pack_writer` (its docstring: returns, raises), on this home."""
         return PackWriter(self.root, self.store.compression_level, self.store.pack_bytes)
 
     def pack_reader(self, sparse: bool = False) -> PackReader:
-        """A reader of this store's packs (:class:`ckptstore.packs.PackReader`'s interface);
-        ``sparse``: a few blobs will be read, no readahead."""
+        """As :meth:`ckptstore.Store.pack_reader` (its docstring: returns, raises), on this home."""
         return PackReader(self.root, sparse, locate=self.store.relocate)
 
     def pack_size(self, pack: str) -> int | None:
-        """Bytes of pack ``pack`` (an id) as the store holds it now, or ``None`` if it holds no such pack."""
+        """As :meth:`ckptstore.Store.pack_size` (its docstring: returns, raises), on this home."""
         try:
             return pack_path(self.root, pack).stat().st_size
         except OSError:
