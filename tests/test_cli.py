@@ -312,3 +312,25 @@ def test_usage_errors_point_to_the_subcommands_help(filled, monkeypatch, capsys)
                        (("nosuchcmd",), "see ckptstore --help"), (("--nope",), "see ckptstore --help")):
         code, out, err = cli(monkeypatch, capsys, *args)
         assert code == 2 and err.count("\n") == 1 and err.rstrip().endswith(f"({hint})"), err
+
+
+def test_du_counts_the_full_disk_reserve_apart_from_the_catalog_and_log_marks_a_root(filled, monkeypatch, capsys):
+    path, a, b = filled
+    reserve = (path / "catalog.sqlite-reserve").stat().st_size
+    code, out, _ = cli(monkeypatch, capsys, "du", "--store", str(path), "--json")
+    usage = json.loads(out)
+    assert code == 0 and usage["reserve_bytes"] == reserve == 4 << 20
+    assert 0 < usage["catalog_bytes"] < 1 << 20  # the catalog (and its WAL while open), not the 4 MiB reserve
+    code, out, _ = cli(monkeypatch, capsys, "du", "--store", str(path))
+    assert code == 0 and [line.split("│")[2].strip() for line in out.splitlines() if "reserve bytes" in line] == ["4.0 MiB"]
+    code, out, _ = cli(monkeypatch, capsys, "log", "t", "--store", str(path))
+    rows = {line.split("│")[1].strip(): line.split("│")[3].strip() for line in out.splitlines() if line.startswith("│")}
+    assert code == 0 and rows == {b.id[:12]: a.id[:12], a.id[:12]: "-"}  # a root commit has no parents: "-", as in the demo
+
+
+def test_runs_on_a_store_without_runs_says_so(filled, monkeypatch, capsys):
+    path, _, _ = filled
+    code, out, _ = cli(monkeypatch, capsys, "runs", "--store", str(path))
+    assert (code, out) == (0, "no runs: no commit here was made by a Checkpointer (Checkpointer(store, objects, run=NAME) starts one)\n")
+    code, out, _ = cli(monkeypatch, capsys, "runs", "--store", str(path), "--json")
+    assert (code, json.loads(out)) == (0, [])

@@ -175,7 +175,7 @@ def commit_table(infos: list[CommitInfo], title: str | None = None) -> Table:
     t.caption = hidden(["commit", "tags", "parents", "time", "message", "logical", "new", "stored", "dedup", "seconds"], cols)
     for c in infos:
         row = {
-            "commit": c.id[:12], "tags": ", ".join(c.tags), "parents": ", ".join(p[:12] for p in c.parents),
+            "commit": c.id[:12], "tags": ", ".join(c.tags), "parents": ", ".join(p[:12] for p in c.parents) or "-",
             "time": fmt_time(c.created_at, short=not wide), "message": c.message, "logical": fmt_bytes(c.logical_bytes), "new": fmt_bytes(c.new_bytes),
             "stored": fmt_bytes(c.stored_bytes), "dedup": dedup(c.logical_bytes, c.new_bytes, c.dedup_ratio), "seconds": f"{c.seconds:.3f}",
         }
@@ -235,6 +235,9 @@ def runs_cmd(store: StorePath = None, as_json: AsJson = False) -> None:
         found = runs(s)
     if as_json:
         emit_json([dataclasses.asdict(r) for r in found])
+        return
+    if not found:
+        console.print("no runs: no commit here was made by a Checkpointer (Checkpointer(store, objects, run=NAME) starts one)")
         return
     out = table("run", "latest step", "commit", "commits", "bytes", numeric=("latest step", "commits", "bytes"), whole=("commit",))
     for r in found:
@@ -412,7 +415,7 @@ def du(store: StorePath = None, as_json: AsJson = False) -> None:
     out.show_header = False
     for key in ("commits", "tags", "blobs", "packs"):
         out.add_row(key, str(usage[key]))
-    for key in ("logical_bytes", "unique_bytes", "stored_bytes", "pack_bytes", "catalog_bytes", "tmp_bytes"):
+    for key in ("logical_bytes", "unique_bytes", "stored_bytes", "pack_bytes", "catalog_bytes", "reserve_bytes", "tmp_bytes"):
         out.add_row(key.replace("_", " "), fmt_bytes(usage[key]))
     out.add_row("dedup ratio (logical / unique)", ratio(usage["dedup_ratio"]))
     out.add_row("compression ratio (unique / stored)", ratio(usage["compression_ratio"]))

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
-from .catalog import damaged
+from .catalog import damaged, reserve_path
 from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
 from .errors import AmbiguousRefError, IntegrityError, InvalidArgumentError, RefNotFoundError
 from .fsck import LocalFsck
@@ -362,12 +362,14 @@ class Home:
             (BLOB_HEADER.size,),
         )[0]
         p = self.store.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(size), 0) AS size FROM packs")[0]
-        catalog = sum(f.stat().st_size for f in self.store.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak"))
+        files = {f.name: f.stat().st_size for f in self.store.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak")}
+        reserve = files.pop(reserve_path(self.store.root / CATALOG).name, 0)
+        catalog = sum(files.values())
         tmp = sum(f.stat().st_size for f in (self.store.root / "tmp").iterdir() if f.is_file())
         return {
             "commits": c["n"], "tags": len(self.store.tags()), "blobs": b["n"], "packs": p["n"],
             "logical_bytes": c["logical"], "unique_bytes": b["raw"], "stored_bytes": b["stored"],
-            "pack_bytes": p["size"], "catalog_bytes": catalog, "tmp_bytes": tmp,
+            "pack_bytes": p["size"], "catalog_bytes": catalog, "reserve_bytes": reserve, "tmp_bytes": tmp,
             "dedup_ratio": c["logical"] / b["raw"] if b["raw"] else None,
             "compression_ratio": b["raw"] / b["stored"] if b["stored"] else None,
         }

@@ -611,7 +611,9 @@ class Store(CommitEngine):
         each commit in full would write); ``unique_bytes``: raw bytes of distinct
         blobs; ``stored_bytes``: bytes of live blobs in packs; ``pack_bytes``:
         pack file sizes on disk (dead blobs included, until GC repacks);
-        ``catalog_bytes``; ``dedup_ratio`` = logical / unique;
+        ``catalog_bytes``: the catalog's files (the index; on a bucket the local cache);
+        ``reserve_bytes``: ``catalog.sqlite-reserve``, the room kept for the catalog's journal
+        on a full disk (docs/operations.md); ``dedup_ratio`` = logical / unique;
         ``compression_ratio`` = unique / stored.
         """
         return self.home.du()
