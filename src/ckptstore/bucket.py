@@ -23,7 +23,11 @@ local store:
   checkout or a listing (a listing reads only the refs whose ETag changed). The home's
   queries (``held``, ``find_commit``, ``tagged``, ``info``, ``infos``, ``log``, ``show``,
   ``du``) copy the records they need into the cache, then answer from it as
-  :class:`~ckptstore.home.Home` does.
+  :class:`~ckptstore.home.Home` does. A record is copied without reading every pack's
+  ``.idx``: a blob no index the cache has read holds gets a row in :data:`UNLOCATED`,
+  located when a checkout, commit, fsck, GC or ``du`` needs it (:meth:`BucketHome.refresh_index`),
+  so ``log(ref, limit=k)``, ``info``, ``show`` and ``tagged`` cost O(k) requests, not
+  O(packs). Liveness never comes from these rows: GC reads every record and ``.idx``.
 
 The bucket is the truth: a commit exists once ``commits/<xx>/<cid>`` exists and is
 reachable once a ref names it (order: packs, ``.idx``, record, ref CAS, reflog object).
@@ -115,8 +119,9 @@ class BucketReader:
     :meth:`prefetch` fetches the announced blobs with one coalesced, parallel ranged read
     per pack (:meth:`~ckptstore.backends.Backend.get_ranges`); each read then checks the
     entry header against the catalog's location, decodes and rehashes (invariant 5). A
-    blob whose pack is gone (a GC swept it after repacking) is looked up again after the
-    cache has been refreshed from the bucket.
+    blob whose pack is gone (a GC swept it after repacking), or that the cache has not
+    located yet (:data:`UNLOCATED`: once per reader), is looked up again after the cache
+    has been refreshed from the bucket.
     """
 
     def __init__(self, home: BucketHome):
@@ -746,8 +751,9 @@ class BucketHome(Home):
         return self.index_infos(ids)
 
     def log(self, ref: str | None = None, limit: int | None = None):
-        """Lineage of ``ref`` on the bucket (every commit without ``ref``), newest first;
-        with ``limit``, about ``limit`` records are fetched (:meth:`_cache`)."""
+        """Lineage of ``ref`` on the bucket (every commit without ``ref``: every record
+        fetched), newest first; with ``ref`` and ``limit``, about ``limit`` records are
+        fetched and no pack index but those the tag names (:meth:`_cache`)."""
         if limit is not None and (type(limit) is not int or limit < 1):
             return super().log(ref, limit)  # the facade's error for a bad limit
         refs = self.store.refs.read_all(strict=False) if self._has_store() else {}
