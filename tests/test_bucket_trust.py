@@ -480,6 +480,34 @@ def test_a_fresh_log_info_show_tagged_and_diff_cost_the_same_requests_at_20_and_
     assert counts[20] == counts[80], counts
 
 
+def test_blobs_a_listing_left_unlocated_are_never_garbage_and_read_back_exact(tmp_path, url):
+    """A machine whose cache holds records copied by ``log(limit=...)`` without their blobs'
+    places: its GC keeps every pack a kept commit needs, its fsck is clean, its checkouts are
+    bit-exact, and its commit that reuses a blob it never located reuses it (written again
+    only if no pack holds it)."""
+    w = ckptstore.Store(url, cache=tmp_path / "writer")
+    ids = [w.commit({"x": torch.arange(10 * (i + 1))}, tag="latest").id for i in range(6)]
+    w.tag("old", ids[1])
+    m = _fresh(url, tmp_path)
+    m.commit({"y": torch.ones(3)}, tag="other")  # its index is current now; the writer goes on
+    more = [w.commit({"x": torch.arange(n)}, tag="latest").id for n in (70, 80)]
+    listed = m.log("latest", limit=3)
+    assert [c.id for c in listed] == [more[1], more[0], ids[5]]
+    assert listed[1].stored_bytes is None  # its blob is in a pack whose .idx this machine has not read
+    again = m.commit({"x": torch.arange(70)}, tag="mine")  # that blob: reused, not written again
+    assert (again.shards_new, again.new_bytes) == (0, 0)
+    assert m.info(more[0]).stored_bytes == w.info(more[0]).stored_bytes  # located by that commit
+    report = m.gc(keep_last=2, grace=0)
+    assert set(report.dropped) == {ids[2], ids[3], ids[4], ids[5]}  # "old" keeps ids[1] and ids[0]
+    assert m.fsck(deep=True).ok
+    fresh = _fresh(url, tmp_path)
+    for ref, n in (("latest", 80), ("old", 20), (more[0], 70), ("mine", 70)):
+        assert torch.equal(fresh.checkout(ref)["x"], torch.arange(n))
+    assert torch.equal(m.checkout(ids[0])["x"], torch.arange(10))
+    for s in (w, m, fresh):
+        s.close()
+
+
 def test_a_ranged_read_of_a_swept_pack_whose_id_holds_416_is_missing_not_truncated(url):
     """A ranged GET of a pack a GC deleted is ``ObjectNotFoundError`` (the reader then finds
     the blob's new place), also when the key's hex id holds the digits 416. Found by the

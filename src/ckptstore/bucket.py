@@ -628,6 +628,8 @@ class BucketHome(Home):
         elif not self._marker_complete:  # once per process: the first writer may have been killed between the copy and the marker
             complete_marker(self.backend)
         self._marker_complete = True
+        if known and self.store.catalog.rows("SELECT 1 FROM blobs WHERE pack = ? LIMIT 1", (UNLOCATED,), raw=True) and self._located(known)[1]:
+            self.refresh_index()  # reused blobs a listing copied without their places: located before the record goes out
         if written:  # blobs written again after a GC marked their old pack: the cache points here now
             with self.store.catalog.write():
                 self.store.catalog.db["packs"].insert_all(  # first: a blob row must name a known pack (foreign key)
