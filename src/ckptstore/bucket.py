@@ -715,7 +715,7 @@ class BucketHome(Home):
         for cid in dict.fromkeys(named.values()):
             try:
                 self._cache([cid])
-            except (IntegrityError, BlobMissingError):
+            except IntegrityError:
                 pass  # listed all the same, below; checking it out raises the error, and fsck reports it
         self.store.refs.mirror(named)
         infos = self.index_infos(list(set(named.values())))  # copied above: a damaged record is listed, not fetched again
