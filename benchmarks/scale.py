@@ -173,7 +173,8 @@ def table(sizes: list[int], results: dict[int, dict[str, float]], ops: tuple[str
     return "\n".join(lines)
 
 
-BUCKET_OPS = ("commit", "tags (fresh)", "tags (warm)", "log (fresh)", "log limit 10 (fresh)", "fsck", "fsck --deep", "gc")
+BUCKET_OPS = ("commit", "tags (fresh)", "tags (warm)", "log (fresh)", "log limit 10 (fresh)", "info (fresh)", "show (fresh)", "fsck",
+              "fsck --deep", "gc")
 
 
 def measure_bucket(n: int, workdir: Path) -> dict[str, float]:
@@ -196,6 +197,8 @@ def measure_bucket(n: int, workdir: Path) -> dict[str, float]:
         out["tags (warm)"] = _timed(s.tags)
         out["log (fresh)"] = _timed(lambda: fresh("l").log("latest"))
         out["log limit 10 (fresh)"] = _timed(lambda: fresh("k").log("latest", limit=10))
+        out["info (fresh)"] = _timed(lambda: fresh("i").info("latest"))
+        out["show (fresh)"] = _timed(lambda: fresh("s").show("latest"))
         out["fsck"] = _timed(s.fsck)
         out["fsck --deep"] = _timed(lambda: s.fsck(deep=True))
         out["gc"] = _timed(lambda: s.gc(keep_last=1, grace=0))

@@ -430,6 +430,87 @@ def test_log_with_a_limit_fetches_about_that_many_records(tmp_path, url, slow_li
     s.close()
 
 
+def _fresh_queries(url: str, proxy: DelayProxy, monkeypatch, tmp_path, first: str) -> dict:
+    """Requests (of any kind) that a fresh machine's ``log("latest", limit=3)``, ``info``, ``show``,
+    ``tagged`` and ``diff`` each make, each from an empty cache; and what they returned."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+    calls = {
+        "log": lambda s: [c.id for c in s.log("latest", limit=3)],
+        "info": lambda s: s.info("latest").id,
+        "show": lambda s: len(s.show("latest")["leaves"]),
+        "tagged": lambda s: sorted(s.tagged()),
+        "diff": lambda s: len(s.diff(first, "latest").leaves),
+    }
+    out = {}
+    for name, call in calls.items():
+        with ckptstore.Store(url, cache=tmp_path / f"fresh-{name}-{uuid.uuid4().hex[:6]}") as s:
+            count = _counting(proxy, "*", "/")
+            got = call(s)
+            out[name] = (count(), got)
+    monkeypatch.undo()
+    return out
+
+
+def _figures(s: ckptstore.Store) -> list[tuple]:
+    return [(c.id, c.parents, c.created_at, c.logical_bytes, c.new_bytes, c.stored_bytes, c.shards_total, c.shards_new)
+            for c in s.log("latest", limit=3)]
+
+
+def test_a_fresh_log_info_show_tagged_and_diff_cost_the_same_requests_at_20_and_80_packs(tmp_path, s3_server, slow_link, monkeypatch):
+    """Stores of N = 20 and N = 80 commits, each commit in a pack of its own. On a fresh
+    machine ``log("latest", limit=3)``, ``info``, ``show``, ``tagged`` and ``diff`` each make
+    exactly as many requests at N = 80 as at N = 20: records and refs (and the indexes of the
+    packs the tag names), never every pack's ``.idx``. The log is exact, and once a checkout
+    has located the blobs every figure equals the writer's. Before, the copy of a record read
+    every pack's ``.idx`` first: ``log`` made 31 and 91 requests, ``show`` 29 and 89,
+    ``tagged`` 25 and 85, ``diff`` 28 and 88 (``info`` 7 and 7: the tag's hint)."""
+    counts, ids = {}, {}
+    for n in (20, 80):
+        url = f"s3://ckpt/t-{uuid.uuid4().hex[:12]}"
+        with ckptstore.Store(url, cache=tmp_path / f"writer-{n}") as w:
+            ids[n] = [w.commit({"x": torch.arange(i + 1)}, tag="latest").id for i in range(n)]
+            with open_backend(url) as b:
+                assert sum(o.key.endswith(".pack") for o in b.list("blobs")) == n
+            got = _fresh_queries(url, slow_link, monkeypatch, tmp_path, ids[n][0])
+            assert got["log"][1] == ids[n][::-1][:3] and got["info"][1] == ids[n][-1]
+            assert got["show"][1] == 1 and got["tagged"][1] == ["latest"] and got["diff"][1] == 1
+            counts[n] = {name: c for name, (c, _) in got.items()}
+            fresh = _fresh(url, tmp_path)
+            assert [c.id for c in fresh.log("latest", limit=3)] == ids[n][::-1][:3]
+            assert torch.equal(fresh.checkout(ids[n][-2])["x"], torch.arange(n - 1))
+            assert _figures(fresh) == _figures(w)
+            fresh.close()
+    assert counts[20] == counts[80], counts
+
+
+def test_blobs_a_listing_left_unlocated_are_never_garbage_and_read_back_exact(tmp_path, url):
+    """A machine whose cache holds records copied by ``log(limit=...)`` without their blobs'
+    places: its GC keeps every pack a kept commit needs, its fsck is clean, its checkouts are
+    bit-exact, and its commit that reuses a blob it never located reuses it (written again
+    only if no pack holds it)."""
+    w = ckptstore.Store(url, cache=tmp_path / "writer")
+    ids = [w.commit({"x": torch.arange(10 * (i + 1))}, tag="latest").id for i in range(6)]
+    w.tag("old", ids[1])
+    m = _fresh(url, tmp_path)
+    m.commit({"y": torch.ones(3)}, tag="other")  # its index is current now; the writer goes on
+    more = [w.commit({"x": torch.arange(n)}, tag="latest").id for n in (70, 80)]
+    listed = m.log("latest", limit=3)
+    assert [c.id for c in listed] == [more[1], more[0], ids[5]]
+    assert listed[1].stored_bytes is None  # its blob is in a pack whose .idx this machine has not read
+    again = m.commit({"x": torch.arange(70)}, tag="mine")  # that blob: reused, not written again
+    assert (again.shards_new, again.new_bytes) == (0, 0)
+    assert m.info(more[0]).stored_bytes == w.info(more[0]).stored_bytes  # located by that commit
+    report = m.gc(keep_last=2, grace=0)
+    assert set(report.dropped) == {ids[2], ids[3], ids[4], ids[5]}  # "old" keeps ids[1] and ids[0]
+    assert m.fsck(deep=True).ok
+    fresh = _fresh(url, tmp_path)
+    for ref, n in (("latest", 80), ("old", 20), (more[0], 70), ("mine", 70)):
+        assert torch.equal(fresh.checkout(ref)["x"], torch.arange(n))
+    assert torch.equal(m.checkout(ids[0])["x"], torch.arange(10))
+    for s in (w, m, fresh):
+        s.close()
+
+
 def test_a_ranged_read_of_a_swept_pack_whose_id_holds_416_is_missing_not_truncated(url):
     """A ranged GET of a pack a GC deleted is ``ObjectNotFoundError`` (the reader then finds
     the blob's new place), also when the key's hex id holds the digits 416. Found by the

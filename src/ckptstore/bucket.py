@@ -23,7 +23,11 @@ local store:
   checkout or a listing (a listing reads only the refs whose ETag changed). The home's
   queries (``held``, ``find_commit``, ``tagged``, ``info``, ``infos``, ``log``, ``show``,
   ``du``) copy the records they need into the cache, then answer from it as
-  :class:`~ckptstore.home.Home` does.
+  :class:`~ckptstore.home.Home` does. A record is copied without reading every pack's
+  ``.idx``: a blob no index the cache has read holds gets a row in :data:`UNLOCATED`,
+  located when a checkout, commit, fsck, GC or ``du`` needs it (:meth:`BucketHome.refresh_index`),
+  so ``log(ref, limit=k)``, ``info``, ``show`` and ``tagged`` cost O(k) requests, not
+  O(packs). Liveness never comes from these rows: GC reads every record and ``.idx``.
 
 The bucket is the truth: a commit exists once ``commits/<xx>/<cid>`` exists and is
 reachable once a ref names it (order: packs, ``.idx``, record, ref CAS, reflog object).
@@ -94,6 +98,11 @@ from .threads import Pool
 FORGET_AFTER = 3600.0
 #: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
 REQUESTS = 16
+#: The pack of a cache ``blobs`` row whose blob no ``.idx`` this cache has read holds yet: a
+#: commit record copied for a listing (``log``, ``tagged``, ``info``) is cached without reading
+#: every pack's index; :meth:`BucketHome.refresh_index` fills these rows in when a checkout,
+#: a commit, fsck, GC or ``du`` needs locations. Never a pack id (those are 32 hex digits).
+UNLOCATED = "unlocated"
 _CID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -110,21 +119,24 @@ class BucketReader:
     :meth:`prefetch` fetches the announced blobs with one coalesced, parallel ranged read
     per pack (:meth:`~ckptstore.backends.Backend.get_ranges`); each read then checks the
     entry header against the catalog's location, decodes and rehashes (invariant 5). A
-    blob whose pack is gone (a GC swept it after repacking) is looked up again after the
-    cache has been refreshed from the bucket.
+    blob whose pack is gone (a GC swept it after repacking), or that the cache has not
+    located yet (:data:`UNLOCATED`: once per reader), is looked up again after the cache
+    has been refreshed from the bucket.
     """
 
     def __init__(self, home: BucketHome):
         self.home, self.backend = home, home.backend
         self._got: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()
+        self._refreshed = False  # this reader brought the cache's index up to date for an unlocated blob
         self.blobs_read = 0
         self.bytes_read = 0
 
     def prefetch(self, locs: list[BlobLoc]) -> None:
         by_pack: dict[str, list[BlobLoc]] = {}
         for loc in locs:
-            by_pack.setdefault(loc.pack, []).append(loc)
+            if loc.pack != UNLOCATED:  # located when read (_found)
+                by_pack.setdefault(loc.pack, []).append(loc)
 
         def fetch(item: tuple[str, list[BlobLoc]]) -> None:
             pid, group = item
@@ -141,6 +153,8 @@ class BucketReader:
     def _entry(self, loc: BlobLoc, where: str):
         with self._lock:
             buf = self._got.pop((loc.pack, loc.offset), None)
+        if buf is None and loc.pack == UNLOCATED:
+            raise BlobMissingError(f"{where}: no pack index of {self.backend.url} that the cache has read holds it")
         if buf is None:
             try:
                 buf = self.backend.get_ranges(pack_key(loc.pack), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len)])[0]
@@ -163,7 +177,9 @@ class BucketReader:
         try:
             return loc, read(loc)
         except BlobMissingError:
-            self.home.refresh_index()
+            if loc.pack != UNLOCATED or not self._refreshed:  # an unlocated blob: every new .idx read once per reader
+                self.home.refresh_index()
+                self._refreshed = True
             moved = self.home.store.relocate(loc)
             if moved is None or moved == loc:
                 raise
@@ -328,8 +344,11 @@ class BucketHome(Home):
         """Bring the cache's blob index up to date with the bucket: read the ``.idx`` of
         every pack not seen before (each checked before use), and move the rows of blobs
         whose pack is gone, or is one of ``avoid`` (packs a GC marked), to another pack
-        that holds them (a GC's repack copied them there). ``only``: read just these
-        packs' indexes, if not seen (a tag's hint; nothing is listed). Returns the packs read.
+        that holds them (a GC's repack copied them there); rows of blobs not located yet
+        (:data:`UNLOCATED`) take the place an index read now gives them, and the copied
+        commits' ``stored_bytes`` are filled in once their new blobs are located.
+        ``only``: read just these packs' indexes, if not seen (a tag's hint; nothing is
+        listed). Returns the packs read.
 
         A pack whose ``.idx`` is missing or damaged is indexed from the pack itself
         (:func:`~ckptstore.remote.pack_entries`); one that cannot be read at all is left
@@ -352,7 +371,7 @@ class BucketHome(Home):
                 self._indexed = True
                 listed = {o.key: o for o in self.backend.list("blobs")}
                 packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
-                holding = {r[0] for r in cat.rows("SELECT DISTINCT pack FROM blobs", raw=True)}
+                holding = {r[0] for r in cat.rows("SELECT DISTINCT pack FROM blobs WHERE pack != ?", (UNLOCATED,), raw=True)}
                 gone = holding - set(packs)
             moving = gone | (holding & set(avoid)) if only is None else gone
             todo = list(packs) if moving else [p for p in packs if p not in seen]
@@ -376,8 +395,8 @@ class BucketHome(Home):
                 conn = cat.conn
                 conn.execute("CREATE TEMP TABLE IF NOT EXISTS gone_packs (id TEXT PRIMARY KEY)")
                 conn.execute("DELETE FROM gone_packs")
-                conn.executemany("INSERT INTO gone_packs VALUES (?)", [(p,) for p in moving])
-                # A blob whose pack is gone (or avoided) moves to another pack that holds it, if one does.
+                conn.executemany("INSERT INTO gone_packs VALUES (?)", [(p,) for p in moving | {UNLOCATED}])
+                # A blob whose pack is gone (or avoided), or not located yet, moves to another pack that holds it, if one does.
                 conn.executemany(
                     "INSERT INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?) "
                     "ON CONFLICT(hash, raw_len) DO UPDATE SET pack = excluded.pack, offset = excluded.offset, "
@@ -388,17 +407,16 @@ class BucketHome(Home):
                     conn.execute("DELETE FROM gone_packs WHERE id NOT IN ({})".format(",".join("?" * len(gone))), list(gone))
                     conn.execute("DELETE FROM blobs WHERE pack IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT blob_id FROM shards)")
                     conn.execute("DELETE FROM packs WHERE id IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT pack FROM blobs)")
-            return len(todo)
+        if todo:
+            self._refigure()
+        return len(todo)
 
-    def _cache(self, cids: list[str], lineage: bool = False, packs: list[str] | None = None, lenient: bool = False,
-               limit: int | None = None) -> None:
+    def _cache(self, cids: list[str], lineage: bool = False, packs: list[str] | None = None, limit: int | None = None) -> None:
         """Copy the records of ``cids`` (and, with ``lineage``, of their ancestors) from the
-        bucket into the cache, each checked against its id. Ancestors the bucket lacks are
+        bucket into the cache, each checked against its id: records and refs only, no
+        ``.idx`` but those of ``packs`` (:meth:`index_records`). Ancestors the bucket lacks are
         skipped (a GC dropped them: the lineage ends there). ``packs``: where their blobs
-        are, as a tag says (only those indexes are read, unless blobs are still missing).
-        ``lenient``: a record whose blobs are in no pack (a commit attempt whose packs a GC
-        swept before it moved a tag) is left out of the cache instead of raising; the
-        commands that need it report it (fsck lists it). ``limit``: with ``lineage``, only
+        are, as a tag says. ``limit``: with ``lineage``, only
         the ``limit`` newest commits of the lineage (a best-first walk by time, which is
         lineage order: a record is dated after its parents), so ``log(limit=k)`` fetches
         about k records, each generation's in parallel."""
@@ -436,51 +454,66 @@ class BucketHome(Home):
                 visit(list(records[c].parents))
             else:
                 visit([r[0] for r in self.store.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)])
-        self.index_records(records, packs, lenient)
+        self.index_records(records, packs)
 
-    def index_records(self, records: dict[str, Any], packs: list[str] | None = None, lenient: bool = False) -> None:
+    def index_records(self, records: dict[str, Any], packs: list[str] | None = None, located_only: bool = False) -> None:
         """Copy verified commit records (``{commit id: CommitRecord}``) into the cache, parents
-        before children (time order); ``packs`` and ``lenient`` as in :meth:`_cache` (a
-        record whose blobs are in no pack is then left out of the cache).
-
-        Raises:
-            BlobMissingError: (not ``lenient``) a record's blob is in no pack index of the bucket.
+        before children (time order). A blob no ``.idx`` the cache has read holds gets a row
+        in :data:`UNLOCATED` (a listing reads records and refs only; :meth:`refresh_index`
+        locates it when a checkout, commit, fsck, GC or ``du`` needs it), so copying costs
+        no request but those of the indexes of ``packs`` (a tag's hint), read first if any
+        blob is not located. ``located_only`` (recover, which has read every index): a
+        record with a blob in no pack index is left out of the cache instead.
         """
         records = dict(sorted(records.items(), key=lambda kv: -kv[1].created_at))
         todo = list(reversed(records))  # parents before children
         if not todo:
             return
-        refreshed = False
+        if packs and not located_only and len(self._located(k for c in todo for leaf in records[c].leaves for k in leaf.keys)[1]):
+            self.refresh_index(packs)
         for c in todo:
             rec = records[c]
             components, leaves = recreate(rec)
             keys = [k for leaf in leaves for k in leaf.keys]
-            if not refreshed and len(self.store.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
-                if packs:
-                    self.refresh_index(packs)
-                if not packs or len(self.store.locate(list(dict.fromkeys(keys)))) < len(set(keys)):
-                    self.refresh_index()
-                refreshed = True
+            rows = self.store.locate(list(dict.fromkeys(keys)))  # rows in UNLOCATED included
+            if located_only and (len(rows) < len(set(keys)) or any(loc.pack == UNLOCATED for loc in rows.values())):
+                continue
+            absent = [k for k in dict.fromkeys(keys) if k not in rows]
 
             def missing(writer, key, c=c):
                 raise BlobMissingError(f"{self.url}: commit {c}: blob {address(*key)} is in no pack index of the store")
 
+            given = ({k: BlobLoc(k[0], k[1], UNLOCATED, 0, 0, 0) for k in absent}, [(UNLOCATED, 0)]) if absent else None
             self._copying.on = True
             try:
                 self.store.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
-                                     origin=(c, rec.parents, rec.created_at))
-            except BlobMissingError:
-                if not lenient:
-                    raise
-                continue
+                                           origin=(c, rec.parents, rec.created_at), written=given)
             finally:
                 self._copying.on = False
             self._figures(c, keys, rec.parents)
 
+    def _located(self, keys) -> tuple[dict, list]:
+        """``({address: BlobLoc}, [addresses not located])`` of ``keys`` as the cache holds them
+        (a row in :data:`UNLOCATED`, or none, is not located)."""
+        keys = list(dict.fromkeys(keys))
+        where = {k: loc for k, loc in self.store.locate(keys).items() if loc.pack != UNLOCATED}
+        return where, [k for k in keys if k not in where]
+
+    def _refigure(self) -> None:
+        """``stored_bytes`` of the copied commits whose new blobs were not located when they
+        were copied (:meth:`_figures`), now that the index may hold them."""
+        for (cid,) in self.store.catalog.rows("SELECT id FROM commits WHERE stored_bytes IS NULL", raw=True):
+            try:
+                rec = self.store.record(cid)
+            except IntegrityError:
+                continue  # a damaged cache row: its checkout and fsck report it
+            self._figures(cid, [k for leaf in rec.leaves for k in leaf.keys], rec.parents)
+
     def _figures(self, cid: str, keys: list, parents: list[str]) -> None:
         """A copied commit's ``new_bytes`` / ``shards_new`` / ``stored_bytes``: its blobs no
         parent holds (the same on every machine; the bucket does not keep what the
-        committing machine measured, and ``seconds`` stays 0)."""
+        committing machine measured, and ``seconds`` stays 0). ``stored_bytes`` is NULL
+        (``None`` in its CommitInfo) while one of those blobs is not located (:data:`UNLOCATED`)."""
         had: set = set()
         for p in parents:
             try:
@@ -489,11 +522,11 @@ class BucketHome(Home):
                 continue  # dropped by a GC: the lineage ends there
             had.update(k for leaf in rec.leaves for k in leaf.keys)
         new = [k for k in dict.fromkeys(keys) if k not in had]
-        where = self.store.locate(new)
+        where, unlocated = self._located(new)
+        stored = None if unlocated else sum(BLOB_HEADER.size + loc.stored_len for loc in where.values())
         with self.store.catalog.write():
             self.store.catalog.conn.execute(
-                "UPDATE commits SET new_bytes = ?, shards_new = ?, stored_bytes = ? WHERE id = ?",
-                (sum(n for _, n in new), len(new), sum(BLOB_HEADER.size + loc.stored_len for loc in where.values()), cid),
+                "UPDATE commits SET new_bytes = ?, shards_new = ?, stored_bytes = ? WHERE id = ?", (sum(n for _, n in new), len(new), stored, cid),
             )
 
     def before_commit(self) -> None:
@@ -541,16 +574,14 @@ class BucketHome(Home):
         be marked only by a GC that lists the record at its sweep and so keeps the pack,
         whatever the grace period and however slow the commit was until now."""
         where = self.store.locate(list(known)) if known else {}
-        packs = {loc.pack for loc in where.values()} | {loc.pack for loc in written.values()}
-        if not packs:
-            return
-        marked = self.marked_packs()
+        packs = ({loc.pack for loc in where.values()} | {loc.pack for loc in written.values()}) - {UNLOCATED}
+        marked = self.marked_packs() if packs else set()
         if len(packs) > REQUESTS:  # one listing costs less than many HEADs
             listed = {o.key for o in self.backend.list("blobs")}
             present = {p: pack_key(p) in listed for p in packs}
         else:
             present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)) is not None, packs)))
-        bad = {p for p in packs if p in marked or not present[p]}
+        bad = {p for p in packs if p in marked or not present[p]} | {UNLOCATED}  # a blob never located: found again, or written again
         gone = [k for k in known if k not in where or where[k].pack in bad] + [k for k, loc in written.items() if loc.pack in bad]
         if gone:
             raise ReusedBlobsGone(gone)
@@ -597,6 +628,8 @@ class BucketHome(Home):
         elif not self._marker_complete:  # once per process: the first writer may have been killed between the copy and the marker
             complete_marker(self.backend)
         self._marker_complete = True
+        if known and self.store.catalog.rows("SELECT 1 FROM blobs WHERE pack = ? LIMIT 1", (UNLOCATED,), raw=True) and self._located(known)[1]:
+            self.refresh_index()  # reused blobs a listing copied without their places: located before the record goes out
         if written:  # blobs written again after a GC marked their old pack: the cache points here now
             with self.store.catalog.write():
                 self.store.catalog.db["packs"].insert_all(  # first: a blob row must name a known pack (foreign key)
@@ -649,11 +682,30 @@ class BucketHome(Home):
         return cid, parent_ids, seconds, ids
 
     def _packs_of(self, cid: str | None) -> list[str]:
-        """Ids of the packs holding commit ``cid``'s blobs, as the cache knows them (a tag's hint)."""
+        """Ids of the packs holding commit ``cid``'s blobs, as the cache knows them once it has
+        located them (:meth:`_locate_commit`): a tag's hint."""
         if cid is None:
             return []
-        keys = list(dict.fromkeys(k for leaf in self.store.record(cid).leaves for k in leaf.keys))
-        return sorted({loc.pack for loc in self.store.locate(keys).values()})
+        return sorted({loc.pack for loc in self._locate_commit(cid).values()})
+
+    def _locate_commit(self, cid: str) -> dict:
+        """``{address: BlobLoc}`` of the blobs of cached commit ``cid`` that the bucket's packs
+        hold, after reading the indexes its tag's hint names, then every new ``.idx``, if
+        some were not located yet (:data:`UNLOCATED`). Blobs in no pack are left out.
+
+        Raises:
+            BackendError: the storage failed.
+        """
+        keys = [k for leaf in self.store.record(cid).leaves for k in leaf.keys]
+        where, unlocated = self._located(keys)
+        hint = self.store.refs.hint(cid)
+        if unlocated and hint:
+            self.refresh_index(hint)
+            where, unlocated = self._located(keys)
+        if unlocated:
+            self.refresh_index()
+            where, unlocated = self._located(keys)
+        return where
 
     def tagged(self) -> dict:
         """``{tag name: CommitInfo}`` as on the bucket now. A tag whose commit record is
@@ -663,7 +715,7 @@ class BucketHome(Home):
         for cid in dict.fromkeys(named.values()):
             try:
                 self._cache([cid])
-            except (IntegrityError, BlobMissingError):
+            except IntegrityError:
                 pass  # listed all the same, below; checking it out raises the error, and fsck reports it
         self.store.refs.mirror(named)
         infos = self.index_infos(list(set(named.values())))  # copied above: a damaged record is listed, not fetched again
@@ -697,18 +749,19 @@ class BucketHome(Home):
         self._need_store()
         todo = [c for c in dict.fromkeys(ids) if not self.store.has_cached(c) and self.has_commit(c)]
         if todo:
-            self._cache(todo, lenient=True)
+            self._cache(todo)
         return self.index_infos(ids)
 
     def log(self, ref: str | None = None, limit: int | None = None):
-        """Lineage of ``ref`` on the bucket (every commit without ``ref``), newest first;
-        with ``limit``, about ``limit`` records are fetched (:meth:`_cache`)."""
+        """Lineage of ``ref`` on the bucket (every commit without ``ref``: every record
+        fetched), newest first; with ``ref`` and ``limit``, about ``limit`` records are
+        fetched and no pack index but those the tag names (:meth:`_cache`)."""
         if limit is not None and (type(limit) is not int or limit < 1):
             return super().log(ref, limit)  # the facade's error for a bad limit
         refs = self.store.refs.read_all(strict=False) if self._has_store() else {}
         if ref is None:
             ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")]
-            self._cache([c for c in ids if _CID.fullmatch(c)], lenient=True)
+            self._cache([c for c in ids if _CID.fullmatch(c)])
             # A commit is indexed in the cache just before its record is put: in a cache folder shared with a writer,
             # only a commit older than FORGET_AFTER that the listing lacks is one the bucket lost.
             rows = self.store.catalog.rows("SELECT id FROM commits WHERE created_at < ?", (time.time() - FORGET_AFTER,), raw=True)
@@ -727,7 +780,14 @@ class BucketHome(Home):
             self._cache(list(self.store.record(cid).parents[:1]))  # its first parent, for shared_with_parent
         except IntegrityError:
             pass  # not on the bucket (an imported commit, or dropped by a GC): nothing is shared
-        return super().show(cid)
+        out = super().show(cid)
+        unlocated = {r[0] for r in self.store.catalog.rows(
+            "SELECT DISTINCT l.path FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? AND b.pack = ?",
+            (cid, UNLOCATED), raw=True)}
+        for leaf in out["leaves"]:
+            if leaf["path"] in unlocated:
+                leaf["stored_bytes"] = None  # not known here until the cache locates its blobs (a checkout of it does)
+        return out
 
     def du(self) -> dict:
         """Space accounting of the bucket, as :meth:`~ckptstore.store.Store.du`: ``pack_bytes`` sums the
@@ -757,8 +817,10 @@ class BucketHome(Home):
             cat.chunked("DELETE FROM commits WHERE id IN ({})", cids)
 
     def checkout_target(self, ref: str) -> str:
-        """``ref`` resolved on the bucket (its record copied into the cache) before checkout reads it."""
-        return self.store.resolve(ref)
+        """``ref`` resolved on the bucket (its record copied into the cache, its blobs located) before checkout reads it."""
+        cid = self.store.resolve(ref)
+        self._locate_commit(cid)
+        return cid
 
     # --- maintenance ----------------------------------------------------------------------------
 

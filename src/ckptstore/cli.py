@@ -368,7 +368,8 @@ def _dcp_ranks(items: dict, leaves: list[dict]):
         for path, rank in chunks:
             leaf = by_path.get(path, {})
             n, logical, stored = ranks.get(rank, (0, 0, 0))
-            ranks[rank] = (n + 1, logical + leaf.get("logical_bytes", 0), stored + leaf.get("stored_bytes", 0))
+            more = leaf.get("stored_bytes", 0)  # None: not located by this cache yet (object storage), so the sum is unknown too
+            ranks[rank] = (n + 1, logical + leaf.get("logical_bytes", 0), None if stored is None or more is None else stored + more)
     out = table("rank", "items", "logical", "stored", title="written by rank (torch.distributed.checkpoint)", numeric=("items", "logical", "stored"))
     for rank, (n, logical, stored) in sorted(ranks.items(), key=lambda kv: (kv[0] is None, kv[0] if isinstance(kv[0], int) else 0)):
         out.add_row(str(rank), str(n), fmt_bytes(logical), fmt_bytes(stored))

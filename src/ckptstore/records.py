@@ -98,7 +98,9 @@ class CommitInfo:
         created_at: seconds since the epoch.
         logical_bytes: bytes of all tensors in the state.
         new_bytes: raw bytes of shards the store did not hold before.
-        stored_bytes: bytes written to pack files (after compression, with headers).
+        stored_bytes: bytes written to pack files (after compression, with headers);
+            ``None`` on object storage for a commit made elsewhere whose new blobs this
+            machine's cache has not located yet (a checkout, commit, fsck, GC or ``du`` does).
         shards_total: shard references in the manifest.
         shards_new: blobs written by this commit.
         seconds: wall time of the commit call.
@@ -112,7 +114,7 @@ class CommitInfo:
     metadata: dict
     logical_bytes: int
     new_bytes: int
-    stored_bytes: int
+    stored_bytes: int | None
     shards_total: int
     shards_new: int
     seconds: float

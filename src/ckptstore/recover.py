@@ -434,7 +434,7 @@ def _rebuild_cache(store, report: RecoverReport) -> None:
             report.dropped_commits[cid] = f"its record is damaged ({rec})"
         else:
             records[cid] = rec
-    store.home.index_records(records, lenient=True)
+    store.home.index_records(records, located_only=True)
     for cid, rec in records.items():
         if store.has_cached(cid):
             continue
