@@ -269,9 +269,9 @@ class CommitEngine:
     def _prehash(self, component: str, path: str, value: Any, last: list[tuple[bytes, int]], known: dict[int, tuple[bytes, int]] | None) -> _Prehashed:
         """Split a changed tensor into the shards an asynchronous commit must copy now and
         the ones it may read later: for a replay buffer extended by a few rows, a copy of a
-        few shards instead of whole columns. With ``known`` (``{index: (hash, blob id)}``,
-        from :func:`ckptstore.digests.reusable`), the other shards hold the rows written since the last
-        commit: they are copied, and hashed by the commit in the background. Without it,
+        few shards instead of whole columns. With ``known`` (``{index: (hash, blob id)}``, from
+        :func:`ckptstore.digests.reusable`), the other shards hold the rows written since the
+        last commit: they are copied, and hashed by the commit in the background. Without it,
         every shard is hashed now (in threads; about twice as fast as copying here) and
         only those whose hash differs from the one at the same index in ``last`` (its
         previous commit's) are copied."""
@@ -368,7 +368,7 @@ class CommitEngine:
         Returns the CommitInfo and every address's blob id.
         """
         self.home.before_commit()
-        self._writable()
+        self._open_for_commit()
         meta_json = jsonvalue.dumps(metadata, "metadata")
         bad, _ = records.path_problem({c.path: {"meta": c.meta} for c in components}, leaves)  # a store never accepts a commit it cannot check out
         if bad:
@@ -443,10 +443,10 @@ class CommitEngine:
             StoreWriteError: the store cannot be committed to here (read-only mount,
                 permissions, a full disk).
         """
-        self._writable()
+        self._open_for_commit()
         self.home.prepare_shared_commit()
 
-    def _writable(self) -> None:
+    def _open_for_commit(self) -> None:
         """Open the store for a commit, creating it if missing; StoreWriteError if it cannot be written here."""
         if not self._open(create=True).writable:
             raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")

@@ -9,8 +9,10 @@ run against it. A home provides three parts:
   :class:`~ckptstore.refs.CatalogRefs` locally, a :class:`~ckptstore.refs.BucketRefs` on
   object storage);
 - **the index**: a SQLite catalog (``catalog.sqlite`` under :attr:`Home.root`): where the
-  local store lives, a cache of the bucket's immutable objects on object storage. The
-  commit's index step (:meth:`Home.index_commit`), the index's upkeep
+  local store lives, a cache of the bucket's immutable objects on object storage. Opening
+  it (:meth:`Home.open_index`, the settings, :meth:`Home.backfill_records`), its write
+  transaction that adds records (:meth:`Home.write`), the commit's index step
+  (:meth:`Home.index_commit`), the index's upkeep
   (:meth:`Home.refresh_index`, :meth:`Home.relocate_reused`) and the queries that read refs
   and commits (:meth:`Home.held`, :meth:`Home.find_commit`, :meth:`Home.tagged`,
   :meth:`Home.info`, :meth:`Home.infos`, :meth:`Home.log`, :meth:`Home.show`, :meth:`Home.du`)
@@ -56,11 +58,11 @@ if TYPE_CHECKING:
 
 #: The catalog's file name, under the home's :attr:`Home.root`.
 CATALOG = "catalog.sqlite"
-#: The names a store's folder may hold beside nothing else (leases: :mod:`ckptstore.run`).
-STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|-reserve|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")
+# The only names in a store's folder: one with others and no catalog is not a store (leases: ckptstore.run).
+_STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|-reserve|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")
 
 
-def setting(name: str, value: Any, low: int, high: int) -> Any:
+def _setting(name: str, value: Any, low: int, high: int) -> Any:
     """Validate an integer setting (None passes through). Raises InvalidArgumentError."""
     if value is None:
         return None
@@ -135,7 +137,7 @@ class Home:
             InvalidArgumentError: ``shard_bytes`` outside [1, 2**34] or ``compression_level`` outside [0, 22].
         """
         shard_bytes, compression_level = self.settings(shard_bytes, compression_level)
-        return setting("shard_bytes", shard_bytes, 1, 1 << 34), setting("compression_level", compression_level, 0, 22)
+        return _setting("shard_bytes", shard_bytes, 1, 1 << 34), _setting("compression_level", compression_level, 0, 22)
 
     def stored_settings(self, cat: Catalog, asked: tuple[int | None, int | None], defaults: tuple[int, int]) -> tuple[int, int]:
         """``(shard_bytes, compression_level)`` of the store: those ``asked`` where given, else
@@ -153,8 +155,8 @@ class Home:
                 cat.db["settings"].insert_all(({"key": k, "value": jsonvalue.dumps(v)} for k, v in missing.items()), ignore=True)
         rows = {**missing, **rows}
         try:  # the arguments were checked by asked_settings; the stored values are checked here
-            return (shard_bytes or setting("shard_bytes", rows["shard_bytes"], 1, 1 << 34),
-                    level if level is not None else setting("compression_level", rows["compression_level"], 0, 22))
+            return (shard_bytes or _setting("shard_bytes", rows["shard_bytes"], 1, 1 << 34),
+                    level if level is not None else _setting("compression_level", rows["compression_level"], 0, 22))
         except InvalidArgumentError as exc:
             raise CatalogCorruptError(f"{self.root / CATALOG}: stored setting is invalid: {exc}") from None
 
@@ -191,7 +193,7 @@ class Home:
                     f"`ckptstore recover --store {root}` rebuilds it from the packs"
                 )
             time.sleep(0.05)  # or a concurrent creator has just made its first commit: look again
-        others = sorted(p.name for p in root.iterdir() if not STORE_NAMES.match(p.name)) if root.is_dir() else []
+        others = sorted(p.name for p in root.iterdir() if not _STORE_NAMES.match(p.name)) if root.is_dir() else []
         if others:  # a folder that holds other things than a store's files
             raise NotAStoreError(f"{root} is not a ckptstore store (no {CATALOG}) and is not empty: {', '.join(others[:5])}")
         if not create:
@@ -560,4 +562,4 @@ class LocalHome(Home):
         return LocalFsck(self.store)
 
 
-__all__ = ["CATALOG", "STORE_NAMES", "Home", "LocalHome", "setting", "weakly"]
+__all__ = ["CATALOG", "Home", "LocalHome", "weakly"]

@@ -150,7 +150,6 @@ class Queries:
         """
         return self.home.du()
 
-
     # --- records, manifests and blob locations ------------------------------------------
 
     def record(self, ref: str) -> records.CommitRecord:
