@@ -4,7 +4,7 @@ captured state to the manifest, its shards hashed and the new ones written.
 1. adapters turn the object into components (state trees);
 2. each tensor is cut into row-aligned shards and hashed (XXH3-128), in threads; a tensor
    whose fingerprint says it did not change takes its hashes and blob ids from the digest
-   cache, once a random sample of its shards rehashes to them;
+   cache (:mod:`ckptstore.digests`), once a random sample of its shards rehashes to them;
 3. shards the index already knows are reused, the others are written to new packs through
    the home's pack writer (:meth:`ckptstore.home.Home.pack_writer`);
 4. the home's index step (:meth:`ckptstore.home.Home.index_commit`: one catalog transaction
@@ -15,28 +15,33 @@ captured state to the manifest, its shards hashed and the new ones written.
    the tags.
 
 :class:`CommitEngine` is the part of :class:`ckptstore.store.Store` that does steps 1 to 3
-and calls the home for step 4; :func:`paused_gc` pauses Python's collector around it.
+and calls the home for step 4, with Python's collector paused
+(:func:`ckptstore.collector.paused_gc`).
 """
 
 from __future__ import annotations
 
-import gc
+import os
 import threading
 import time
-import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, progress, records
+from .collector import paused_gc
+from .digests import DigestCache, Entry, Same, reusable
 from .errors import AdapterError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
-from .layout import ShardPlan, address, check_shape, digest, itemsize, sample_unchanged
+from .layout import address, check_shape, digest, itemsize, sample_unchanged
 from .packs import BLOB_HEADER, BlobLoc, PackWriter
 from .records import CommitInfo, LeafRecord, check_message, check_tag
+from .threads import Pool
 
 if TYPE_CHECKING:
+    import torch
+
+    from .adapters import Registry
     from .adapters.base import Captured
 
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
@@ -57,55 +62,9 @@ class _Prehashed:
     last: list[tuple[bytes, int]]
 
 
-def _storage_identity() -> type:
-    global _STORAGE_IDENTITY
-    if _STORAGE_IDENTITY is None:
-        from .adapters.base import StorageIdentity  # lazily: the adapters import torch
-
-        _STORAGE_IDENTITY = StorageIdentity
-    return _STORAGE_IDENTITY
-
-
-_STORAGE_IDENTITY: type | None = None
-
-
 def ints_json(values: Sequence[int]) -> str:
     """``jsonvalue.dumps(list(values))`` of a shape or strides (Python ints), the short way."""
     return "[" + ",".join(map(str, values)) + "]" if all(type(v) is int for v in values) else jsonvalue.dumps(list(values))
-
-
-def _flat_bytes(t: Any, path: str) -> memoryview:
-    """:func:`ckptstore.shards.tensor_bytes` of a CPU tensor in memory order: the
-    short way (through numpy) where it applies, else that function."""
-    from .shards import tensor_bytes
-
-    if t.is_contiguous() and t.numel():
-        try:
-            return memoryview(t.detach().numpy()).cast("B")
-        except (TypeError, RuntimeError, ValueError):  # no numpy dtype (bfloat16...), conjugate or negative bit, a subclass
-            pass
-    return tensor_bytes(t, path)
-
-
-class _Same:
-    """What the digest cache keeps of a tensor leaf beside its shard hashes, so that a
-    commit of it unchanged skips its per-shard work: its manifest record, its layout
-    (dtype, shape, strides) and ``{address: blob id}`` of its shards."""
-
-    __slots__ = ("record", "dtype", "shape", "stride", "blobs")
-
-    def __init__(self, record: LeafRecord, value: Any, blobs: dict[tuple[bytes, int], int]):
-        self.record, self.dtype, self.shape, self.stride, self.blobs = record, value.dtype, value.shape, value.stride(), blobs
-
-    @staticmethod
-    def of(entry: tuple | None, token: Any, value: Any, component: str) -> _Same | None:
-        """``entry[3]`` if ``entry`` (the digest cache's) says tensor ``value`` of ``component`` is unchanged."""
-        if entry is None or entry[3] is None or entry[0] != token:
-            return None
-        same = entry[3]
-        if same.record.component != component or value.dtype != same.dtype or value.shape != same.shape or value.stride() != same.stride:
-            return None
-        return same
 
 
 class ReusedBlobsGone(Exception):
@@ -123,38 +82,52 @@ def given_stored(written: dict[tuple[bytes, int], BlobLoc], given_packs) -> int:
 
 _background = threading.local()  # .active: this thread runs an asynchronous commit
 
-_gc_pause = threading.Lock()
-_gc_paused: list[bool] = []  # one entry per pause in progress, in any thread: whether the collector was enabled before the first
-
-
-@contextmanager
-def paused_gc():
-    """Pause Python's cyclic garbage collector around a commit, a snapshot or a checkout.
-
-    They allocate a few small objects per shard; with the many objects torch
-    and TorchRL keep alive, that can trigger a full collection costing a
-    quarter of a second in the middle of a commit (in a background commit, holding
-    the GIL the training loop needs). Pauses may overlap across threads; the
-    collector resumes when the last one ends, if it was enabled before the first.
-    """
-    with _gc_pause:
-        _gc_paused.append(gc.isenabled() if not _gc_paused else _gc_paused[0])
-        gc.disable()
-    try:
-        yield
-    finally:
-        with _gc_pause:
-            enabled = _gc_paused.pop()
-            if not _gc_paused and enabled:
-                gc.enable()
-
 
 class CommitEngine:
-    """Steps 1 to 3 of the commit protocol, and the digest cache (``reuse_hashes``), as
-    part of :class:`ckptstore.store.Store`: the store provides ``registry``, ``shard_bytes``,
-    ``workers``, ``pool``, ``reuse_hashes``, ``catalog``, ``resolve``, ``pack_writer``,
-    ``forget_hashes`` and its ``home`` (the index step ``index_commit``, ``relocate_reused``,
-    ``before_commit``, ``dated``)."""
+    """Steps 1 to 3 of the commit protocol, as part of :class:`ckptstore.store.Store`, with
+    what they keep between commits: the threads (``workers``, :attr:`pool`, the
+    asynchronous commits' thread), the adapter :attr:`registry` and the digest cache
+    (``reuse_hashes``, :mod:`ckptstore.digests`). The store provides ``shard_bytes``,
+    ``catalog``, ``_open``, ``resolve``, ``pack_writer``, ``forget_hashes`` and its ``home``
+    (the index step ``index_commit``, ``relocate_reused``, ``before_commit``, ``dated``,
+    ``prepare_shared_commit``)."""
+
+    def __init__(self, workers: int | None, registry: Registry | None, reuse_hashes: bool):
+        """``workers`` threads (default: CPU count), the adapter ``registry`` (default: the
+        global one), ``reuse_hashes``: as :class:`ckptstore.store.Store` takes them."""
+        self.workers = workers or os.cpu_count() or 1
+        self._registry = registry
+        self.reuse_hashes = reuse_hashes
+        self._digests = DigestCache()
+        self._pool: ThreadPoolExecutor | None = None
+        self._committer: ThreadPoolExecutor | None = None  # runs asynchronous commits, one at a time
+        self._pending: Future | None = None
+        self._snapshots: dict[str, torch.Tensor] = {}
+
+    @property
+    def registry(self) -> Registry:
+        """The adapter registry (imports the adapters, and torch, on first use)."""
+        if self._registry is None:
+            from .adapters import REGISTRY
+
+            self._registry = REGISTRY
+        return self._registry
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The store's threads for hashing, compression and I/O (``workers`` of them), started on first use."""
+        if self._pool is None:
+            self._pool = Pool(self.workers, thread_name_prefix="ckptstore")
+        return self._pool
+
+    def _stop(self) -> None:
+        """Wait for asynchronous commits, then release the threads."""
+        if self._committer is not None:
+            self._committer.shutdown(wait=True)
+            self._committer = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
     def commit(
         self,
@@ -272,9 +245,9 @@ class CommitEngine:
                             leaves[path] = self._prehash(comp.path, path, value, entry[1], dict(enumerate(entry[1])))
                             continue
                         stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
-                        self._digest_cache[id(self._keeper(comp.owner, token))][1].pop((path, self.shard_bytes), None)
+                        self._digests.drop(comp.owner, path, token, self.shard_bytes)
                     elif entry is not None:
-                        reuse = self._reusable(entry, token, value, p)
+                        reuse = reusable(entry, token, value, p)
                         if reuse and not sample_unchanged({i: d for i, (d, _) in reuse.items()}, tensor_bytes(phys, path), p, path):
                             reuse = None
                         if reuse is not None or p.count >= 4:
@@ -296,9 +269,9 @@ class CommitEngine:
     def _prehash(self, component: str, path: str, value: Any, last: list[tuple[bytes, int]], known: dict[int, tuple[bytes, int]] | None) -> _Prehashed:
         """Split a changed tensor into the shards an asynchronous commit must copy now and
         the ones it may read later: for a replay buffer extended by a few rows, a copy of a
-        few shards instead of whole columns. With ``known`` (``{index: (hash, blob id)}``,
-        from :meth:`_reusable`), the other shards hold the rows written since the last
-        commit: they are copied, and hashed by the commit in the background. Without it,
+        few shards instead of whole columns. With ``known`` (``{index: (hash, blob id)}``, from
+        :func:`ckptstore.digests.reusable`), the other shards hold the rows written since the
+        last commit: they are copied, and hashed by the commit in the background. Without it,
         every shard is hashed now (in threads; about twice as fast as copying here) and
         only those whose hash differs from the one at the same index in ``last`` (its
         previous commit's) are copied."""
@@ -372,7 +345,7 @@ class CommitEngine:
         info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
         if unchanged and any(ids[k] != b for k, b in prior.items()):  # blobs written again (a GC freed them): new ids
             unchanged = set()
-        self._remember_digests(leaves, views, tokens, ids, unchanged)
+        self._digests.remember(leaves, views, tokens, ids, self.shard_bytes, unchanged)
         return info
 
     def commit_manifest(
@@ -395,8 +368,7 @@ class CommitEngine:
         Returns the CommitInfo and every address's blob id.
         """
         self.home.before_commit()
-        if not self._open(create=True).writable:
-            raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+        self._open_for_commit()
         meta_json = jsonvalue.dumps(metadata, "metadata")
         bad, _ = records.path_problem({c.path: {"meta": c.meta} for c in components}, leaves)  # a store never accepts a commit it cannot check out
         if bad:
@@ -461,6 +433,24 @@ class CommitEngine:
         )
         return self.home.dated(info), ids
 
+    def prepare_shared_commit(self) -> None:
+        """Ready the store for a commit whose blobs other processes write first (the ranks
+        of a :mod:`ckptstore.dcp` save, through :func:`ckptstore.store.pack_writer_at`):
+        create it if missing, so that their packs land in a store, and bring the index up to
+        date, so that :meth:`leaf_blobs` and the commit's dedup see every blob the store holds.
+
+        Raises:
+            StoreWriteError: the store cannot be committed to here (read-only mount,
+                permissions, a full disk).
+        """
+        self._open_for_commit()
+        self.home.prepare_shared_commit()
+
+    def _open_for_commit(self) -> None:
+        """Open the store for a commit, creating it if missing; StoreWriteError if it cannot be written here."""
+        if not self._open(create=True).writable:
+            raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+
     def _leaves(self, components: list[Captured], checked: bool = False):
         """Manifest records; for each tensor leaf its shards' (digest, bytes);
         ``(owner, path, token)`` per leaf whose hashes the digest cache can keep;
@@ -475,7 +465,7 @@ class CommitEngine:
         """
         import torch
 
-        from .shards import dtype_name, physical, plan, tensor_bytes
+        from .shards import dtype_name, flat_bytes, physical, plan, tensor_bytes
 
         recs: list[LeafRecord] = []
         views: list[list[tuple[bytes, memoryview]]] = []
@@ -502,13 +492,13 @@ class CommitEngine:
                         previous[len(recs)] = value.last
                 elif isinstance(value, torch.Tensor):
                     entry = self._cached(comp.owner, path, token)
-                    kept = _Same.of(entry, token, value, comp.path)
+                    kept = Same.of(entry, token, value, comp.path)
                     stale = False
                     if kept is not None:
                         # Unchanged since the last commit (equal fingerprint, same layout): its record,
                         # hashes and blob ids are taken whole, once a sample of its shards rehashes to them.
                         rec, hashes = kept.record, entry[1]
-                        mv = _flat_bytes(value if rec.stride is None else physical(value, path)[0], path)
+                        mv = flat_bytes(value if rec.stride is None else physical(value, path)[0], path)
                         step = rec.shard_bytes
                         ok = checked or sample_unchanged([hashes[0][0]] if len(hashes) == 1 else [d for d, _ in hashes], mv, entry[2], path)
                         if ok:
@@ -527,7 +517,7 @@ class CommitEngine:
                     known: dict[int, tuple[bytes, int]] = {}
                     if entry is not None:
                         same = entry[0] == token and len(entry[1]) == p.count
-                        known = dict(enumerate(entry[1])) if same else self._reusable(entry, token, value, p) or {}
+                        known = dict(enumerate(entry[1])) if same else reusable(entry, token, value, p) or {}
                         if known and (stale or (not checked and not sample_unchanged({i: d for i, (d, _) in known.items()}, mv, p, path))):
                             known = {}
                         if len(known) < p.count:
@@ -556,79 +546,12 @@ class CommitEngine:
                     prior[(d, len(mv))] = blob
         return recs, views, tokens, prior, from_cache, unchanged
 
-    @staticmethod
-    def _keeper(owner: Any, token: Any) -> Any:
-        """What a digest-cache entry lives as long as: the tensor's storage for a plain
-        token (a dict owner cannot be weakly referenced, and a new dict each commit
-        must still find the hashes), else the object the adapter fingerprinted."""
-        if type(token) is tuple and token and type(token[0]) is _storage_identity():
-            return token[0].ref()
-        return owner
-
-    def _cached(self, owner: Any, path: str, token: Any) -> tuple[Any, list[tuple[bytes, int]], ShardPlan] | None:
-        """``(fingerprint, [(shard hash, blob id)], shard plan)`` of leaf ``path`` of
-        ``owner`` as this store last committed it at the current target shard size."""
+    def _cached(self, owner: Any, path: str, token: Any) -> Entry | None:
+        """The digest cache's entry of leaf ``path`` of ``owner`` at the current target shard
+        size (:meth:`ckptstore.digests.DigestCache.get`); ``None`` without ``reuse_hashes``."""
         if token is None or not self.reuse_hashes:
             return None
-        owner = self._keeper(owner, token)
-        cached = self._digest_cache.get(id(owner))
-        if cached is None or cached[0]() is not owner:
-            return None
-        return cached[1].get((path, self.shard_bytes))
-
-    @staticmethod
-    def _reusable(entry: tuple, token: Any, value: Any, p: ShardPlan) -> dict[int, tuple[bytes, int]] | None:
-        """The shards of tensor ``value`` (cut by ``p``) that its last commit (``entry``
-        of the digest cache) stored at the same bounds and that no row written since
-        touches, as ``{index: (hash, blob id)}``; ``None`` unless ``token`` is a
-        :class:`~ckptstore.adapters.base.RowToken` that can name the rows (indices
-        along dim 0) written since that commit's token."""
-        import torch
-
-        from .adapters.base import RowToken
-
-        last_token, hashes, last = entry[:3]
-        rows = token.changed_rows(last_token) if isinstance(token, RowToken) else None
-        if rows is None or last.shard_bytes != p.shard_bytes or value.dim() == 0 or not value.is_contiguous():
-            return None
-        dirty: set[int] = set()
-        if value.shape[0] and p.nbytes:
-            row = p.nbytes // value.shape[0]
-            rows = rows[: int(torch.searchsorted(rows, value.shape[0]))]  # sorted; rows past the written ones are not in the leaf
-            if p.shard_bytes % row == 0:  # whole rows per shard (the plan's rule for rows up to the target)
-                dirty = set(torch.unique_consecutive(rows // (p.shard_bytes // row)).tolist())
-            else:  # rows cut into several shards
-                first, stop = rows * row // p.shard_bytes, ((rows + 1) * row - 1) // p.shard_bytes + 1
-                dirty = {i for a, b in zip(first.tolist(), stop.tolist()) for i in range(a, b)}
-        same = min(last.count, p.count)  # shards below the last one of either plan are whole in both
-        if last.bounds(same - 1) != p.bounds(same - 1):
-            same -= 1
-        return {i: hashes[i] for i in range(same) if i not in dirty}
-
-    def _remember_digests(self, leaves: list[LeafRecord], views: list, tokens: list, ids: dict[tuple[bytes, int], int], unchanged: set[int] = frozenset()) -> None:
-        """Keep each fingerprinted leaf's shard hashes and blob ids for the next commit;
-        a leaf of ``unchanged`` (taken whole from the cache, its blob ids confirmed) keeps its entry."""
-        import torch
-
-        fresh: dict[int, tuple[Any, dict]] = {}
-        for i, (rec, shards, entry) in enumerate(zip(leaves, views, tokens)):
-            if entry is not None:
-                owner, path, token, value = entry
-                owner = self._keeper(owner, token)
-                if owner is None:  # its storage is gone already
-                    continue
-                key = (path, self.shard_bytes)
-                old = self._digest_cache.get(id(owner)) if i in unchanged else None
-                if old is not None and old[0]() is owner and key in old[1]:
-                    kept = old[1][key]
-                else:
-                    hashes = [(d, ids[(d, len(mv))]) for d, mv in shards]
-                    same = _Same(rec, value, {(d, len(mv)): b for (d, mv), (_, b) in zip(shards, hashes)}) if isinstance(value, torch.Tensor) else None
-                    kept = (token, hashes, ShardPlan(rec.nbytes, rec.shard_bytes), same)
-                fresh.setdefault(id(owner), (weakref.ref(owner), {}))[1][key] = kept
-        live = {k: v for k, v in self._digest_cache.items() if v[0]() is not None}  # entries of freed objects go
-        live.update(fresh)
-        self._digest_cache = live
+        return self._digests.get(owner, path, token, self.shard_bytes)
 
     def _map(self, fn, items: list) -> list:
         """``[fn(x) for x in items]`` across the thread pool, a few chunks per thread

@@ -9,8 +9,10 @@ run against it. A home provides three parts:
   :class:`~ckptstore.refs.CatalogRefs` locally, a :class:`~ckptstore.refs.BucketRefs` on
   object storage);
 - **the index**: a SQLite catalog (``catalog.sqlite`` under :attr:`Home.root`): where the
-  local store lives, a cache of the bucket's immutable objects on object storage. The
-  commit's index step (:meth:`Home.index_commit`), the index's upkeep
+  local store lives, a cache of the bucket's immutable objects on object storage. Opening
+  it (:meth:`Home.open_index`, the settings, :meth:`Home.backfill_records`), its write
+  transaction that adds records (:meth:`Home.write`), the commit's index step
+  (:meth:`Home.index_commit`), the index's upkeep
   (:meth:`Home.refresh_index`, :meth:`Home.relocate_reused`) and the queries that read refs
   and commits (:meth:`Home.held`, :meth:`Home.find_commit`, :meth:`Home.tagged`,
   :meth:`Home.info`, :meth:`Home.infos`, :meth:`Home.log`, :meth:`Home.show`, :meth:`Home.du`)
@@ -25,15 +27,25 @@ its store weakly (the store owns its home, not the reverse).
 from __future__ import annotations
 
 import json
+import re
 import time
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
-from .catalog import damaged, reserve_path
+from .catalog import Catalog, CatalogMissing, damaged, reserve_path
 from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
-from .errors import AmbiguousRefError, IntegrityError, InvalidArgumentError, RefNotFoundError
+from .errors import (
+    AmbiguousRefError,
+    CatalogCorruptError,
+    IntegrityError,
+    InvalidArgumentError,
+    NotAStoreError,
+    RefNotFoundError,
+    StoreWriteError,
+)
 from .fsck import LocalFsck
 from .gc import LocalGC
 from .layout import address
@@ -46,6 +58,17 @@ if TYPE_CHECKING:
 
 #: The catalog's file name, under the home's :attr:`Home.root`.
 CATALOG = "catalog.sqlite"
+# The only names in a store's folder: one with others and no catalog is not a store (leases: ckptstore.run).
+_STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|-reserve|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")
+
+
+def _setting(name: str, value: Any, low: int, high: int) -> Any:
+    """Validate an integer setting (None passes through). Raises InvalidArgumentError."""
+    if value is None:
+        return None
+    if type(value) is not int or not low <= value <= high:
+        raise InvalidArgumentError(f"invalid {name} {value!r}: must be an integer in [{low}, {high}]")
+    return value
 
 
 def weakly(owner: Any, *names: str) -> list:
@@ -100,10 +123,143 @@ class Home:
 
     def make_refs(self) -> Refs:
         """The home's refs: tags in the catalog, moved in its transactions."""
-        return CatalogRefs(*weakly(self.store, "catalog", "_write"), str(self.root))
+        return CatalogRefs(*weakly(self.store, "catalog"), *weakly(self, "write"), str(self.root))
 
     def close(self) -> None:
         """Release what the home holds beside the catalog (nothing here)."""
+
+    # --- opening the index -----------------------------------------------------------------
+
+    def asked_settings(self, shard_bytes: int | None, compression_level: int | None) -> tuple[int | None, int | None]:
+        """The settings ``Store`` was given, completed by :meth:`settings` and checked.
+
+        Raises:
+            InvalidArgumentError: ``shard_bytes`` outside [1, 2**34] or ``compression_level`` outside [0, 22].
+        """
+        shard_bytes, compression_level = self.settings(shard_bytes, compression_level)
+        return _setting("shard_bytes", shard_bytes, 1, 1 << 34), _setting("compression_level", compression_level, 0, 22)
+
+    def stored_settings(self, cat: Catalog, asked: tuple[int | None, int | None], defaults: tuple[int, int]) -> tuple[int, int]:
+        """``(shard_bytes, compression_level)`` of the store: those ``asked`` where given, else
+        the catalog's. The first open of a new store saves ``defaults`` in the catalog; later
+        opens read them (arguments win).
+
+        Raises:
+            CatalogCorruptError: a stored setting is invalid.
+        """
+        shard_bytes, level = asked
+        rows = {r["key"]: jsonvalue.loads(r["value"]) for r in cat.rows("SELECT key, value FROM settings")}
+        missing = {k: v for k, v in zip(("shard_bytes", "compression_level"), defaults) if k not in rows}
+        if missing and cat.writable:
+            with cat.write():
+                cat.db["settings"].insert_all(({"key": k, "value": jsonvalue.dumps(v)} for k, v in missing.items()), ignore=True)
+        rows = {**missing, **rows}
+        try:  # the arguments were checked by asked_settings; the stored values are checked here
+            return (shard_bytes or _setting("shard_bytes", rows["shard_bytes"], 1, 1 << 34),
+                    level if level is not None else _setting("compression_level", rows["compression_level"], 0, 22))
+        except InvalidArgumentError as exc:
+            raise CatalogCorruptError(f"{self.root / CATALOG}: stored setting is invalid: {exc}") from None
+
+    def open_index(self, create: bool) -> Catalog | None:
+        """Open the catalog under :attr:`root` (``None``: no store here and not ``create``;
+        with ``create``: create it, and ``blobs/`` and ``tmp/``); only SQLite looks at the
+        catalog file (invariant 6).
+
+        Raises:
+            NotAStoreError: :attr:`root` is a file, or a folder holding other files and no
+                catalog; it cannot be created.
+            CatalogCorruptError: a damaged catalog, or none beside packs (both naming
+                ``ckptstore recover``).
+            StoreWriteError: the folder cannot be written.
+        """
+        root, catalog = self.root, self.root / CATALOG
+        if root.exists() and not root.is_dir():
+            raise NotAStoreError(f"{root} is a file, not a ckptstore store")
+        for attempt in range(2):
+            try:
+                return Catalog(catalog, create=False)
+            except CatalogMissing:
+                pass
+            except (CatalogCorruptError, StoreWriteError) as exc:
+                if "ckptstore recover" in str(exc):
+                    raise
+                raise type(exc)(f"{exc}; if the catalog is lost or damaged, `ckptstore recover --store {root}` rebuilds it from the packs") from None
+            packs = next(iter(root.glob("blobs/*/*.pack")), None)
+            if packs is None:
+                break
+            if attempt:  # packs and no catalog: the catalog was deleted
+                raise CatalogCorruptError(
+                    f"{catalog} is missing or empty but {root / 'blobs'} holds packs: the catalog was lost; "
+                    f"`ckptstore recover --store {root}` rebuilds it from the packs"
+                )
+            time.sleep(0.05)  # or a concurrent creator has just made its first commit: look again
+        others = sorted(p.name for p in root.iterdir() if not _STORE_NAMES.match(p.name)) if root.is_dir() else []
+        if others:  # a folder that holds other things than a store's files
+            raise NotAStoreError(f"{root} is not a ckptstore store (no {CATALOG}) and is not empty: {', '.join(others[:5])}")
+        if not create:
+            return None
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            cat = Catalog(catalog, create=True)
+        except OSError as exc:
+            raise NotAStoreError(f"cannot create a store at {root}: {exc}") from None
+        except CatalogMissing:
+            raise StoreWriteError(f"cannot create a store at {root}: the folder cannot be written") from None
+        for sub in ("blobs", "tmp"):
+            (root / sub).mkdir(exist_ok=True)
+        return cat
+
+    def missing(self) -> str:
+        """Why there is no store at :attr:`root` (for NotAStoreError)."""
+        if not self.root.exists():
+            return "does not exist"
+        if (self.root / CATALOG).exists():
+            return f"is not a ckptstore store yet ({CATALOG} was never initialised: its creation was interrupted)"
+        return f"is not a ckptstore store (no {CATALOG})"
+
+    def backfill_records(self) -> None:
+        """Write the records a store migrated from schema 1 lacks: each commit's, and each tag's last move."""
+        store = self.store
+        with self.write() as batch:
+            for cid, text in store.catalog.rows(
+                f"SELECT id, record FROM commits WHERE record IS NOT NULL AND id NOT IN (SELECT name FROM records WHERE kind = {records.KIND_COMMIT})"
+            ):
+                batch.append((records.KIND_COMMIT, cid, None, text))
+            for seq, tag, old, new, at, action in store.catalog.rows(
+                "SELECT id, tag, old_commit, new_commit, at, action FROM reflog WHERE id IN (SELECT MAX(id) FROM reflog GROUP BY tag) "
+                f"AND tag NOT IN (SELECT name FROM records WHERE kind = {records.KIND_REF})"
+            ):
+                batch.append((records.KIND_REF, tag, seq, records.ref_text(seq, tag, old, new, at, action)))
+
+    @contextmanager
+    def write(self):
+        """A catalog write transaction that may add records (commit, ref moves).
+
+        Yields a list to append ``(kind, name, seq, text)`` to. Before COMMIT the
+        records are written to a new pack under :attr:`root`, made durable, and indexed,
+        so every record the catalog describes exists in a pack (invariant 7); if the
+        transaction does not commit, the pack is removed again.
+        """
+        store = self.store
+        batch: list[tuple[int, str, int | None, str]] = []
+        store._open(create=True)
+        with PackWriter(self.root, 0, store.pack_bytes) as writer:
+            try:
+                with store.catalog.write():
+                    yield batch
+                    if batch:
+                        locs = [writer.append_record(kind, text.encode()) for kind, _, _, text in batch]
+                        writer.finish()
+                        store.catalog.conn.executemany(
+                            "INSERT INTO packs (id, size, created_at) VALUES (?, ?, ?)", [(pid, size, time.time()) for pid, size in writer.pack_ids]
+                        )
+                        store.catalog.conn.executemany(
+                            "INSERT INTO records (kind, name, seq, digest, pack, offset, raw_len, stored_len) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                            [(k, n, q, loc.digest, loc.pack, loc.offset, loc.raw_len, loc.stored_len) for (k, n, q, _), loc in zip(batch, locs)],
+                        )
+            except BaseException:
+                writer.discard()
+                raise
 
     # --- the commit's index step -----------------------------------------------------------
 
@@ -130,7 +286,7 @@ class Home:
         ``tags``. ``expect``: the id the record must hash to (IntegrityError otherwise).
         Returns ``(commit id, parent ids, seconds, {address: blob id})``."""
         store = self.store
-        with store._write() as batch:
+        with self.write() as batch:
             if known:
                 # An id must still hold the same address: GC may have freed it and a new blob taken the id since.
                 # The per-shard rows of a commit (thousands for a large buffer, most of them
@@ -377,7 +533,12 @@ class Home:
 
 class LocalHome(Home):
     """A store in a folder: packs under ``blobs/`` (:mod:`ckptstore.packs`), the catalog
-    beside them, tags in the catalog."""
+    beside them, tags in the catalog::
+
+        catalog.sqlite   the catalog (commits, manifests, lineage, tags, reflog, blobs)
+        blobs/           pack files of content-addressed blobs, fanned out by id prefix
+        tmp/             files being written
+    """
 
     def pack_writer(self) -> PackWriter:
         """As :meth:`ckptstore.Store.pack_writer` (its docstring: returns, raises), on this home."""

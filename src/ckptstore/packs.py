@@ -333,6 +333,14 @@ class _Handle:
         self.fd, self.size, self.users, self.evicted = fd, size, 0, False
 
 
+@dataclass
+class IOStats:
+    """Cumulative read counters of a store (``Store.io``): blobs and bytes read from packs."""
+
+    blobs_read: int = 0
+    bytes_read: int = 0
+
+
 class PackReader:
     """Reads blobs and records out of pack files, checking everything before use.
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -389,8 +390,8 @@ def recover_bucket(probe, folder) -> RecoverReport:
     ``dropped_commits`` (``incomplete_commits``), ``dropped_tags`` and ``problems``
     (``ok`` false, ``lost()`` names each with why).
 
-    ``probe`` is the store opened on an empty scratch cache (:func:`ckptstore.bucket.recover`
-    builds it and removes it afterwards); ``folder`` is the cache folder to replace.
+    ``probe`` is the store opened on an empty scratch cache (:meth:`ckptstore.Store.recover`
+    builds it; it is closed and its cache removed here); ``folder`` is the cache folder to replace.
 
     Raises:
         BackendError: the storage failed (nothing was installed).
@@ -398,9 +399,13 @@ def recover_bucket(probe, folder) -> RecoverReport:
     """
     t0 = time.perf_counter()
     report = RecoverReport()
-    _rebuild_cache(probe, report)
-    folder.mkdir(parents=True, exist_ok=True)
-    install(folder, probe.catalog, report)
+    try:
+        _rebuild_cache(probe, report)
+        folder.mkdir(parents=True, exist_ok=True)
+        install(folder, probe.catalog, report)
+    finally:
+        probe.close()
+        shutil.rmtree(probe.root, ignore_errors=True)
     (folder / "refs.json").unlink(missing_ok=True)  # the stamps of refs the old cache read: read them all again
     report.installed = True
     report.seconds = time.perf_counter() - t0

@@ -129,7 +129,7 @@ class CatalogRefs(Refs):
     Args:
         catalog: returns the store's catalog (opened on first use).
         transaction: the store's catalog write transaction that may add records
-            (``Store._write``): it yields a list of ``(kind, name, seq, text)`` that is
+            (``Home.write``): it yields a list of ``(kind, name, seq, text)`` that is
             written to a new durable pack and indexed just before ``COMMIT``.
         where: the store folder, for messages.
     """

@@ -122,6 +122,17 @@ def tensor_bytes(t: torch.Tensor, path: str = "") -> memoryview:
     return byte_view(t)
 
 
+def flat_bytes(t: torch.Tensor, path: str = "") -> memoryview:
+    """:func:`tensor_bytes` of a CPU tensor in memory order: the short way (through numpy)
+    where it applies, else that function. Raises as :func:`tensor_bytes`."""
+    if t.is_contiguous() and t.numel():
+        try:
+            return memoryview(t.detach().numpy()).cast("B")
+        except (TypeError, RuntimeError, ValueError):  # no numpy dtype (bfloat16...), conjugate or negative bit, a subclass
+            pass
+    return tensor_bytes(t, path)
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """Writable flat uint8 ``memoryview`` of a contiguous CPU tensor's memory (no copy)."""
     if t.numel() == 0:
