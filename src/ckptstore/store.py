@@ -45,8 +45,9 @@ from .errors import (
     StoreWriteError,
 )
 from .commit import CommitEngine, CommitInfo, paused_gc
-from .fsck import FsckReport, LocalFsck
+from .fsck import FsckReport
 from .fsck import run as run_fsck
+from .fsck import verify as verify_commit
 from .gc import SMALL_PACK_BYTES, GCReport, LocalGC, collect
 from .layout import DEFAULT_SHARD_BYTES, address, under
 from .packs import BlobLoc, PackReader, PackWriter
@@ -719,8 +720,7 @@ class Store(CommitEngine):
     def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
         """Check the store; ``deep`` rereads and rehashes blobs. ``sample`` < 1 rereads that
         fraction of them (and implies ``deep``). One protocol and one :class:`FsckReport` on
-        both homes (:func:`ckptstore.fsck.run`; a local store: :func:`ckptstore.fsck.check`,
-        on object storage :func:`ckptstore.fsck.check_bucket`).
+        both homes (:func:`ckptstore.fsck.run`, over the home's ``fsck_*`` primitives).
 
         Raises:
             InvalidArgumentError: ``sample`` outside (0, 1]; ``repair`` on a local store: its
@@ -730,12 +730,8 @@ class Store(CommitEngine):
         return run_fsck(self, deep=deep, sample=sample, repair=repair)
 
     def verify(self, ref: str) -> FsckReport:
-        """Reread and rehash every blob of one commit; ``report.ok`` tells."""
-        return self.fsck_home().verify(ref)
-
-    def fsck_home(self) -> LocalFsck:
-        """This home's side of fsck (:func:`ckptstore.fsck.run`)."""
-        return self.home.fsck_home()
+        """Reread and rehash every blob of one commit; ``report.ok`` tells (:func:`ckptstore.fsck.verify`)."""
+        return verify_commit(self, ref)
 
     @staticmethod
     def recover(path: str | os.PathLike, force: bool = False) -> RecoverReport:
