@@ -119,8 +119,8 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
     with home.fsck_snapshot():
         tags = home.fsck_tags(rep) if whole else None
         records = home.fsck_commits(rep, None if whole else [commit], deep)
-        needed = list(dict.fromkeys(k for rec in records.values() if rec is not None for leaf in rec.leaves for k in leaf.keys))
-        where = home.fsck_locate(rep, needed, deep, repair)
+        keys_of = {cid: list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys)) for cid, rec in records.items() if rec is not None}
+        where = home.fsck_locate(rep, list(dict.fromkeys(k for keys in keys_of.values() for k in keys)), deep, repair)
     home.fsck_extra(rep, list(records), whole, deep, repair)
     rep.commits = len(records)
     bad_tags = set(rep.damaged_tags)
@@ -133,10 +133,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
     rng = random.Random(seed)
     users: dict[tuple[bytes, int], list[str]] = {}  # blob address -> the commits that need it
     reread: set[tuple[bytes, int]] = set()
-    for cid, rec in records.items():
-        if rec is None:
-            continue
-        keys = list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys))
+    for cid, keys in keys_of.items():
         present = [k for k in keys if k in where]
         if len(present) < len(keys) and cid not in reach:
             # no tag reaches it: a commit killed between its record and its ref move, whose packs a GC swept
