@@ -33,7 +33,6 @@ but are not problems (GC removes them after the grace period). Open files stay b
 
 from __future__ import annotations
 
-import contextlib
 import random
 from dataclasses import dataclass, field
 
@@ -142,16 +141,15 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
             continue
         for k in keys:
             users.setdefault(k, []).append(cid)
-        if deep:
-            reread.update(rng.sample(present, max(1, round(len(present) * sample))) if sample < 1 and present else present)
+        if deep and present:
+            reread.update(present if sample >= 1 else rng.sample(present, max(1, round(len(present) * sample))))
 
     bad: dict[tuple[bytes, int], str] = {}  # blob address -> its problem
     for k in users:
         if k not in where:
             rep.missing_blobs.append(address(*k))
             bad[k] = f"blob {address(*k)} is in no pack of {home.location}"
-    task = progress.task("fsck --deep", sum(n for _, n in reread)) if deep else contextlib.nullcontext(lambda n: None)
-    with task as advance:
+    with progress.task("fsck --deep", sum(n for _, n in reread)) as advance:
         for loc, err in home.fsck_read([where[k] for k in users if k in where], reread):
             k = (loc.digest, loc.raw_len)
             if isinstance(err, BlobMissingError):
