@@ -99,8 +99,6 @@ from .threads import Pool
 FORGET_AFTER = 3600.0
 #: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
 REQUESTS = 16
-#: Bytes: fsck rereads at most this much of one pack per ranged read (memory stays bounded).
-FSCK_BATCH = 16 << 20
 _CID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -779,6 +777,8 @@ class BucketHome(Home):
 
     #: A commit's record is put before its ref moves: a killed commit may leave a record no tag reaches.
     attempts_leave_records = True
+    #: Bytes: fsck rereads at most this much of one pack per ranged read (memory stays bounded).
+    fsck_batch = 16 << 20
 
     def fsck_start(self, repair: bool) -> None:
         """Before any read: the prefix must hold a store (NotAStoreError); ``repair`` is allowed."""
@@ -871,7 +871,7 @@ class BucketHome(Home):
 
     def fsck_read(self, locs: list[BlobLoc], reread: set):
         """``(loc, error)`` for each blob of ``locs`` in ``reread`` (addresses), read from the
-        bucket with coalesced ranged reads per pack (at most :data:`FSCK_BATCH` bytes at a
+        bucket with coalesced ranged reads per pack (at most :attr:`fsck_batch` bytes at a
         time per pack, :data:`REQUESTS` packs at once) and checked in bounded memory
         (:func:`~ckptstore.packs.check_entry`, never allocating what a header claims):
         ``None`` when intact, a BlobCorruptError, or a BlobMissingError when the pack is
@@ -884,7 +884,7 @@ class BucketHome(Home):
         for group in by_pack.values():
             batch, size = [], 0
             for loc in group:
-                if batch and size + BLOB_HEADER.size + loc.stored_len > FSCK_BATCH:
+                if batch and size + BLOB_HEADER.size + loc.stored_len > self.fsck_batch:
                     batches.append(batch)
                     batch, size = [], 0
                 batch.append(loc)
