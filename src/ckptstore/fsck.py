@@ -37,6 +37,7 @@ import random
 from dataclasses import dataclass, field
 
 from . import progress
+from .commit import paused_gc
 from .errors import BlobMissingError, InvalidArgumentError
 from .layout import address
 
@@ -86,14 +87,16 @@ def run(store, deep: bool = False, sample: float = 1.0, repair: bool = False) ->
     """
     check_sample(sample)
     store.home.fsck_start(repair)
-    return check(store, deep=deep or sample < 1 or repair, sample=sample, repair=repair)
+    with paused_gc():  # it holds every commit's record: a full collection would walk them again and again
+        return check(store, deep=deep or sample < 1 or repair, sample=sample, repair=repair)
 
 
 def verify(store, ref: str) -> FsckReport:
     """Check one commit (a tag or a commit id, resolved by the home's ``fsck_resolve``)
     and reread every blob of it; ``report.ok`` tells."""
     store.home.fsck_start(False)
-    return check(store, deep=True, commit=store.home.fsck_resolve(ref))
+    with paused_gc():
+        return check(store, deep=True, commit=store.home.fsck_resolve(ref))
 
 
 def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None,
@@ -150,7 +153,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
             rep.missing_blobs.append(address(*k))
             bad[k] = f"blob {address(*k)} is in no pack of {home.location}"
     with progress.task("fsck --deep", sum(n for _, n in reread)) as advance:
-        for loc, err in home.fsck_read([where[k] for k in users if k in where], reread):
+        for loc, err in home.fsck_read([loc for k, loc in where.items() if k in users], reread):  # in the home's order (locally: as written)
             k = (loc.digest, loc.raw_len)
             if isinstance(err, BlobMissingError):
                 rep.missing_blobs.append(loc.address)
