@@ -315,6 +315,29 @@ def test_fsck_reports_a_damaged_reflog_object_and_gc_collects_the_reflog_of_drop
 # --- 7. sizes validated before allocating -----------------------------------------------------------
 
 
+def test_deep_fsck_rereads_a_pack_in_batches_of_at_most_fsck_batch_bytes(tmp_path, url, monkeypatch):
+    """Deep fsck rereads the blobs of all commits together, one pack's at a time in ranged
+    reads of at most ``BucketHome.fsck_batch`` bytes: 10 blobs of 16 KiB in one pack, a
+    batch of 40 KiB: 5 reads of 2 entries, and the same report as in one read."""
+    from ckptstore.bucket import BucketHome
+    from ckptstore.packs import BLOB_HEADER
+
+    with ckptstore.Store(url, cache=tmp_path / "w", shard_bytes=16 << 10, compression_level=0) as s:
+        s.commit({"x": torch.arange(40 << 10, dtype=torch.float32)}, tag="latest")  # 160 KiB: 10 shards
+    one = _fresh(url, tmp_path).fsck(deep=True)
+    assert (one.ok, one.blobs_checked, one.bytes_checked) == (True, 10, 160 << 10)
+    monkeypatch.setattr(BucketHome, "fsck_batch", 40 << 10)
+    s = _fresh(url, tmp_path)
+    reads = []
+    get_ranges = s.home.backend.get_ranges
+    monkeypatch.setattr(s.home.backend, "get_ranges", lambda key, ranges: reads.append((key, list(ranges))) or get_ranges(key, ranges))
+    report = s.fsck(deep=True)
+    assert report == one
+    assert sorted(len(r) for k, r in reads if k.endswith(".pack")) == [2] * 5
+    assert all(sum(b - a for a, b in r) == 2 * (BLOB_HEADER.size + (16 << 10)) for _, r in reads)
+    s.close()
+
+
 def test_verify_and_deep_fsck_refuse_a_forged_one_tebibyte_entry_without_allocating_it(tmp_path, url):
     """A forged commit whose manifest and ``.idx`` entry claim a 1 TiB zstd blob (its
     payload a few bytes): ``verify`` and ``fsck --deep`` report the blob as corrupt, in

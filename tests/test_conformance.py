@@ -269,6 +269,28 @@ def test_fsck_and_checkout_catch_a_flipped_byte(home):
         home.open(fresh_cache=True).checkout("t")
 
 
+def test_fsck_and_verify_map_a_bad_blob_to_the_same_commits_tags_and_counts(home):
+    """One fsck body on both homes: a corrupt blob two commits share damages both, and
+    every tag naming them, in ``fsck`` and in ``verify``; each blob is reread (and counted)
+    once, the bad one included."""
+    s = home.open()
+    sd = state()
+    first = s.commit(sd, tag="t1").id
+    sd["a"][:40] += 1  # one new shard; the 7 others shared
+    second = s.commit(sd, tag="t2").id
+    s.tag("t3", second)
+    key = s.record(first).leaves[1].keys[0]  # a shard of "b": both commits need it
+    assert key in s.record(second).leaves[1].keys
+    home.corrupt_one_blob(s, key)
+    bad = ckptstore.layout.address(*key)
+    f = home.open(fresh_cache=True).fsck(deep=True)
+    assert (f.commits, f.blobs_checked, f.bytes_checked, f.corrupt_blobs, f.missing_blobs) == (2, 9, 9 * SHARD, [bad], [])
+    assert (f.damaged_commits, f.damaged_tags, len(f.problems)) == (sorted([first, second]), ["t1", "t2", "t3"], 1), f.problems
+    assert bad in f.problems[0]
+    v = home.open(fresh_cache=True).verify("t2")
+    assert (v.ok, v.commits, v.blobs_checked, v.corrupt_blobs, v.damaged_commits, v.damaged_tags) == (False, 1, 8, [bad], [second], ["t2", "t3"])
+
+
 def test_fsck_repair_rebuilds_derived_objects_or_is_refused_naming_recover(home):
     """``fsck(repair=True)``: on object storage it rereads everything and rebuilds the
     derived objects (pack indexes, the marker), here none damaged; a local store's index

@@ -40,6 +40,7 @@ from the refs alone, revalidated by one listing of their ETags.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import json
 import os
@@ -64,7 +65,6 @@ from .errors import (
     RefConflictError,
     RefNotFoundError,
 )
-from .fsck import BucketFsck
 from .layout import RANDOM, address, digest
 from .packindex import index_key, pack_key
 from .packs import (
@@ -86,8 +86,13 @@ from .remote import (
     complete_marker,
     ensure_marker,
     fetch_record,
+    marker_problem,
     pack_entries,
+    parse_reflog,
     read_marker,
+    read_tag,
+    repair_index,
+    repair_marker,
 )
 from .remote import resolve as resolve_remote
 from .commit import CommitInfo, ReusedBlobsGone
@@ -830,17 +835,173 @@ class BucketHome(Home):
         self._need_store()
         return BucketGC(self.store)
 
-    def fsck_home(self) -> BucketFsck:
-        """This home's side of fsck (:class:`ckptstore.fsck.BucketFsck`): the bucket's own objects;
-        ``verify`` reads the commit's record from the bucket too (nothing of the cache is
-        trusted, and the commit is not copied into it first)."""
-        self._need_store()
-        return BucketFsck(self.store, self._bucket_commit)
+    # --- fsck's primitives (:func:`ckptstore.fsck.check`): the bucket's own objects, never the cache ----
 
-    def _bucket_commit(self, ref: str) -> str:
-        """The commit id ``ref`` (a tag or a full id) names on the bucket."""
+    #: A commit's record is put before its ref moves: a killed commit may leave a record no tag reaches.
+    attempts_leave_records = True
+    #: Bytes: fsck rereads at most this much of one pack per ranged read (memory stays bounded).
+    fsck_batch = 16 << 20
+
+    def fsck_start(self, repair: bool) -> None:
+        """Before any read: the prefix must hold a store (NotAStoreError); ``repair`` is allowed."""
+        self._need_store()
+
+    def fsck_resolve(self, ref: str) -> str:
+        """The commit id ``ref`` (a tag or a full id) names on the bucket; nothing is copied into the cache."""
         cid = ref if type(ref) is str and _CID.fullmatch(ref) else None
         return cid if cid is not None else self.store.refs.read(ref) or resolve_remote(self.backend, ref)[0]
 
+    def fsck_snapshot(self):
+        """Nothing to hold: the objects are immutable, and the tags are read before the records they name."""
+        return contextlib.nullcontext()
+
+    def fsck_tags(self, report) -> dict[str, str]:
+        """``{tag: commit id}`` from the refs on the bucket; a malformed ref is a damaged tag."""
+        def read(name: str):
+            try:
+                return name, read_tag(self.backend, name)[0]
+            except IntegrityError as exc:  # a malformed payload is a damaged tag, not the end of the check
+                return name, exc
+
+        out = {}
+        for name, cid in self.requests.map(read, self.backend.list_refs()):
+            if isinstance(cid, IntegrityError):
+                report.damaged_tags.append(name)
+                report.problems.append(f"tag {name!r}: {cid}")
+            elif cid is not None:
+                out[name] = cid
+        return out
+
+    def fsck_commits(self, report, ids: list[str] | None, deep: bool) -> dict[str, Any]:
+        """``{commit id: CommitRecord, or None when damaged}`` of the ``commits/`` objects
+        (``ids``, or every one listed), each fetched and checked against its id (without
+        ``deep``, a record the cache holds is read from the cache); a damaged one is reported."""
+        ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")] if ids is None else ids
+
+        def load(cid: str):
+            try:
+                return cid, fetch_record(self.backend, cid) if deep or not self.store.has_cached(cid) else self.store.record(cid)
+            except IntegrityError as exc:
+                return cid, exc
+
+        out: dict[str, Any] = {}
+        for cid, rec in self.requests.map(load, ids):
+            out[cid] = None if isinstance(rec, IntegrityError) else rec
+            if out[cid] is None:
+                report.damaged_commits.append(cid)
+                report.problems.append(f"commit {cid}: {rec}")
+        return out
+
+    def fsck_locate(self, report, keys: list[tuple[bytes, int]], deep: bool, repair: bool) -> dict:
+        """``{address: BlobLoc}`` of the blobs of ``keys`` that packs on the bucket hold. With
+        ``deep`` from each pack's entries as the bucket holds them: its ``.idx``, checked, or
+        the pack walked when that is missing or damaged (``damaged_indexes``: a problem;
+        ``missing_indexes`` for a pack ``keys`` need, else ``orphan_packs``: a writer killed
+        between its pack and its index leaves that; ``damaged_packs``: neither can be read).
+        ``repair`` rebuilds each such index from its walked pack (``repaired``). Without
+        ``deep``, from the cache's index brought up to date, for the packs the bucket lists."""
+        listed = {o.key: o for o in self.backend.list("blobs")}
+        packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
+        if not deep:
+            self.refresh_index()
+            report.missing_indexes = sorted(p for p in packs if index_key(p) not in listed)
+            return {k: loc for k, loc in self.store.locate(keys).items() if loc.pack in packs}
+        needed = set(keys)
+        where: dict = {}
+        found = zip(packs, self.requests.map(lambda p: pack_entries(self.backend, p, packs[p].size, index_key(p) in listed), list(packs)))
+        for pid, f in found:
+            if f.entries is None:
+                report.damaged_packs.append(pid)
+                report.problems.append(f"pack {pid}: {f.pack_problem}" + (f" (and {f.index_problem})" if f.index_problem else ""))
+                continue
+            blobs = {(e.loc.digest, e.loc.raw_len): e.loc for e in f.entries if e.magic == BLOB_MAGIC}
+            for k, loc in blobs.items():
+                where.setdefault(k, loc)
+            if f.index_problem is None:
+                continue
+            if repair:
+                repair_index(self.backend, pid, f.entries)
+                report.repaired.append(index_key(pid))
+            elif index_key(pid) not in listed:
+                # a writer killed between its pack and its index (the pack is whole: PUTs are atomic), or a deleted index:
+                # nothing is lost, the pack is walked instead; GC removes it when nothing needs it, or rebuilds the index
+                (report.missing_indexes if blobs.keys() & needed else report.orphan_packs).append(pid)
+            else:
+                report.damaged_indexes.append(pid)
+                report.problems.append(f"pack {pid}: {f.index_problem} (its pack is intact: `ckptstore fsck --repair` rebuilds it)")
+        return {k: where[k] for k in keys if k in where}
+
+    def fsck_read(self, locs: list[BlobLoc], reread: set):
+        """``(loc, error)`` for each blob of ``locs`` in ``reread`` (addresses), read from the
+        bucket with coalesced ranged reads per pack (at most :attr:`fsck_batch` bytes at a
+        time per pack, :data:`REQUESTS` packs at once) and checked in bounded memory
+        (:func:`~ckptstore.packs.check_entry`, never allocating what a header claims):
+        ``None`` when intact, a BlobCorruptError, or a BlobMissingError when the pack is
+        gone or shorter since listed. The others are in packs listed with their entries."""
+        by_pack: dict[str, list[BlobLoc]] = {}
+        for loc in locs:
+            if (loc.digest, loc.raw_len) in reread:
+                by_pack.setdefault(loc.pack, []).append(loc)
+        batches: list[list[BlobLoc]] = []
+        for group in by_pack.values():
+            batch, size = [], 0
+            for loc in group:
+                if batch and size + BLOB_HEADER.size + loc.stored_len > self.fsck_batch:
+                    batches.append(batch)
+                    batch, size = [], 0
+                batch.append(loc)
+                size += BLOB_HEADER.size + loc.stored_len
+            batches.append(batch)
+
+        def read(group: list[BlobLoc]):
+            pid = group[0].pack
+            try:
+                bufs = self.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in group])
+            except IntegrityError as exc:  # gone since listed, or shorter than its index says
+                return [(loc, BlobMissingError(f"blob {loc.address} in pack {pid}: {exc}")) for loc in group]
+            out = []
+            for loc, buf in zip(group, bufs):
+                try:
+                    check_entry(buf, loc, f"{self.url}: fsck, pack {pid}")
+                    out.append((loc, None))
+                except BlobCorruptError as exc:
+                    out.append((loc, exc))
+            return out
+
+        for results in self.requests.map(read, batches):
+            yield from results
+
+    def fsck_extra(self, report, ids: list[str], whole: bool, deep: bool, repair: bool) -> None:
+        """With ``whole`` and ``deep``: every reflog object is a ref-move record of the tag its
+        key names (``damaged_reflog``), and the store marker passes its check
+        (``damaged_marker``; ``repair`` rewrites it from its intact copy, ``repaired``)."""
+        if not (whole and deep):
+            return
+
+        def load(key: str):
+            try:
+                parse_reflog(self.backend.get(key), key, self.url)
+            except ObjectNotFoundError:
+                return None  # collected meanwhile
+            except IntegrityError:
+                return key
+            return None
+
+        for key in self.requests.map(load, [o.key for o in self.backend.list("reflog")]):
+            if key is not None:
+                report.damaged_reflog.append(key)
+                report.problems.append(f"{key}: not a ref-move record (damaged); only the tag's history loses this entry")
+        problem = marker_problem(self.backend)
+        if problem is None:
+            return
+        if repair:
+            try:
+                repair_marker(self.backend, self.store)
+                report.repaired.append(MARKER)
+                return
+            except IntegrityError as exc:
+                problem = str(exc)
+        report.damaged_marker = True
+        report.problems.append(problem if repair else f"{problem} (`ckptstore fsck --repair` rewrites it from the intact copy)")
 
 __all__ = ["BucketHome", "BucketReader", "DetachedPackWriter", "cache_folder"]

@@ -27,6 +27,7 @@ its store weakly (the store owns its home, not the reverse).
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import weakref
@@ -35,21 +36,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
-from .catalog import Catalog, CatalogMissing, damaged, reserve_path
+from .catalog import Catalog, CatalogMissing, damaged, rebuild_record, reserve_path
 from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
 from .errors import (
     AmbiguousRefError,
+    BlobCorruptError,
+    BlobMissingError,
     CatalogCorruptError,
+    CkptStoreError,
     IntegrityError,
     InvalidArgumentError,
     NotAStoreError,
     RefNotFoundError,
+    ResourceLimitError,
     StoreWriteError,
 )
-from .fsck import LocalFsck
+from .fsck import FsckReport
 from .gc import LocalGC
-from .layout import address
-from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, PackReader, PackWriter, pack_path
+from .layout import ShardPlan, address, itemsize
+from .packs import BLOB_HEADER, CODEC_RAW, DEFAULT_PACK_BYTES, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, pack_path
 from .records import LeafRecord
 from .refs import ANY, CatalogRefs, Refs
 
@@ -559,9 +564,194 @@ class LocalHome(Home):
         """This home's side of the GC protocol (:func:`ckptstore.gc.collect`)."""
         return LocalGC(self.store)
 
-    def fsck_home(self) -> LocalFsck:
-        """This home's side of fsck (:func:`ckptstore.fsck.run`)."""
-        return LocalFsck(self.store)
+    # --- fsck's primitives (:func:`ckptstore.fsck.check`): the catalog against the packs ----------
+
+    #: A commit exists once its catalog transaction commits: no record exists before its tags move.
+    attempts_leave_records = False
+
+    def fsck_start(self, repair: bool) -> None:
+        """Before any read: ``repair`` is refused (InvalidArgumentError): the index of a local
+        store is its catalog, rebuilt from the packs by ``recover``, not pack indexes."""
+        if repair:
+            raise InvalidArgumentError(f"{self.root}: a local store has no pack indexes to repair; its index is the catalog, "
+                                       "rebuilt from the packs by `ckptstore recover`")
+
+    def fsck_resolve(self, ref: str) -> str:
+        """The commit id ``ref`` names (:meth:`ckptstore.Store.resolve`)."""
+        return self.store.resolve(ref)
+
+    def fsck_snapshot(self):
+        """One read transaction of the catalog: tags, commits and blob rows agree with each other."""
+        return self.store.catalog.read()
+
+    def fsck_tags(self, report: FsckReport) -> dict[str, str]:
+        """``{tag: commit id}`` from the catalog."""
+        return dict(self.store.catalog.rows("SELECT name, commit_id FROM tags", raw=True))
+
+    def fsck_commits(self, report: FsckReport, ids: list[str] | None, deep: bool) -> dict[str, Any]:
+        """``{commit id: CommitRecord, or None when its record does not hash to its id}`` of
+        ``ids`` (every commit when ``None``). Reported in ``report``: a damaged record, rows
+        (leaves, shards, components, parents, message) that disagree with the record, a
+        leaf whose shard rows do not fit its shape and dtype (damaged commits), and a commit
+        with no copy of its record in a pack (a problem: recover could not rebuild it)."""
+        cat = self.store.catalog
+        ids = [r[0] for r in cat.rows("SELECT id FROM commits", raw=True)] if ids is None else ids
+        texts = dict(cat.chunked("SELECT id, record FROM commits WHERE id IN ({})", ids, raw=True))
+        copies = {r[0] for r in cat.chunked(f"SELECT name FROM records WHERE kind = {records.KIND_COMMIT} AND name IN ({{}})", ids, raw=True)}
+        out: dict[str, Any] = {}
+        for cid in ids:
+            try:
+                out[cid] = records.parse_commit(texts.get(cid), cid)
+            except IntegrityError as exc:
+                out[cid] = None
+                report.problems.append(str(exc))
+                report.damaged_commits.append(cid)
+                continue
+            if rebuild_record(cat.conn, cid) != texts[cid]:
+                report.problems.append(f"commit {cid}: the catalog's rows (leaves, shards, components, parents or message) disagree with its record")
+                report.damaged_commits.append(cid)
+            if cid not in copies:
+                report.problems.append(f"commit {cid}: no copy of its record in a pack (recover could not rebuild it)")
+        where, params = ("WHERE l.commit_id = ?", (ids[0],)) if len(ids) == 1 else ("", ())
+        shards: dict[tuple[str, str], list[int]] = {}
+        for cid, path, raw_len in cat.rows(
+            f"SELECT l.commit_id, l.path, b.raw_len FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id {where} "
+            "ORDER BY l.commit_id, l.path, s.seq", params, raw=True,
+        ):
+            shards.setdefault((cid, path), []).append(raw_len)
+        for cid, path, dtype, shape, nbytes, shard_bytes in cat.rows(
+            f"SELECT commit_id, path, dtype, shape, nbytes, shard_bytes FROM leaves l {where} {'AND' if where else 'WHERE'} kind = 'tensor'",
+            params, raw=True,
+        ):
+            got = shards.get((cid, path), [])
+            try:
+                plan = ShardPlan(nbytes, shard_bytes)
+                ok = math.prod(json.loads(shape)) * itemsize(dtype) == nbytes and len(got) == plan.count and all(
+                    n == plan.bounds(i)[1] - plan.bounds(i)[0] for i, n in enumerate(got))
+            except (TypeError, ValueError, AttributeError):
+                ok = False
+            if not ok:
+                report.problems.append(f"commit {cid}, leaf {path}: manifest and shard rows disagree (shape, dtype, sizes or count)")
+                report.damaged_commits.append(cid)
+        return out
+
+    def fsck_locate(self, report: FsckReport, keys: list[tuple[bytes, int]], deep: bool, repair: bool) -> dict:
+        """Where the catalog says each blob of ``keys`` is (``{address: BlobLoc}``); for most of
+        the store's blobs, from one scan of the blob rows rather than one lookup each."""
+        (top,), = self.store.catalog.rows("SELECT COALESCE(MAX(id), 0) FROM blobs", raw=True)
+        if len(keys) * 4 < top:
+            return self.store.locate(keys)
+        wanted = set(keys)
+        rows = self.store.catalog.rows("SELECT hash, raw_len, pack, offset, stored_len, codec FROM blobs", raw=True)
+        return {(h, n): BlobLoc(h, n, *rest) for h, n, *rest in rows if (h, n) in wanted}
+
+    def fsck_read(self, locs: list[BlobLoc], reread: set):
+        """``(loc, error)`` for each blob of ``locs`` whose pack file is missing or shorter
+        than it (a BlobMissingError), and for each of ``reread`` (addresses) reread and
+        rehashed (``None`` when intact, else the error). A GC beside fsck may move (repack)
+        or free a blob after the catalog was read: one that looks missing or bad is looked
+        up again, and only reported if it still is."""
+        store = self.store
+        reader = PackReader(self.root, locate=store.relocate)
+        sizes: dict[str, int | None] = {}
+
+        def gap(loc: BlobLoc) -> str | None:  # why the pack does not hold the blob whole, or None
+            if loc.pack not in sizes:
+                sizes[loc.pack] = self.pack_size(loc.pack)
+            size = sizes[loc.pack]
+            if size is None:
+                return f"blob {loc.address}: pack {loc.pack}.pack is missing"
+            return None if loc.offset + BLOB_HEADER.size + loc.stored_len <= size else f"blob {loc.address}: pack {loc.pack}.pack is truncated"
+
+        def still_bad(loc: BlobLoc, read: bool) -> bool:
+            now = store.relocate(loc)
+            if now is None:
+                return False  # freed meanwhile: no kept commit references it
+            sizes.pop(now.pack, None)
+            if gap(now) is not None:
+                return True
+            try:
+                if read:
+                    reader.read(now, "fsck")
+            except ResourceLimitError:
+                raise
+            except CkptStoreError:
+                return True
+            return False
+
+        try:
+            for loc in locs:
+                why = gap(loc)
+                if why is not None and still_bad(loc, read=False):
+                    yield loc, BlobMissingError(why)
+                elif (loc.digest, loc.raw_len) in reread:
+                    try:
+                        reader.read(loc, "fsck")
+                        yield loc, None
+                    except ResourceLimitError:
+                        raise
+                    except CkptStoreError as exc:
+                        yield loc, (BlobCorruptError(str(exc)) if still_bad(loc, read=True) else None)
+        finally:
+            reader.close()
+
+    def fsck_extra(self, report: FsckReport, ids: list[str], whole: bool, deep: bool, repair: bool) -> None:
+        """The checks of the catalog itself (``whole``: SQLite's integrity and foreign-key
+        checks; the orphans: pack files without a catalog row, unreferenced blob rows, files
+        in ``tmp/``) and, with ``deep``, every record copy in the packs (of commits ``ids``,
+        and with ``whole`` the ref-move records) reread: a damaged copy of a commit's
+        record damages the commit; one that differs from the catalog's is a problem."""
+        cat = self.store.catalog
+        with cat.read():
+            if whole:
+                status = [r[0] for r in cat.rows("PRAGMA integrity_check", raw=True)]
+                if status != ["ok"]:
+                    report.problems += [f"catalog: {s}" for s in status[:20]]
+                for r in cat.rows("PRAGMA foreign_key_check", raw=True):
+                    report.problems.append(f"catalog: row {r[1]} of table {r[0]} references a missing {r[2]} row")
+                report.unreferenced_blobs = cat.rows("SELECT COUNT(*) FROM blobs b WHERE NOT EXISTS (SELECT 1 FROM shards s WHERE s.blob_id = b.id)",
+                                                     raw=True)[0][0]
+                packs = {r[0] for r in cat.rows("SELECT id FROM packs", raw=True)}
+            if deep:
+                texts = dict(cat.chunked("SELECT id, record FROM commits WHERE id IN ({})", ids, raw=True))
+                rows = cat.chunked(f"SELECT * FROM records WHERE kind = {records.KIND_COMMIT} AND name IN ({{}})", ids)
+                if whole:
+                    rows += cat.rows(f"SELECT * FROM records WHERE kind = {records.KIND_REF}")
+        if whole:
+            report.orphan_packs = sorted(f.stem for f in (self.root / "blobs").glob("*/*.pack") if f.stem not in packs)
+            report.tmp_files = sum(1 for f in (self.root / "tmp").iterdir() if f.is_file())
+        if not deep:
+            return
+        reader = PackReader(self.root, locate=self.store.relocate)
+
+        def copy(r) -> str:
+            loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
+            return bytes(reader.read(loc, "fsck", magic=RECORD_MAGIC)).decode(errors="replace")
+
+        try:
+            for r in rows:
+                try:
+                    text = copy(r)
+                except ResourceLimitError:
+                    raise
+                except CkptStoreError as exc:
+                    now = cat.rows("SELECT * FROM records WHERE id = ?", (r["id"],))  # a GC may have dropped or moved it meanwhile
+                    if not now:
+                        continue
+                    try:
+                        r = now[0]
+                        text = copy(r)
+                    except ResourceLimitError:
+                        raise
+                    except CkptStoreError:
+                        report.problems.append(f"record of {r['name']} in pack {r['pack']}: {exc}")
+                        if r["kind"] == records.KIND_COMMIT:
+                            report.damaged_commits.append(r["name"])
+                        continue
+                if r["kind"] == records.KIND_COMMIT and text != texts.get(r["name"]):
+                    report.problems.append(f"commit {r['name']}: its record in pack {r['pack']} differs from the catalog's")
+        finally:
+            reader.close()
 
 
 __all__ = ["CATALOG", "Home", "LocalHome", "weakly"]

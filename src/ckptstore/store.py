@@ -24,8 +24,9 @@ from .catalog import Catalog, keep_reserve, release_reserve
 from .collector import paused_gc
 from .commit import CommitEngine, CommitInfo
 from .errors import CatalogCorruptError, CkptStoreError, InvalidArgumentError, NotAStoreError
-from .fsck import FsckReport, LocalFsck
+from .fsck import FsckReport
 from .fsck import run as run_fsck
+from .fsck import verify as verify_commit
 from .gc import SMALL_PACK_BYTES, GCReport, LocalGC, collect
 from .home import CATALOG, Home, LocalHome
 from .layout import DEFAULT_SHARD_BYTES
@@ -306,8 +307,7 @@ class Store(CommitEngine, Queries):
     def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
         """Check the store; ``deep`` rereads and rehashes blobs. ``sample`` < 1 rereads that
         fraction of them (and implies ``deep``). One protocol and one :class:`FsckReport` on
-        both homes (:func:`ckptstore.fsck.run`; a local store: :func:`ckptstore.fsck.check`,
-        on object storage :func:`ckptstore.fsck.check_bucket`).
+        both homes (:func:`ckptstore.fsck.run`, over the home's ``fsck_*`` primitives).
 
         Raises:
             InvalidArgumentError: ``sample`` outside (0, 1]; ``repair`` on a local store: its
@@ -317,12 +317,8 @@ class Store(CommitEngine, Queries):
         return run_fsck(self, deep=deep, sample=sample, repair=repair)
 
     def verify(self, ref: str) -> FsckReport:
-        """Reread and rehash every blob of one commit; ``report.ok`` tells."""
-        return self.fsck_home().verify(ref)
-
-    def fsck_home(self) -> LocalFsck:
-        """This home's side of fsck (:func:`ckptstore.fsck.run`)."""
-        return self.home.fsck_home()
+        """Reread and rehash every blob of one commit; ``report.ok`` tells (:func:`ckptstore.fsck.verify`)."""
+        return verify_commit(self, ref)
 
     @staticmethod
     def recover(path: str | os.PathLike, force: bool = False) -> RecoverReport:
