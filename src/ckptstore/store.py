@@ -47,7 +47,7 @@ from .errors import (
 from .commit import CommitEngine, CommitInfo, paused_gc
 from .fsck import FsckReport, LocalFsck
 from .fsck import run as run_fsck
-from .gc import SMALL_PACK_BYTES, GCReport, LocalGC, collect
+from .gc import SMALL_PACK_BYTES, GCReport, GCSide, collect
 from .layout import DEFAULT_SHARD_BYTES, address, under
 from .packs import BlobLoc, PackReader, PackWriter
 from .records import LeafRecord, check_tag
@@ -706,8 +706,8 @@ class Store(CommitEngine):
         self.forget_hashes()
         return report
 
-    def gc_home(self) -> LocalGC:
-        """This home's side of the GC protocol (:func:`ckptstore.gc.collect`)."""
+    def gc_home(self) -> GCSide:
+        """This home's primitives of the GC protocol (:class:`ckptstore.gc.GCSide`, used by :func:`ckptstore.gc.collect`)."""
         return self.home.gc_home()
 
     def forget_hashes(self) -> None:
