@@ -839,6 +839,7 @@ class BucketGC(GCSide):
         self.backend = store.backend
         self.st: _GCState | None = None
         self._cutoff = 0.0
+        self._keep: set = set()
         self._live_entries: dict = {}
 
     def lock(self, dry_run: bool):
@@ -852,7 +853,6 @@ class BucketGC(GCSide):
     def _read(self) -> _GCState:
         """Mirror the bucket into the cache and read what liveness needs (every ref, record, ``.idx`` and mark)."""
         store, backend, requests = self.store, self.backend, self.store.home.requests
-        refs = store.refs.read_all()
         store.log()  # mirrors the tags, caches every commit record, forgets the ones the bucket lost
         now = backend.now()
         objects = {o.key: o for o in backend.list("blobs")}
@@ -870,6 +870,9 @@ class BucketGC(GCSide):
             except IntegrityError:
                 return cid, None  # gone, or damaged (fsck reports it); a failing server raises
 
+        # The refs read after the listings: a commit a ref names now whose record came after them is
+        # fetched below (so its blobs are live), and the sweep's check that no ref moved covers only its decision.
+        refs = store.refs.read_all()
         named = {c for c in refs.values() if c}
         needs.update(requests.map(needed, [c for c in set(ids) | named if c not in needs]))
         blind = sorted(c for c in named if needs.get(c) is None)
@@ -907,7 +910,7 @@ class BucketGC(GCSide):
 
     def packs(self, keep: set, victims: list, cutoff: float) -> list[PackStat]:
         st, store = self.st, self.store
-        self._cutoff = cutoff
+        self._cutoff, self._keep = cutoff, keep
         dropping = set(victims) - keep
         live = set().union(*(keys for c, keys in st.needs.items() if c not in dropping or c in keep))
         live |= {k for c in keep if c not in st.needs and store.has_cached(c) for leaf in store.record(c).leaves for k in leaf.keys}
@@ -967,16 +970,17 @@ class BucketGC(GCSide):
                 report.indexes_repaired += 1
         old = lambda key: st.objects[key].mtime <= self._cutoff
         orphans = [k for k in st.objects if k.endswith(".idx") and old(k) and k.rsplit("/", 1)[1][:-4] not in st.packs]
-        reflog = self._dead_reflog(set(plan.victims))
+        reflog = self._dead_reflog()
         packs = [p.id for p in plan.marked]
         if packs or plan.victims or orphans or reflog:
             mark = {"at": st.now, "commits": plan.victims, "objects": orphans, "packs": packs, "reflog": reflog}
             backend.put_new(f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json", json.dumps(mark, sort_keys=True).encode())
 
-    def _dead_reflog(self, dropped: set) -> list[list]:
+    def _dead_reflog(self) -> list[list]:
         """``[key, new, old]`` of every reflog object older than the cutoff whose commits are
-        both dropped or gone (retention governs the reflog too); one that cannot be read is kept (fsck reports it)."""
-        backend, st = self.backend, self.st
+        both outside what retention keeps (retention governs the reflog too); one that cannot
+        be read is kept (fsck reports it)."""
+        backend, keep = self.backend, self._keep
         todo = [o.key for o in backend.list("reflog") if o.mtime <= self._cutoff]
 
         def load(key):
@@ -986,11 +990,10 @@ class BucketGC(GCSide):
             except (ObjectNotFoundError, IntegrityError):
                 return None
 
-        gone = lambda c: c is None or c in dropped or c not in st.needs
-        return [r for r in self.store.home.requests.map(load, todo) if r is not None and gone(r[1]) and gone(r[2])]
+        return [r for r in self.store.home.requests.map(load, todo) if r is not None and r[1] not in keep and r[2] not in keep]
 
     def refs_token(self) -> dict:
-        return self.store.refs.read_all()
+        return self.st.refs  # as the state just read saw them
 
     def delete(self, commits: list[str], packs: list[PackStat], token, report: GCReport) -> tuple[list, list] | None:
         st, backend = self.st, self.backend
@@ -1002,7 +1005,7 @@ class BucketGC(GCSide):
         for p in packs:
             backend.delete(pack_key(p.id))
             backend.delete(index_key(p.id))
-        kept = {c for c in st.needs if c not in set(commits)}
+        kept = self._keep
         for key, mark in due:
             for obj in mark["objects"]:
                 if obj in st.objects:

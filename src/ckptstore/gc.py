@@ -406,7 +406,7 @@ class GCSide:
         raise NotImplementedError
 
     def refs_token(self):
-        """A value that changes whenever a ref moves."""
+        """A value that changes whenever a ref moves, as of the state last read (:meth:`now`)."""
         raise NotImplementedError
 
     def anything_due(self, cutoff: float) -> bool:
@@ -544,8 +544,8 @@ def _run(side: GCSide, c: Collector, report: GCReport) -> GCReport:
             _count_sweep(report, gone + [v for v in victims if own and v not in now_dropped],
                          due_packs(stats, cutoff) + (plan.marked if own else []), commits)
         for _ in range(0 if dry or not (c.grace == 0 or side.anything_due(cutoff)) else SWEEP_ATTEMPTS):
-            token = side.refs_token()
             cutoff = _cutoff(side, c, fresh=True)
+            token = side.refs_token()
             with side.snapshot():
                 keep = c.retained()
             commits = side.commits(keep)
