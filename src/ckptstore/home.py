@@ -485,7 +485,7 @@ class LocalGC(GCSide):
         with self.cat.read():
             self.cat.conn.execute("CREATE TEMP TABLE IF NOT EXISTS gc_dropped (id TEXT PRIMARY KEY)")
             self.cat.conn.execute("DELETE FROM gc_dropped")
-            self.cat.conn.executemany("INSERT OR IGNORE INTO gc_dropped VALUES (?)", [(c,) for c in victims])
+            self.cat.conn.execute("INSERT OR IGNORE INTO gc_dropped SELECT value FROM json_each(?)", (json.dumps(victims),))
             yield
 
     def busy(self, pack: str) -> bool:
