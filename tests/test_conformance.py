@@ -655,6 +655,27 @@ def test_gc_pending_counts_what_waits_for_the_grace_period(home):
     assert s.tags() == {"t": second}
 
 
+def test_gc_dry_run_reports_what_the_real_run_does_a_grace_period_later(home):
+    """A GC (grace 1 s) drops a commit and merges the small packs; a grace period later a dry
+    run reports exactly what the real run then deletes (the packs marked or retired by the
+    first run), on both homes; before, a bucket's dry run reported what its own mark would
+    take (nothing) while the real run swept the first run's mark."""
+    import time
+
+    s = home.open()
+    _, first, second = _two_commits(s)
+    time.sleep(3.1)  # the grace period, and the bucket's whole-second clock twice over
+    fields = ("commits_dropped", "blobs_deleted", "blob_bytes", "packs_repacked", "packs_consolidated", "packs_deleted",
+              "orphans_removed", "tmp_removed", "bytes_freed", "commits_pending", "blobs_pending", "bytes_pending")
+    s.gc(grace=1)
+    time.sleep(3.1)
+    dry, real = s.gc(grace=1, dry_run=True), s.gc(grace=1)
+    assert {f: getattr(dry, f) for f in fields} == {f: getattr(real, f) for f in fields}
+    assert sorted(dry.dropped) == sorted(real.dropped)
+    assert real.packs_deleted > 0 and real.bytes_freed > 0 and s.tags() == {"t": second}
+    assert home.open(fresh_cache=True).fsck(deep=True).ok
+
+
 def test_gc_bytes_freed_is_what_the_store_lost(home):
     """``bytes_freed`` is net: the bytes deleted less the consolidated packs written, exactly
     what the store holds less after the run, the same on both homes (before, a GC that merged

@@ -299,9 +299,8 @@ class PackStat:
     does not keep this one); ``dies_now``/``dies_now_bytes``: blobs that die in this run
     whatever becomes of the pack (locally the rows :meth:`GCSide.drop` deletes);
     ``dies_with``/``dies_with_bytes``: blobs that die only with the pack (on a bucket);
-    ``freed``: bytes deleting it frees (on a bucket with its ``.idx``); ``sizes``: each live
-    entry's size in pack order (what a copy writes); ``keep``: never collected (cannot be
-    read, or what it holds cannot be known)."""
+    ``freed``: bytes deleting it frees (on a bucket with its ``.idx``); ``keep``: never
+    collected (cannot be read, or what it holds cannot be known)."""
 
     id: str
     size: int
@@ -314,7 +313,6 @@ class PackStat:
     dies_now_bytes: int = 0
     dies_with: int = 0
     dies_with_bytes: int = 0
-    sizes: list = field(default_factory=list)
     keep: bool = False
 
 
