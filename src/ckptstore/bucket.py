@@ -840,6 +840,7 @@ class BucketGC(GCSide):
         self.st: _GCState | None = None
         self._cutoff = 0.0
         self._keep: set = set()
+        self._reflog_seen: dict = {}  # reflog key -> [key, new, old] (None: unreadable)
         self._live_entries: dict = {}
 
     def lock(self, dry_run: bool):
@@ -980,17 +981,27 @@ class BucketGC(GCSide):
         """``[key, new, old]`` of every reflog object older than the cutoff whose commits are
         both outside what retention keeps (retention governs the reflog too); one that cannot
         be read is kept (fsck reports it)."""
-        backend, keep = self.backend, self._keep
+        backend, keep, seen = self.backend, self._keep, self._reflog_seen
         todo = [o.key for o in backend.list("reflog") if o.mtime <= self._cutoff]
 
         def load(key):
             try:
                 m = parse_reflog(backend.get(key), key, backend.url)
-                return [key, m["new"], m["old"]]
+                return key, [key, m["new"], m["old"]]
             except (ObjectNotFoundError, IntegrityError):
-                return None
+                return key, None
 
-        return [r for r in self.store.home.requests.map(load, todo) if r is not None and r[1] not in keep and r[2] not in keep]
+        seen.update(self.store.home.requests.map(load, [k for k in todo if k not in seen]))  # immutable: read once per run
+        return [seen[k] for k in todo if seen[k] is not None and seen[k][1] not in keep and seen[k][2] not in keep]
+
+    def _reflog_due(self, due: list, own: list = ()) -> set:
+        """Keys of the reflog objects the marks ``due`` (and this run's ``own`` entries) name that are still on
+        the bucket and whose commits are both outside what retention keeps."""
+        named = [r for _, mark in due for r in mark["reflog"]] + list(own)
+        if not named:
+            return set()
+        held = {o.key for o in self.backend.list("reflog")}
+        return {key for key, new_, old_ in named if key in held and new_ not in self._keep and old_ not in self._keep}
 
     def refs_token(self) -> dict:
         return self.st.refs  # as the state just read saw them
@@ -1005,17 +1016,13 @@ class BucketGC(GCSide):
         for p in packs:
             backend.delete(pack_key(p.id))
             backend.delete(index_key(p.id))
-        kept = self._keep
-        for key, mark in due:
-            for obj in mark["objects"]:
-                if obj in st.objects:
-                    backend.delete(obj)
-                    report.bytes_freed += st.objects[obj].size
-                    report.orphans_removed += 1
-            for key_, new_, old_ in mark["reflog"]:  # a ref move whose commits are all dropped has nothing left to tell
-                if new_ not in kept and old_ not in kept:
-                    backend.delete(key_)
-                    report.reflog_removed += 1
+        for key in self._reflog_due(due):  # a ref move whose commits are all dropped has nothing left to tell
+            backend.delete(key)
+            report.reflog_removed += 1
+        for obj in {obj for _, mark in due for obj in mark["objects"] if obj in st.objects}:
+            backend.delete(obj)
+            report.bytes_freed += st.objects[obj].size
+            report.orphans_removed += 1
         self.store.home.forget(commits)
         for key in [k for k, _ in due] + st.unreadable_marks:
             backend.delete(key)
@@ -1035,6 +1042,8 @@ class BucketGC(GCSide):
             objects |= {k for k in st.objects if k.endswith(".idx") and st.objects[k].mtime <= cutoff and k.rsplit("/", 1)[1][:-4] not in st.packs}
         report.orphans_removed += len(objects)
         report.bytes_freed += sum(st.objects[k].size for k in objects)
+        due = [(key, mark) for mtime, key, mark in st.marks if mtime <= cutoff]
+        report.reflog_removed += len(self._reflog_due(due, self._dead_reflog() if own_due else ()))
 
 
 __all__ = ["BucketGC", "BucketHome", "BucketReader", "DetachedPackWriter", "cache_folder"]

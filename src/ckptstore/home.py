@@ -406,8 +406,6 @@ class LocalHome(Home):
         return LocalFsck(self.store)
 
 
-
-
 # --- the GC primitives of a folder (ckptstore.gc.GCSide) ------------------------------------
 
 _BATCH_COMMITS = 500
@@ -419,10 +417,10 @@ _SUPERSEDED = f"kind = {KIND_REF} AND seq < (SELECT MAX(r.seq) FROM records r WH
 
 class LocalGC(GCSide):
     """The primitives of the GC protocol (:mod:`ckptstore.gc`) on a folder: ``gc.lock``
-    (``flock``), this machine's clock, the catalog as the index. Commits and the blob rows
-    they alone referenced leave the catalog at once, in write transactions that first
-    check that no tag moved since the roots were computed (computing them again if one
-    did) and that a commit's final transaction, holding the same write lock, re-checks
+    (``flock``), this machine's clock, the catalog as the index. Commits, and the blob rows
+    only they referenced, leave the catalog at once, in write transactions that first check
+    that no tag moved since the roots were computed (computing them again if one did); a
+    commit's final transaction takes the same write lock and re-checks every blob it reuses
     (invariant 4). The mark is a pack's ``retired_at``; the sweep deletes the rows and
     unlinks the files (500 per transaction, each folder fsynced once at the end: a file a
     power cut brings back has no row, an orphan the next GC removes). A copy writes each
