@@ -435,6 +435,7 @@ class LocalGC(GCSide):
         self._now: float | None = None
         self._dying: tuple = ("0", (), "0")
         self._victims: list = []
+        self._token: tuple = ()
 
     def lock(self, dry_run: bool):
         return gc_lock(self.store.root, read_only_ok=dry_run)
@@ -444,8 +445,12 @@ class LocalGC(GCSide):
             self._now = time.time()
         return self._now
 
+    @contextmanager
     def snapshot(self):
-        return self.cat.read()
+        """A read transaction; the tags' state (:meth:`refs_token`) is noted in it, for :meth:`drop`."""
+        with self.cat.read():
+            self._token = self.refs_token()
+            yield
 
     def commits(self, keep: set) -> dict:
         return {c: (t, None, 0) for c, t in self.cat.rows("SELECT id, created_at FROM commits", raw=True)}
@@ -497,10 +502,10 @@ class LocalGC(GCSide):
         if report.dry_run:
             report.dropped += victims
             return
-        cat, state = self.cat, None
+        cat, state = self.cat, self._token  # the tags as the roots saw them
         while victims:
             with cat.write():
-                if state is not None and self.refs_token() != state:  # a tag moved: the roots again
+                if self.refs_token() != state:  # a tag moved since: the roots again
                     keep = c.retained()
                     victims = [v for (v, t) in cat.rows("SELECT id, created_at FROM commits ORDER BY created_at", raw=True)
                                if v not in keep and t <= cutoff]
