@@ -411,7 +411,7 @@ def _fork_entry(spec_path: str, env: dict, out: str) -> None:  # pragma: no cove
 
 def _warm() -> None:
     """What the forkserver imports once, so that a fork starts committing at once."""
-    from ckptstore import bucket, bucketgc, checkout, remote  # noqa: F401
+    from ckptstore import bucket, checkout, remote  # noqa: F401
     from ckptstore.adapters import REGISTRY, capture
 
     capture(make_state(0), REGISTRY)

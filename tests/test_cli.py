@@ -334,3 +334,19 @@ def test_runs_on_a_store_without_runs_says_so(filled, monkeypatch, capsys):
     assert (code, out) == (0, "no runs: no commit here was made by a Checkpointer (Checkpointer(store, objects, run=NAME) starts one)\n")
     code, out, _ = cli(monkeypatch, capsys, "runs", "--store", str(path), "--json")
     assert (code, json.loads(out)) == (0, [])
+
+
+def test_gc_text_names_the_consolidated_packs_and_the_net_bytes(tmp_path, monkeypatch, capsys):
+    """The gc line says how many small packs were merged (before, only ``repacked`` was printed)
+    and the net bytes freed, the report's ``bytes_freed``."""
+    with ckptstore.Store(tmp_path / "s", shard_bytes=4096) as s:
+        for i in range(3):
+            s.commit({"w": torch.full((1024,), float(i))}, tag="t")
+    code, out, _ = cli(monkeypatch, capsys, "gc", "--grace", "0", "--keep-last", "3", "--store", str(tmp_path / "s"), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["packs_consolidated"] == 6 and report["packs_repacked"] == 0  # a blob pack and a record pack each
+    with ckptstore.Store(tmp_path / "s", shard_bytes=4096) as s:
+        for i in range(3, 5):
+            s.commit({"w": torch.full((1024,), float(i))}, tag="t")
+    code, out, _ = cli(monkeypatch, capsys, "gc", "--grace", "0", "--keep-last", "5", "--store", str(tmp_path / "s"))
+    assert code == 0 and "0 repacked, 5 consolidated," in out and "freed on disk (net of the packs written)" in out, out

@@ -88,6 +88,15 @@ class Home:
         with open_backend(self.location) as b:
             return sum(o.size for o in b.list("blobs"))
 
+    def held_bytes(self) -> int:
+        """Bytes of what a GC may delete or write: packs (and indexes), ``tmp/``, commit records on a bucket."""
+        if self.kind == "local":
+            return self.pack_bytes() + sum(p.stat().st_size for p in (self.tmp_path / "store" / "tmp").glob("*"))
+        from ckptstore.backends import open_backend
+
+        with open_backend(self.location) as b:
+            return self.pack_bytes() + sum(o.size for o in b.list("commits"))
+
     def corrupt_one_blob(self, s: ckptstore.Store, key: tuple[bytes, int]) -> None:
         """Flip one payload byte of blob ``key`` where the store keeps it."""
         loc = s.locate([key])[key]
@@ -651,26 +660,59 @@ def test_gc_counts_the_blobs_a_dropped_commit_frees(home):
 
 def test_gc_pending_counts_what_waits_for_the_grace_period(home):
     """``*_pending``: what a ``--grace 0 --dry-run`` would drop (the dropped commit, its one
-    blob, and every byte of the packs that go or are merged: each pack file locally; the
-    packs, their indexes and the commit's record on a bucket); before, a GC with the default
-    grace period said "0 B pending" (locally: only retired packs counted) with a commit and
-    its blob waiting."""
+    blob, and the net bytes the store would lose: the packs that go or are merged less the
+    merged pack written; on a bucket also the indexes and the commit's record); before, a GC
+    with the default grace period said "0 B pending" (locally: only retired packs counted)
+    with a commit and its blob waiting."""
     s = home.open()
     _, first, second = _two_commits(s)
-    waiting = home.pack_bytes()
-    if home.kind == "s3":
-        from ckptstore.backends import open_backend
-        from ckptstore.remote import commit_key
-
-        with open_backend(home.location) as b:
-            waiting += b.head(commit_key(first)).size
     fields = lambda r: (r.commits_dropped, r.blobs_deleted, r.bytes_freed, r.commits_pending, r.blobs_pending, r.bytes_pending)
-    assert fields(s.gc(dry_run=True)) == (0, 0, 0, 1, 1, waiting)
-    assert fields(s.gc()) == (0, 0, 0, 1, 1, waiting)  # the default grace period (1 h locally, 24 h on a bucket)
-    assert fields(s.gc(grace=0, dry_run=True)) == (1, 1, waiting, 0, 0, 0)
-    assert fields(s.gc(grace=0)) == (1, 1, waiting, 0, 0, 0)
+    before = home.held_bytes()
+    got = [fields(s.gc(dry_run=True)), fields(s.gc()), fields(s.gc(grace=0, dry_run=True)), fields(s.gc(grace=0))]
+    waiting = before - home.held_bytes()
+    assert 0 < waiting < before
+    assert got == [(0, 0, 0, 1, 1, waiting), (0, 0, 0, 1, 1, waiting),  # the default grace period (1 h locally, 24 h on a bucket)
+                   (1, 1, waiting, 0, 0, 0), (1, 1, waiting, 0, 0, 0)]
     assert fields(s.gc()) == (0, 0, 0, 0, 0, 0)
     assert s.tags() == {"t": second}
+
+
+def test_gc_dry_run_reports_what_the_real_run_does_a_grace_period_later(home):
+    """A GC (grace 1 s) drops a commit and merges the small packs; a grace period later a dry
+    run reports exactly what the real run then deletes (the packs marked or retired by the
+    first run), on both homes; before, a bucket's dry run reported what its own mark would
+    take (nothing) while the real run swept the first run's mark."""
+    import time
+
+    s = home.open()
+    _, first, second = _two_commits(s)
+    time.sleep(3.1)  # the grace period, and the bucket's whole-second clock twice over
+    fields = ("commits_dropped", "blobs_deleted", "blob_bytes", "packs_repacked", "packs_consolidated", "packs_deleted",
+              "orphans_removed", "reflog_removed", "tmp_removed", "bytes_freed", "commits_pending", "blobs_pending", "bytes_pending")
+    s.gc(grace=1)
+    time.sleep(3.1)
+    dry, real = s.gc(grace=1, dry_run=True), s.gc(grace=1)
+    assert {f: getattr(dry, f) for f in fields} == {f: getattr(real, f) for f in fields}
+    assert sorted(dry.dropped) == sorted(real.dropped)
+    assert real.packs_deleted > 0 and real.bytes_freed > 0 and s.tags() == {"t": second}
+    assert real.reflog_removed == (1 if home.kind == "s3" else 0)  # the move that made `first`: retention governs the bucket's reflog
+    assert home.open(fresh_cache=True).fsck(deep=True).ok
+
+
+def test_gc_bytes_freed_is_what_the_store_lost(home):
+    """``bytes_freed`` is net: the bytes deleted less the consolidated packs written, exactly
+    what the store holds less after the run, the same on both homes (before, a GC that merged
+    small packs counted every merged pack as freed: 28.8 KiB "freed" where 2.6 KiB was)."""
+    s = home.open()
+    for i in range(4):
+        s.commit({"a": torch.full((256,), float(i)), "b": torch.arange(2048, dtype=torch.float32)}, tag="t")
+    before = home.held_bytes()
+    dry = s.gc(grace=0, keep_last=4, dry_run=True)
+    report = s.gc(grace=0, keep_last=4)
+    lost = before - home.held_bytes()
+    assert report.packs_consolidated >= 2 and report.commits_dropped == 0
+    assert (report.bytes_freed, dry.bytes_freed) == (lost, lost)
+    assert 0 < lost < before and report.packs_deleted == report.packs_consolidated  # merged: mostly kept, not freed
 
 
 def _refused(call, exc, message):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import gc as gc_mod
+from ckptstore import home as home_mod
 from ckptstore.errors import InvalidArgumentError
 
 from .conftest import assert_bit_equal
@@ -156,9 +156,9 @@ def test_sigkill_mid_consolidation_leaves_one_set_of_packs_indexed(tmp_path, at)
 
     def child():
         if at == "after the new pack is durable":
-            gc_mod.PackWriter.finish = die_after(gc_mod.PackWriter.finish)
+            home_mod.PackWriter.finish = die_after(home_mod.PackWriter.finish)
         else:
-            gc_mod.Collector.delete_packs = die_after(lambda self, report: None)
+            home_mod.LocalGC.mark = die_after(lambda self, plan, report: None)
         ckptstore.Store(path).gc(keep_last=20, grace=0)
 
     pid = fork(child)

@@ -34,7 +34,7 @@ reachable once a ref names it (order: packs, ``.idx``, record, ref CAS, reflog o
 After its record is on the bucket and before its CAS, a commit checks every pack it
 relies on (new and reused) against the GC marks (``gc/*.json``) and that the pack still
 exists; a blob in a marked or missing pack is written again, so a commit slower than the
-grace period loses nothing. GC is two-phase (:mod:`ckptstore.bucketgc`). Tags are read
+grace period loses nothing. GC marks, then sweeps a grace period later (:class:`BucketGC`, the primitives of :mod:`ckptstore.gc`). Tags are read
 from the refs alone, revalidated by one listing of their ETags.
 """
 
@@ -49,12 +49,12 @@ import shutil
 import threading
 import time
 import uuid
-from dataclasses import replace
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from .backends import Backend, open_backend
-from .bucketgc import BucketGC
 from .errors import (
     BlobCorruptError,
     BlobMissingError,
@@ -65,8 +65,10 @@ from .errors import (
     RefConflictError,
     RefNotFoundError,
 )
+from .gc import GCReport, GCSide, PackStat, packed
 from .layout import RANDOM, address, digest
-from .packindex import index_key, pack_key
+from .packindex import INDEX_ENTRY, INDEX_HEADER, index_key, pack_key
+from .packindex import TRAILER as INDEX_TRAILER
 from .packs import (
     BLOB_HEADER,
     BLOB_MAGIC,
@@ -249,7 +251,7 @@ class BucketHome(Home):
     - ``pack_bytes``: packs roll over past this size (default 64 MiB; they upload in
       parallel, :data:`UPLOADS` at a time).
     - ``cache``: the folder of the local index (default :func:`cache_folder`).
-    - ``gc``'s grace period defaults to 24 hours (:mod:`ckptstore.bucketgc`).
+    - ``gc``'s grace period defaults to 24 hours (:class:`BucketGC`).
     - ``push``, ``pull`` and ``export`` work as on a local store, to and from either home
       (a folder, or another prefix: :mod:`ckptstore.transfer`, :mod:`ckptstore.remote`);
       ``Store.recover("s3://…")`` rebuilds this cache from the bucket alone
@@ -830,8 +832,8 @@ class BucketHome(Home):
     # --- maintenance ----------------------------------------------------------------------------
 
     def gc_home(self) -> BucketGC:
-        """This home's side of the GC protocol (:class:`ckptstore.bucketgc.BucketGC`: lock-free
-        mark and sweep; ``grace`` defaults to 24 hours)."""
+        """This home's primitives of the GC protocol (:class:`BucketGC`: no lock, a mark swept a
+        grace period later; ``grace`` defaults to 24 hours)."""
         self._need_store()
         return BucketGC(self.store)
 
@@ -1004,4 +1006,265 @@ class BucketHome(Home):
         report.damaged_marker = True
         report.problems.append(problem if repair else f"{problem} (`ckptstore fsck --repair` rewrites it from the intact copy)")
 
-__all__ = ["BucketHome", "BucketReader", "DetachedPackWriter", "cache_folder"]
+
+
+# --- the GC primitives of a bucket (ckptstore.gc.GCSide) -------------------------------------
+
+#: Seconds: S3 (and moto) give object times in whole seconds, so an object may be this much younger than
+#: its time says; a grace period above 0 waits this much longer, or a just-written pack or mark looks old.
+MTIME_STEP = 1.0
+#: The grace period's default on a bucket (seconds): a reader that resolved a tag before a mark has this long.
+BUCKET_GRACE = 86400.0
+
+
+@dataclass
+class _GCState:
+    """What the bucket holds at one read: refs, objects, pack entries, records' needs, marks."""
+
+    refs: dict
+    now: float  # the server's clock (invariant 5)
+    objects: dict  # key -> ObjectInfo (everything under blobs/ and commits/)
+    packs: dict  # pack id -> ObjectInfo
+    entries: dict  # pack id -> [Entry] (its .idx, or the pack walked; a pack neither gives is absent: never garbage)
+    bad_indexes: dict  # pack id -> why its .idx is missing or damaged (walked instead)
+    needs: dict  # commit id -> blob addresses, for every record on the bucket and every commit a tag names
+    blind: list  # commits a tag names whose record cannot be read: what they need is unknown, so no pack goes
+    marks: list  # (mtime, key, mark dict) of every readable gc/*.json
+    unreadable_marks: list  # keys of marks that do not parse (deleted by the sweep; writers treat every pack as marked)
+
+
+class BucketGC(GCSide):
+    """The primitives of the GC protocol (:mod:`ckptstore.gc`) on a bucket: no lock (any
+    number of writers and GCs run beside it), the server's clock (``Backend.now()``, whole
+    seconds: :data:`MTIME_STEP`; no time of this machine is compared with an object's),
+    liveness from the records alone (invariant 4: a pack's entries from its ``.idx``, or the
+    pack walked where that is missing or damaged, the index then rebuilt; a pack that cannot
+    be read is never garbage, and no pack is while a tag names a commit whose record cannot
+    be read). Nothing leaves at once (:meth:`drop` does nothing): the mark is
+    ``gc/<time>-<uuid>.json`` = ``{"at", "packs", "commits", "objects", "reflog"}``
+    (create-only), naming the dead and copied packs, the victims' records, ``.idx`` objects
+    without pack and reflog objects whose commits are both dropped; the sweep of a mark a
+    grace period old deletes what is still unneeded and the mark. A pack's live blob held by
+    another, unmarked pack (a copy, or a writer's rewrite: invariant 6) does not keep a
+    marked pack. A copy's live blobs are read by ranged GETs, verified, and written into new
+    packs and ``.idx`` before the old packs are marked.
+
+    ``BackendError``: the storage failed (what was deleted stays deleted; run again).
+    """
+
+    default_grace = BUCKET_GRACE
+    clock_step = MTIME_STEP
+
+    def __init__(self, store):
+        self.store = store
+        self.backend = store.backend
+        self.st: _GCState | None = None
+        self._cutoff = 0.0
+        self._keep: set = set()
+        self._reflog_seen: dict = {}  # reflog key -> [key, new, old] (None: unreadable)
+        self._live_entries: dict = {}
+
+    def lock(self, dry_run: bool):
+        return nullcontext()
+
+    def now(self, fresh: bool) -> float:
+        if fresh or self.st is None:
+            self.st = self._read()
+        return self.st.now
+
+    def _read(self) -> _GCState:
+        """Mirror the bucket into the cache and read what liveness needs (every ref, record, ``.idx`` and mark)."""
+        store, backend, requests = self.store, self.backend, self.store.home.requests
+        store.log()  # mirrors the tags, caches every commit record, forgets the ones the bucket lost
+        now = backend.now()
+        objects = {o.key: o for o in backend.list("blobs")}
+        objects.update({o.key: o for o in backend.list("commits")})
+        packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in objects.items() if k.endswith(".pack")}
+        found = dict(zip(packs, requests.map(lambda pid: pack_entries(backend, pid, packs[pid].size, index_key(pid) in objects), list(packs))))
+        entries = {pid: f.entries for pid, f in found.items() if f.entries is not None}
+        bad_indexes = {pid: f.index_problem for pid, f in found.items() if f.index_problem is not None}
+        ids = [k.rsplit("/", 1)[1] for k in objects if k.startswith("commits/")]
+        needs = {cid: {k for leaf in store.record(cid).leaves for k in leaf.keys} for cid in ids if store.has_cached(cid)}
+
+        def needed(cid):  # a record written since the cache was brought up to date
+            try:
+                return cid, {k for leaf in fetch_record(backend, cid).leaves for k in leaf.keys}
+            except IntegrityError:
+                return cid, None  # gone, or damaged (fsck reports it); a failing server raises
+
+        # The refs read after the listings: a commit a ref names now whose record came after them is
+        # fetched below (so its blobs are live), and the sweep's check that no ref moved covers only its decision.
+        refs = store.refs.read_all()
+        named = {c for c in refs.values() if c}
+        needs.update(requests.map(needed, [c for c in set(ids) | named if c not in needs]))
+        blind = sorted(c for c in named if needs.get(c) is None)
+        needs = {c: keys for c, keys in needs.items() if keys is not None}
+        marks, unreadable = [], []
+        for o in backend.list("gc"):
+            try:
+                mark = json.loads(backend.get(o.key))
+                mark = {"packs": [p for p in mark["packs"] if type(p) is str], "commits": [x for x in mark["commits"] if type(x) is str],
+                        "objects": [x for x in mark.get("objects", []) if type(x) is str],
+                        "reflog": [x for x in mark.get("reflog", []) if type(x) is list and len(x) == 3 and type(x[0]) is str
+                                   and x[0].startswith("reflog/")]}
+                marks.append((o.mtime, o.key, mark))
+            except ObjectNotFoundError:
+                continue  # another GC swept it
+            except (ValueError, KeyError, TypeError):
+                unreadable.append(o.key)
+        return _GCState(refs, now, objects, packs, entries, bad_indexes, needs, blind, marks, unreadable)
+
+    def snapshot(self):
+        return self.store.catalog.read()  # one snapshot: a writer sharing this cache folder may add commits meanwhile
+
+    def _marked(self, field_: str) -> dict:
+        """``{name: time of the oldest mark naming it}`` for one field of the marks."""
+        out: dict = {}
+        for mtime, _, mark in self.st.marks:
+            for x in mark[field_]:
+                out[x] = min(out.get(x, mtime), mtime)
+        return out
+
+    def commits(self, keep: set) -> dict:
+        marked = self._marked("commits")
+        return {k.rsplit("/", 1)[1]: (o.mtime, marked.get(k.rsplit("/", 1)[1]), o.size)
+                for k, o in self.st.objects.items() if k.startswith("commits/")}
+
+    def packs(self, keep: set, victims: list, cutoff: float) -> list[PackStat]:
+        st, store = self.st, self.store
+        self._cutoff, self._keep = cutoff, keep
+        dropping = set(victims) - keep
+        live = set().union(*(keys for c, keys in st.needs.items() if c not in dropping or c in keep))
+        live |= {k for c in keep if c not in st.needs and store.has_cached(c) for leaf in store.record(c).leaves for k in leaf.keys}
+        marked = self._marked("packs")
+        holders: dict = {}  # address -> the unmarked, readable packs holding it
+        for pid, entries in st.entries.items():
+            if pid not in marked:
+                for e in entries:
+                    if e.magic == BLOB_MAGIC:
+                        holders.setdefault((e.loc.digest, e.loc.raw_len), set()).add(pid)
+        out = []
+        for pid, info in st.packs.items():
+            idx = st.objects.get(index_key(pid))
+            freed = info.size + (idx.size if idx is not None else 0)
+            if pid not in st.entries:
+                out.append(PackStat(pid, info.size, info.mtime, marked.get(pid), 1, info.size, freed, keep=True))
+                continue
+            blobs = [e for e in st.entries[pid] if e.magic == BLOB_MAGIC]
+            alive = [e for e in blobs if (e.loc.digest, e.loc.raw_len) in live]
+            only = [e for e in alive if pid not in marked or not holders.get((e.loc.digest, e.loc.raw_len))]
+            dead = [e for e in blobs if (e.loc.digest, e.loc.raw_len) not in live]
+            self._live_entries[pid] = alive
+            size = lambda es: sum(BLOB_HEADER.size + e.loc.stored_len for e in es)
+            out.append(PackStat(pid, info.size, info.mtime, marked.get(pid), len(only), size(only), freed,
+                                dies_with=len(dead), dies_with_bytes=size(dead), keep=bool(st.blind)))
+        return out
+
+    def withheld(self) -> list[str]:
+        if not self.st.blind:
+            return []
+        return [f"no pack is collected while tags name commits whose record is missing or damaged: "
+                f"{', '.join(self.st.blind)} (`ckptstore fsck --deep` lists them)"]
+
+    def copy_size(self, batch: list[PackStat]) -> int:
+        sizes = [BLOB_HEADER.size + e.loc.stored_len for p in batch for e in self._live_entries[p.id]]
+        return sum(size + INDEX_HEADER.size + n * INDEX_ENTRY.size + INDEX_TRAILER for n, size in packed(sizes, self.store.pack_bytes))
+
+    def copy(self, batch: list[PackStat], report: GCReport) -> int:
+        backend, writer = self.backend, self.store.pack_writer()
+        with writer:
+            for p in batch:
+                live = self._live_entries[p.id]
+                bufs = backend.get_ranges(pack_key(p.id), [(e.loc.offset, e.loc.offset + BLOB_HEADER.size + e.loc.stored_len) for e in live])
+                for e, buf in zip(live, bufs):
+                    payload = check_entry(buf, e.loc, f"{backend.url}: pack {p.id}")
+                    writer.append_encoded(e.loc.digest, e.loc.raw_len, e.loc.codec, bytes(payload))
+            writer.finish()
+        self.store.refresh_index()
+        return writer.bytes_uploaded
+
+    def mark(self, plan, report: GCReport) -> None:
+        st, backend = self.st, self.backend
+        dead = {p.id for p in plan.dead}
+        for pid in st.bad_indexes:
+            if pid in st.entries and pid not in dead:
+                repair_index(backend, pid, st.entries[pid])
+                report.indexes_repaired += 1
+        old = lambda key: st.objects[key].mtime <= self._cutoff
+        orphans = [k for k in st.objects if k.endswith(".idx") and old(k) and k.rsplit("/", 1)[1][:-4] not in st.packs]
+        reflog = self._dead_reflog()
+        packs = [p.id for p in plan.marked]
+        if packs or plan.victims or orphans or reflog:
+            mark = {"at": st.now, "commits": plan.victims, "objects": orphans, "packs": packs, "reflog": reflog}
+            backend.put_new(f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json", json.dumps(mark, sort_keys=True).encode())
+
+    def _dead_reflog(self) -> list[list]:
+        """``[key, new, old]`` of every reflog object older than the cutoff whose commits are
+        both outside what retention keeps (retention governs the reflog too); one that cannot
+        be read is kept (fsck reports it)."""
+        backend, keep, seen = self.backend, self._keep, self._reflog_seen
+        todo = [o.key for o in backend.list("reflog") if o.mtime <= self._cutoff]
+
+        def load(key):
+            try:
+                m = parse_reflog(backend.get(key), key, backend.url)
+                return key, [key, m["new"], m["old"]]
+            except (ObjectNotFoundError, IntegrityError):
+                return key, None
+
+        seen.update(self.store.home.requests.map(load, [k for k in todo if k not in seen]))  # immutable: read once per run
+        return [seen[k] for k in todo if seen[k] is not None and seen[k][1] not in keep and seen[k][2] not in keep]
+
+    def _reflog_due(self, due: list, own: list = ()) -> set:
+        """Keys of the reflog objects the marks ``due`` (and this run's ``own`` entries) name that are still on
+        the bucket and whose commits are both outside what retention keeps."""
+        named = [r for _, mark in due for r in mark["reflog"]] + list(own)
+        if not named:
+            return set()
+        held = {o.key for o in self.backend.list("reflog")}
+        return {key for key, new_, old_ in named if key in held and new_ not in self._keep and old_ not in self._keep}
+
+    def refs_token(self) -> dict:
+        return self.st.refs  # as the state just read saw them
+
+    def delete(self, commits: list[str], packs: list[PackStat], token, report: GCReport) -> tuple[list, list] | None:
+        st, backend = self.st, self.backend
+        if self.store.refs.read_all() != token:
+            return None
+        due = [(key, mark) for mtime, key, mark in st.marks if mtime <= self._cutoff]
+        for c in commits:
+            backend.delete(commit_key(c))
+        for p in packs:
+            backend.delete(pack_key(p.id))
+            backend.delete(index_key(p.id))
+        for key in self._reflog_due(due):  # a ref move whose commits are all dropped has nothing left to tell
+            backend.delete(key)
+            report.reflog_removed += 1
+        for obj in {obj for _, mark in due for obj in mark["objects"] if obj in st.objects}:
+            backend.delete(obj)
+            report.bytes_freed += st.objects[obj].size
+            report.orphans_removed += 1
+        self.store.home.forget(commits)
+        for key in [k for k, _ in due] + st.unreadable_marks:
+            backend.delete(key)
+        self.store.refresh_index()
+        return commits, packs
+
+    def anything_due(self, cutoff: float) -> bool:
+        return bool(self.st.unreadable_marks) or any(mtime <= cutoff for mtime, _, _ in self.st.marks)
+
+    def leftovers(self, cutoff: float, own_due: bool, report: GCReport) -> None:
+        """A dry run's count of the marks' other objects the sweep deletes (a real run's sweep deleted them)."""
+        if not report.dry_run:
+            return
+        st = self.st
+        objects = {obj for mtime, _, mark in st.marks if mtime <= cutoff for obj in mark["objects"] if obj in st.objects}
+        if own_due:
+            objects |= {k for k in st.objects if k.endswith(".idx") and st.objects[k].mtime <= cutoff and k.rsplit("/", 1)[1][:-4] not in st.packs}
+        report.orphans_removed += len(objects)
+        report.bytes_freed += sum(st.objects[k].size for k in objects)
+        due = [(key, mark) for mtime, key, mark in st.marks if mtime <= cutoff]
+        report.reflog_removed += len(self._reflog_due(due, self._dead_reflog() if own_due else ()))
+
+
+__all__ = ["BucketGC", "BucketHome", "BucketReader", "DetachedPackWriter", "cache_folder"]

@@ -443,8 +443,9 @@ def gc(
     verb = "would free" if report.dry_run else "freed"
     console.print(
         f"gc {verb}: {counted(report.commits_dropped, 'commit')}, {counted(report.blobs_deleted, 'blob')} ({fmt_bytes(report.blob_bytes)} in packs), "
-        f"{counted(report.packs_deleted, 'pack')} deleted, {report.packs_repacked} repacked, {counted(report.orphans_removed, 'orphan pack')}, "
-        f"{counted(report.tmp_removed, 'tmp file')}; {fmt_bytes(report.bytes_freed)} freed on disk; pending the grace period: "
+        f"{counted(report.packs_deleted, 'pack')} deleted, {report.packs_repacked} repacked, {report.packs_consolidated} consolidated, "
+        f"{counted(report.orphans_removed, 'orphan pack')}, {counted(report.tmp_removed, 'tmp file')}; {fmt_bytes(report.bytes_freed)} freed "
+        f"on disk (net of the packs written); pending the grace period: "
         f"{counted(report.commits_pending, 'commit')}, {counted(report.blobs_pending, 'blob')}, {fmt_bytes(report.bytes_pending)}"
     )
     console.print("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in report.seconds.items()))

@@ -1,38 +1,39 @@
-"""Garbage collection on both homes: one entry (:func:`collect`), one report (:class:`GCReport`),
-one set of rules (retention :meth:`Collector.retained`, the pack rules :func:`pack_kind` and
-:func:`choose_repacks`, what is :func:`pending`); the home's side does the rest: :class:`LocalGC`
-here (below), :class:`ckptstore.bucketgc.BucketGC` on object storage (mark and sweep).
+"""Garbage collection: one protocol on both homes, written once here against the primitives
+each home provides (:class:`GCSide`: :class:`ckptstore.home.LocalGC` for a folder,
+:class:`ckptstore.bucket.BucketGC` for a bucket). One entry (:func:`collect`), one report
+(:class:`GCReport`), one set of decisions (:func:`decide`, :func:`sweep_due`, :func:`pending`).
 
-The local protocol (``shared/design/ARCHITECTURE.md``, GC section), as built:
+The protocol (``shared/design/ARCHITECTURE.md``, "GC protocol"; docs/design.md, "Garbage collection"):
 
-1. **Lock.** An exclusive ``flock`` on ``<store>/gc.lock``; a second GC fails at
-   once with :class:`~ckptstore.errors.GCLockedError`.
-2. **Commits.** Roots are every tag, plus what retention keeps: the ``keep_last``
-   newest commits of each tag's lineage, the whole lineage of tags matching a
-   ``keep_tags`` glob, commits younger than ``keep_within`` and, always, commits
-   younger than the grace period. Other commits are dropped from the catalog in
-   batches; each batch's write transaction first checks that no tag moved since the
-   roots were computed and computes them again if one did, so a tag moved meanwhile
-   is honoured. The roots cost O(n log n) in the commits n, and each batch a few
-   indexed statements, so a GC grows as n log n (``benchmarks/scale.py``).
-3. **Blobs.** Rows no remaining manifest references and created before the grace
-   period are deleted in batches (one walk in id order), each in one write transaction. A commit's final
-   transaction holds the same write lock and re-checks every blob it reuses, so
-   the two cannot interleave (invariant 4).
-4. **Packs.** A pack with no live blob is retired. A pack whose live fraction is
-   below ``repack_below`` (half-dead), and every pack smaller than
-   ``small_pack_bytes`` (when there are two or more to rewrite), older than the grace
-   period and held by no running commit (``flock``), has its live blobs and records
-   copied (verified) into new durable packs of up to ``pack_bytes``, the rows repointed
-   in one transaction per batch, and is retired: so the pack count follows the data,
-   not the number of commits (two small packs each). A retired pack
-   file is unlinked only once it has been retired for the grace period, so a
-   reader that looked a blob up just before still finds it. Files are unlinked
-   500 per transaction, and each folder fsynced once at the end (a file a power
-   cut brings back has no row: an orphan, removed by the next GC).
-5. **Leftovers.** Pack files without a catalog row (a crashed commit) and files in
-   ``tmp/`` are removed when older than the grace period and not locked by a
-   running commit (commits hold a ``flock`` on their packs until they return).
+1. **Lock** (:meth:`GCSide.lock`): locally an exclusive ``flock`` (a second GC fails at once
+   with :class:`~ckptstore.errors.GCLockedError`); on a bucket none (a second GC is harmless:
+   its marks name the same objects).
+2. **Roots and keep-set.** "Now" is the home's clock (:meth:`GCSide.now`, invariant 5). The
+   roots are every tag plus what retention keeps (:meth:`Collector.retained`: the
+   ``keep_last`` newest of each tag's lineage, the lineages of ``keep_tags`` globs, commits
+   younger than ``keep_within`` or the grace period), computed in O(n log n) over one
+   snapshot of the home's index (:meth:`GCSide.snapshot`). Commits outside them and older
+   than the grace period are the *victims*. The keep-set is what the kept commits' records
+   need (invariant 4): the home reports per pack its live entries and what dies
+   (:meth:`GCSide.packs`, :class:`PackStat`).
+3. **Decide** (:func:`decide`, the same code for both homes): a pack older than the grace
+   period and not marked is *dead* (no live entry), *half-dead* (live bytes below
+   ``repack_below``) or *small* (below ``small_pack_bytes``: merged when at least two packs
+   are rewritten), :func:`pack_kind` and :func:`choose_repacks`.
+4. **Act**: the victims leave the index (:meth:`GCSide.drop`: locally at once, in
+   transactions that re-check the tags; on a bucket their records go into the mark); the
+   half-dead and small packs' live entries are copied, verified, into new packs of up to
+   ``pack_bytes`` (:meth:`GCSide.copy`, batches of :func:`batches`); the dead and copied
+   packs (and, on a bucket, the victims' records) are **marked** (:meth:`GCSide.mark`:
+   ``retired_at`` in the catalog; ``gc/<run>.json`` on a bucket).
+5. **Sweep** (:func:`sweep_due`): what has been marked for the grace period (this run's
+   own marks with a grace period of 0) and is still outside the keep-set is deleted: the
+   state is read again, and the deletion (:meth:`GCSide.delete`) starts over if a ref moved
+   meanwhile. Stale temporary files and leftovers go too (:meth:`GCSide.leftovers`).
+
+A dry run follows the same steps over the same state without acting, and reports what the
+real run does; ``*_pending`` is a dry run at a grace period of 0 over the same state (before
+anything changes), less this run (:func:`pending`).
 """
 
 from __future__ import annotations
@@ -43,26 +44,21 @@ import fnmatch
 import heapq
 import os
 import re
-import shutil
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import progress
 from .errors import GCLockedError, InvalidArgumentError, StoreWriteError
-from .packs import BLOB_HEADER, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, fsync_dir, pack_path
-from .records import KIND_COMMIT, KIND_REF
+from .layout import RANDOM
+from .packs import PACK_HEADER
 
 DEFAULT_GRACE = 3600.0
 REPACK_BELOW = 0.5
 #: Packs smaller than this (bytes) are merged into large ones by GC (at most half the store's ``pack_bytes``).
 SMALL_PACK_BYTES = 4 << 20
-_BATCH_COMMITS = 500
-_BATCH_BLOBS = 2000
-_BATCH_PACKS = 500
-# Ref-move records that a newer move of the same tag supersedes (recovery needs only the newest).
-_SUPERSEDED = f"kind = {KIND_REF} AND seq < (SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)"
+#: Times a sweep decides again when a ref moves while it decides.
+SWEEP_ATTEMPTS = 5
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -95,8 +91,11 @@ def check_glob(pattern: str) -> str:
 class GCReport:
     """What a GC run freed (or, with ``dry_run``, would free).
 
-    Byte counts are bytes on disk (in the bucket): ``bytes_freed`` counts pack and
-    temporary files (objects) deleted in this run. ``commits_pending``,
+    Byte counts are bytes on disk (in the bucket). ``bytes_freed`` is the net number of
+    bytes the home lost in this run: the packs (and, on a bucket, their ``.idx`` and the
+    commit records), orphans and temporary files deleted, less the packs (and ``.idx``) the
+    run wrote to hold the live entries it copied out of half-dead and small packs; so it can
+    be negative while the deleted packs wait for the grace period. ``commits_pending``,
     ``blobs_pending`` and ``bytes_pending`` count what waits for the grace period:
     what a run with a grace period of 0 (``--grace 0 --dry-run``) would drop
     beyond what this run drops (commits, blobs, bytes freed); 0 with a grace period of 0.
@@ -171,7 +170,7 @@ def gc_lock(root: Path, read_only_ok: bool = False):
         os.close(fd)
 
 
-def _unlocked(path: Path) -> int | None:
+def unlocked(path: Path) -> int | None:
     """An fd holding an exclusive lock on ``path``, or None if a running commit holds it."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -206,19 +205,17 @@ class Collector:
         self.keep_within = 0.0 if keep_within is None else parse_duration(keep_within)
         self.grace = parse_duration(grace)
         self.repack_below = repack_below
-        self.now = time.time()
-        self.doomed: dict[str, tuple[int, int]] = {}  # dry run: pack -> (entries, bytes) the real run would delete
-        self.repacked_now: set[str] = set()  # dry run: packs the real run would repack (and so retire now)
+        self.pack_bytes = store.pack_bytes
+        self.now = 0.0  # the home's clock, set by each step of the run (:meth:`GCSide.now`)
 
     def at_grace_0(self) -> Collector:
         """The same run with a grace period of 0 (what :func:`pending` compares with)."""
         keep_last, keep_tags, keep_within, repack_below, small_pack_bytes = self.options
         return Collector(self.store, keep_last, keep_tags, keep_within, 0.0, repack_below, small_pack_bytes)
 
-    # --- commits -----------------------------------------------------------------------
-
     def retained(self) -> set[str]:
-        """Commit ids the roots and the retention policy keep (run inside a transaction).
+        """Commit ids the roots and the retention policy keep, from the home's index (run inside
+        one snapshot of it: :meth:`GCSide.snapshot`), ages as of :attr:`now`.
 
         O(n log n) in the number of commits n (plus ``keep_last`` steps per tag): the
         ``keep_last`` newest commits of a lineage are found by a best-first walk from
@@ -292,331 +289,294 @@ class Collector:
                     heapq.heappush(heap, (-newest[p], p))
         return [c for _, c in found]
 
-    def _tag_state(self) -> tuple:
-        """Changes whenever a tag moves, is created or deleted (what :meth:`retained` depends
-        on besides commits, which only ever get added, young)."""
-        return (*self.cat.rows("SELECT MAX(id) FROM reflog", raw=True)[0],
-                *self.cat.rows("SELECT COUNT(*), MAX(updated_at), TOTAL(updated_at) FROM tags", raw=True)[0])
 
-    def drop_commits(self, report: GCReport) -> None:
-        """Drop the commits outside :meth:`retained`, ``_BATCH_COMMITS`` per write transaction;
-        each transaction first checks that no tag moved since the roots were computed (else
-        they are computed again)."""
-        if report.dry_run:
-            with self.cat.read():
-                keep = self.retained()
-                victims = [c for (c,) in self.cat.rows("SELECT id FROM commits ORDER BY created_at", raw=True) if c not in keep]
-            report.dropped += victims
-            self._doom(
-                f"SELECT pack, COUNT(*), SUM(stored_len + {BLOB_HEADER.size}) FROM records WHERE "
-                f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR ({_SUPERSEDED}) GROUP BY pack",
-                victims,
-            )
-            report.commits_dropped = len(report.dropped)
-            return
-        victims: list[str] = []
-        state = None
-        while True:
-            with self.cat.write():
-                if state is None or self._tag_state() != state:
-                    state = self._tag_state()
-                    keep = self.retained()
-                    victims = [c for (c,) in self.cat.rows("SELECT id FROM commits ORDER BY created_at", raw=True) if c not in keep]
-                batch, victims = victims[:_BATCH_COMMITS], victims[_BATCH_COMMITS:]
-                self.cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", batch)
-                for table in ("leaves", "components", "parents"):
-                    self.cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", batch)
-                self.cat.chunked(f"DELETE FROM records WHERE kind = {KIND_COMMIT} AND name IN ({{}})", batch)
-                self.cat.chunked("DELETE FROM commits WHERE id IN ({})", batch)
-                report.dropped += batch
-            if not victims:
-                break
-        report.commits_dropped = len(report.dropped)
-        with self.cat.write():  # of each tag's ref-move records, the newest is what recovery needs
-            self.cat.conn.execute(f"DELETE FROM records WHERE {_SUPERSEDED}")
+@dataclass
+class PackStat:
+    """One pack as a home reports it to the protocol (:meth:`GCSide.packs`), with the
+    victims gone. Sizes in bytes (entry headers included), times on the home's clock.
 
-    # --- blobs ---------------------------------------------------------------------------
+    ``n``/``live``: the live entries held only here (another, unmarked pack's copy of a blob
+    does not keep this one); ``dies_now``/``dies_now_bytes``: blobs that die in this run
+    whatever becomes of the pack (locally the rows :meth:`GCSide.drop` deletes);
+    ``dies_with``/``dies_with_bytes``: blobs that die only with the pack (on a bucket);
+    ``freed``: bytes deleting it frees (on a bucket with its ``.idx``); ``keep``: never
+    collected (cannot be read, or what it holds cannot be known)."""
 
-    def delete_blobs(self, report: GCReport) -> None:
-        cutoff = self.now - self.grace
-        if report.dry_run:
-            n, size = self._doom(
-                f"SELECT pack, COUNT(*), SUM(stored_len + {BLOB_HEADER.size}) FROM blobs b WHERE created_at < {cutoff!r} AND NOT EXISTS "
-                "(SELECT 1 FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE s.blob_id = b.id AND l.commit_id NOT IN (SELECT id FROM gc_dropped)) "
-                "GROUP BY pack",
-                report.dropped,
-            )
-            report.blobs_deleted, report.blob_bytes = n, size
-            return
-        last = -1  # walk the blob rows once, in id order (a batch never rescans the rows kept before it)
-        while True:
-            with self.cat.write():
-                rows = self.cat.rows(
-                    "SELECT id, stored_len FROM blobs b WHERE id > ? AND created_at < ? AND NOT EXISTS "
-                    "(SELECT 1 FROM shards s WHERE s.blob_id = b.id) ORDER BY id LIMIT ?",
-                    (last, cutoff, _BATCH_BLOBS),
-                )
-                self.cat.chunked("DELETE FROM blobs WHERE id IN ({})", [r["id"] for r in rows])
-            report.blobs_deleted += len(rows)
-            report.blob_bytes += sum(r["stored_len"] + BLOB_HEADER.size for r in rows)
-            if len(rows) < _BATCH_BLOBS:
-                break
-            last = rows[-1]["id"]
+    id: str
+    size: int
+    created: float
+    marked: float | None
+    n: int
+    live: int
+    freed: int
+    dies_now: int = 0
+    dies_now_bytes: int = 0
+    dies_with: int = 0
+    dies_with_bytes: int = 0
+    keep: bool = False
 
-    # --- packs -----------------------------------------------------------------------------
 
-    def _doom(self, sql: str, dropped: list[str]) -> tuple[int, int]:
-        """Dry run: note per pack the entries (and bytes) the real run would delete,
-        as ``sql`` selects them (``gc_dropped`` holds ``dropped``); returns their totals."""
-        with self.cat.read():
-            self.cat.conn.execute("CREATE TEMP TABLE IF NOT EXISTS gc_dropped (id TEXT PRIMARY KEY)")
-            self.cat.conn.execute("DELETE FROM gc_dropped")
-            self.cat.conn.executemany("INSERT OR IGNORE INTO gc_dropped VALUES (?)", [(c,) for c in dropped])
-            rows = self.cat.rows(sql, raw=True)
-        for pack, n, size in rows:
-            had = self.doomed.get(pack, (0, 0))
-            self.doomed[pack] = (had[0] + n, had[1] + size)
-        return sum(r[1] for r in rows), sum(r[2] for r in rows)
+@dataclass
+class Plan:
+    """What one run decides (:func:`decide`): ``victims`` (commit ids), and the packs that are
+    ``dead``, ``half`` (half-dead: copied out) and ``small`` (merged), as :class:`PackStat`."""
 
-    def pack_stats(self) -> list[dict]:
-        """Per pack: id, size, created_at, retired_at, ``n`` live entries (blobs and records),
-        ``live`` bytes; in a dry run, less what the real run would have deleted by then."""
-        rows = [dict(r) for r in self._pack_rows()]
-        for r in rows:
-            n, size = self.doomed.get(r["id"], (0, 0))
-            r["n"] -= n
-            r["live"] -= size
-        return rows
+    victims: list
+    dead: list
+    half: list
+    small: list
 
-    def _pack_rows(self) -> list:
-        return self.cat.rows(
-            "SELECT p.id, p.size, p.created_at, p.retired_at, COALESCE(b.n, 0) + COALESCE(r.n, 0) AS n, "
-            "COALESCE(b.live, 0) + COALESCE(r.live, 0) AS live FROM packs p "
-            "LEFT JOIN (SELECT pack, COUNT(*) AS n, SUM(stored_len + ?) AS live FROM blobs GROUP BY pack) b ON b.pack = p.id "
-            "LEFT JOIN (SELECT pack, COUNT(*) AS n, SUM(stored_len + ?) AS live FROM records GROUP BY pack) r ON r.pack = p.id",
-            (BLOB_HEADER.size, BLOB_HEADER.size),
-        )
+    @property
+    def marked(self) -> list:
+        """The packs this run marks: the dead ones and those it copies out."""
+        return self.dead + self.half + self.small
 
-    def repack_candidates(self) -> tuple[list[dict], list[dict]]:
-        """``(half-dead, small)`` packs to rewrite: older than the grace period, not retired,
-        with live entries and no process holding them (a commit holds an exclusive
-        ``flock`` on its packs until it returns); half-dead: live bytes below
-        ``repack_below`` of the size; small: below ``small_pack_bytes`` (taken only when
-        there are at least two packs to rewrite: one alone would gain nothing)."""
-        cutoff = self.now - self.grace
-        half, small = [], []
-        for p in sorted(self.pack_stats(), key=lambda r: (r["created_at"], r["id"])):
-            if p["retired_at"] is not None or p["created_at"] > cutoff:
-                continue
-            kind = pack_kind(p["size"], p["live"], p["n"], self.repack_below, self.small_pack_bytes)
-            if kind not in ("half", "small"):
-                continue  # dead packs go in delete_packs
-            fd = _unlocked(pack_path(self.store.root, p["id"]))
-            if fd is None:
-                continue  # held by a running process (or gone): left for a later run
-            os.close(fd)  # nothing locks a pack again once it has its final name
+
+class GCSide:
+    """The primitives a home provides to the protocol (its :meth:`~ckptstore.home.Home.gc_home`);
+    every decision is made here, in :mod:`ckptstore.gc`, from what they report.
+
+    Attributes:
+        default_grace: the grace period (seconds) when ``grace`` is None.
+        clock_step: seconds an object's time may lie behind its real age (whole seconds on S3);
+            a grace period above 0 waits that much longer.
+    """
+
+    default_grace = DEFAULT_GRACE
+    clock_step = 0.0
+
+    def lock(self, dry_run: bool):
+        """A context manager excluding a second GC (GCLockedError), or nothing where none is needed."""
+        raise NotImplementedError
+
+    def now(self, fresh: bool) -> float:
+        """The home's clock (seconds since the epoch); ``fresh``: read the home's state again
+        (the sweep's re-read), else the state of this run's first read."""
+        raise NotImplementedError
+
+    def snapshot(self):
+        """A context manager over one consistent read of the index, for :meth:`Collector.retained`."""
+        raise NotImplementedError
+
+    def commits(self, keep: set) -> dict:
+        """``{commit id: (time, marked, bytes)}`` of every commit the home holds: its age on the
+        home's clock, when a mark took it (None: not marked) and the bytes deleting it frees
+        (0 where its record lives in a pack); ``keep``: what retention keeps."""
+        raise NotImplementedError
+
+    def packs(self, keep: set, victims: list, cutoff: float) -> list[PackStat]:
+        """Every pack, as if ``victims`` were dropped and the blobs that then die (older than ``cutoff``) gone."""
+        raise NotImplementedError
+
+    def busy(self, pack: str) -> bool:
+        """Whether a running writer holds ``pack`` (it is not copied now)."""
+        return False
+
+    def withheld(self) -> list[str]:
+        """What the state read keeps this run from collecting, and why."""
+        return []
+
+    def drop(self, c: Collector, victims: list, cutoff: float, report: GCReport) -> None:
+        """Take the victims out of the index now where the home can do so at once (and the
+        blobs that then die, older than ``cutoff``), adding them to ``report.dropped``; in a
+        dry run only add them. A home that cannot leaves them to :meth:`mark`."""
+
+    def room(self) -> int | None:
+        """Bytes free for copies, or None when unbounded."""
+        return None
+
+    def copy_size(self, batch: list[PackStat]) -> int:
+        """Bytes :meth:`copy` of ``batch`` writes."""
+        raise NotImplementedError
+
+    def copy(self, batch: list[PackStat], report: GCReport) -> int:
+        """Copy the live entries of ``batch`` into new packs, verified; returns the bytes written."""
+        raise NotImplementedError
+
+    def mark(self, plan: Plan, report: GCReport) -> None:
+        """Mark the plan's packs (and what else dies with the victims) at this run's time."""
+        raise NotImplementedError
+
+    def delete(self, commits: list[str], packs: list[PackStat], token, report: GCReport) -> tuple[list, list] | None:
+        """Delete the swept commits and packs (each still unneeded when deleted) and the marks
+        swept; returns those deleted, or None, deleting nothing, when a ref moved since
+        ``token`` (the sweep starts over)."""
+        raise NotImplementedError
+
+    def refs_token(self):
+        """A value that changes whenever a ref moves, as of the state last read (:meth:`now`)."""
+        raise NotImplementedError
+
+    def anything_due(self, cutoff: float) -> bool:
+        """Whether a mark older than ``cutoff`` may be waiting (else the sweep's second read is skipped)."""
+        return True
+
+    def leftovers(self, cutoff: float, own_due: bool, report: GCReport) -> None:
+        """Remove (count, in a dry run) what the home leaves beside packs and commits: orphans,
+        stale temporary files, marks' other objects; ``own_due``: this run's mark is swept now."""
+
+
+def decide(c: Collector, commits: dict, keep: set, stats: list[PackStat], cutoff: float, busy) -> Plan:
+    """This run's decision, the same on both homes: the victims (commits not kept, older than
+    ``cutoff``, not marked yet) and, among the packs older than ``cutoff``, not marked and not
+    kept, the dead, half-dead and small ones (those to copy not ``busy``)."""
+    victims = sorted(cid for cid, (t, marked, _) in commits.items() if cid not in keep and marked is None and t <= cutoff)
+    dead, half, small = [], [], []
+    for p in sorted(stats, key=lambda p: (p.created, p.id)):
+        if p.keep or p.marked is not None or p.created > cutoff:
+            continue
+        kind = pack_kind(p.size, p.live, p.n, c.repack_below, c.small_pack_bytes)
+        if kind == "dead":
+            dead.append(p)
+        elif kind is not None and not busy(p.id):
             (half if kind == "half" else small).append(p)
-        return choose_repacks(half, small)
+    half, small = choose_repacks(half, small)
+    return Plan(victims, dead, half, small)
 
-    def repack(self, report: GCReport) -> None:
-        """Rewrite the half-dead and the small packs (:meth:`repack_candidates`) into new
-        ones of up to ``pack_bytes``: per batch (``pack_bytes`` of live bytes), the live blobs and records are read (verified) and appended
-        to new packs, which are made durable (fsync, rename, fsync the folders); then one
-        transaction indexes them, repoints the rows and retires the old packs. A crash before
-        that transaction leaves the old packs indexed and the new ones orphans."""
-        half, small = self.repack_candidates()
-        need = sum(p["live"] for p in half + small)
-        free = shutil.disk_usage(self.store.root).free
-        if half + small and free < need + (1 << 20):  # copies are written before the old packs go: a full disk first frees
-            report.withheld.append(
-                f"repacking {len(half + small)} packs needs {need} bytes of room and the disk has {free}: left for a later GC"
-            )
-            return
-        if report.dry_run:  # what it moves out, the real run retires with the pack
-            for p in half + small:
-                self.doomed[p["id"]] = (self.doomed.get(p["id"], (0, 0))[0] + p["n"], p["size"])
-                self.repacked_now.add(p["id"])
-            report.packs_repacked += len(half)
-            report.packs_consolidated += len(small)
-            return
-        kinds = {p["id"]: "packs_repacked" for p in half} | {p["id"]: "packs_consolidated" for p in small}
-        batch: list[dict] = []
-        live = 0
-        for p in half + small:
-            batch.append(p)
-            live += p["live"]
-            if live >= self.store.pack_bytes:  # by bytes alone: a batch's last pack is the only one not full
-                self._rewrite(batch, kinds, report)
-                batch, live = [], 0
-        if batch:
-            self._rewrite(batch, kinds, report)
 
-    def _rewrite(self, packs: list[dict], kinds: dict, report: GCReport) -> None:
-        """Copy the live entries of ``packs`` into new packs, then repoint and retire (one transaction)."""
-        reader = PackReader(self.store.root)
-        try:
-            with PackWriter(self.store.root, self.store.compression_level, self.store.pack_bytes) as writer:
-                moved = []
-                for p in packs:
-                    where = f"repacking pack {p['id']}"
-                    blobs = self.cat.rows("SELECT * FROM blobs WHERE pack = ?", (p["id"],))
-                    recs = self.cat.rows("SELECT * FROM records WHERE pack = ?", (p["id"],))
-                    with progress.task(f"repack {p['id'][:12]}", sum(r["raw_len"] for r in blobs)) as advance:
-                        for r in blobs:
-                            loc = BlobLoc(bytes(r["hash"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], r["codec"])
-                            moved.append(("blobs", r["id"], p["id"], writer.append(memoryview(reader.read(loc, where)), loc.digest)))
-                            advance(r["raw_len"])
-                    for r in recs:
-                        loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
-                        data = bytes(reader.read(loc, where, magic=RECORD_MAGIC))
-                        moved.append(("records", r["id"], p["id"], writer.append_record(r["kind"], data)))
-                writer.finish()  # durable under their final names before any row points at them
-                with self.cat.write():
-                    db = self.cat.db
-                    db["packs"].insert_all({"id": pid, "size": size, "created_at": self.now} for pid, size in writer.pack_ids)
-                    for table, row_id, old, loc in moved:
-                        codec = ", codec = ?" if table == "blobs" else ""
-                        self.cat.conn.execute(
-                            f"UPDATE {table} SET pack = ?, offset = ?, stored_len = ?{codec} WHERE id = ? AND pack = ?",
-                            (loc.pack, loc.offset, loc.stored_len, *((loc.codec,) if codec else ()), row_id, old),
-                        )
-                    self.cat.chunked(f"UPDATE packs SET retired_at = {self.now!r} WHERE id IN ({{}})", [p["id"] for p in packs])
-        finally:
-            reader.close()
-        for p in packs:
-            setattr(report, kinds[p["id"]], getattr(report, kinds[p["id"]]) + 1)
+def due_commits(commits: dict, keep: set, cutoff: float) -> list[str]:
+    """The commits a sweep deletes: marked before ``cutoff`` and still not kept."""
+    return sorted(cid for cid, (_, marked, _) in commits.items() if marked is not None and marked <= cutoff and cid not in keep)
 
-    def delete_packs(self, report: GCReport) -> None:
-        cutoff = self.now - self.grace
-        empty = [p for p in self.pack_stats() if p["n"] <= 0]
-        if report.dry_run:
-            for p in empty:
-                retired = self.now if p["id"] in self.repacked_now else p["retired_at"]
-                if (retired or self.now) <= cutoff:
-                    report.bytes_freed += p["size"]
-                    report.packs_deleted += 1
-            return
-        with self.cat.write():
-            self.cat.chunked(f"UPDATE packs SET retired_at = {self.now!r} WHERE retired_at IS NULL AND id IN ({{}})", [p["id"] for p in empty])
-        due = [p["id"] for p in empty if (p["retired_at"] or self.now) <= cutoff]
-        folders: set[Path] = set()
-        for i in range(0, len(due), _BATCH_PACKS):
-            batch = due[i : i + _BATCH_PACKS]
-            with self.cat.write():  # rows, then the files, then commit
-                used = {r[0] for r in self.cat.chunked("SELECT pack FROM blobs WHERE pack IN ({})", batch, raw=True)}
-                used |= {r[0] for r in self.cat.chunked("SELECT pack FROM records WHERE pack IN ({})", batch, raw=True)}
-                batch = [p for p in batch if p not in used]
-                self.cat.chunked("DELETE FROM packs WHERE id IN ({})", batch)
-                paths = [pack_path(self.store.root, p) for p in batch]
-                report.bytes_freed += sum(_unlink(path, sync=False) for path in paths)
-                folders.update(path.parent for path in paths)
-            report.packs_deleted += len(batch)
-        # The unlinks made durable once per folder, not per pack: a file a power cut brings
-        # back has no row any more, an orphan the next GC removes.
-        for folder in sorted(folders):
-            fsync_dir(folder)
 
-    # --- leftovers --------------------------------------------------------------------------
+def due_packs(stats: list[PackStat], cutoff: float) -> list[PackStat]:
+    """The packs a sweep deletes: marked before ``cutoff`` and still holding no live entry."""
+    return [p for p in stats if p.marked is not None and p.marked <= cutoff and p.n == 0 and not p.keep]
 
-    def leftovers(self, report: GCReport) -> None:
-        cutoff = self.now - self.grace
-        known = {r["id"] for r in self.cat.rows("SELECT id FROM packs")}
-        blobs = self.store.root / "blobs"
-        candidates = [(f, "orphan") for f in blobs.glob("*/*.pack") if f.stem not in known]
-        candidates += [(f, "tmp") for f in (self.store.root / "tmp").iterdir() if f.is_file()]
-        for path, kind in candidates:
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
-            if st.st_mtime > cutoff:
-                continue
-            fd = _unlocked(path)
-            if fd is None:
-                continue  # a running commit owns it
-            try:
-                if kind == "orphan" and self.cat.rows("SELECT 1 FROM packs WHERE id = ?", (path.stem,)):
-                    continue  # its commit finished meanwhile
-                if not report.dry_run:
-                    _unlink(path)
-            finally:
-                os.close(fd)
-            report.bytes_freed += st.st_size
-            if kind == "orphan":
-                report.orphans_removed += 1
-            else:
-                report.tmp_removed += 1
+
+def batches(packs: list[PackStat], pack_bytes: int) -> list[list[PackStat]]:
+    """The packs to copy, in batches of at least ``pack_bytes`` live bytes (the last one less)."""
+    out, batch, live = [], [], 0
+    for p in packs:
+        batch.append(p)
+        live += p.live
+        if live >= pack_bytes:
+            out.append(batch)
+            batch, live = [], 0
+    return out + [batch] if batch else out
+
+
+def packed(sizes: list[int], pack_bytes: int) -> list[tuple[int, int]]:
+    """``(entries, bytes)`` of each pack a pack writer fills with entries of ``sizes`` bytes
+    (a pack rolls over once the next entry would pass ``pack_bytes``)."""
+    out: list[list[int]] = []
+    for s in sizes:
+        if not out or (out[-1][0] and out[-1][1] + s > pack_bytes):
+            out.append([0, PACK_HEADER.size])
+        out[-1][0] += 1
+        out[-1][1] += s
+    return [(n, size) for n, size in out]
 
 
 def pending(report: GCReport, at_grace_0: GCReport) -> None:
     """Fill ``report``'s ``*_pending`` fields: what ``at_grace_0`` (a dry run with a grace
-    period of 0 over the same state, on either home) drops beyond what ``report`` does."""
+    period of 0 over the same state) drops beyond what ``report`` does."""
     report.commits_pending = max(0, at_grace_0.commits_dropped - report.commits_dropped)
     report.blobs_pending = max(0, at_grace_0.blobs_deleted - report.blobs_deleted)
     report.bytes_pending = max(0, at_grace_0.bytes_freed - report.bytes_freed)
 
 
-def _unlink(path: Path, sync: bool = True) -> int:
-    """Unlink ``path`` (and, with ``sync``, fsync its folder); its size in bytes, 0 if it was gone."""
-    try:
-        size = path.stat().st_size
-        path.unlink()
-        if sync:
-            fsync_dir(path.parent)
-        return size
-    except FileNotFoundError:
-        return 0
-
-
-class LocalGC:
-    """The local home's side of a GC (steps 1 to 5 above): ``gc.lock``, catalog transactions,
-    packs retired, then unlinked a grace period later. What waits for the grace period
-    (:func:`pending`) is a dry run with a grace period of 0, inside the same lock, before
-    this run changes anything."""
-
-    default_grace = DEFAULT_GRACE
-
-    def __init__(self, store):
-        self.store = store
-
-    def lock(self, dry_run: bool):
-        return gc_lock(self.store.root, read_only_ok=dry_run)
-
-    def run(self, c: Collector, report: GCReport) -> GCReport | None:
-        """Fill ``report``; returns the grace-0 dry run's report (None when ``c`` has a grace period of 0)."""
-        at_grace_0 = _run(c.at_grace_0(), GCReport(dry_run=True)) if c.grace > 0 else None
-        _run(c, report)
-        return at_grace_0
-
-
 def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...] = (), keep_within: str | float | None = None,
             grace: str | float | None = None, dry_run: bool = False, repack_below: float = REPACK_BELOW,
             small_pack_bytes: int = SMALL_PACK_BYTES) -> GCReport:
-    """Run one GC over ``store``, on either home (see the module docstring and :meth:`Store.gc`).
+    """Run one GC over ``store``, on either home (the module docstring; :meth:`Store.gc`).
 
-    The protocol is the same on both: the arguments are checked, the retained commits and
-    the packs to delete, repack or merge follow one set of rules (:meth:`Collector.retained`,
-    :func:`pack_kind`, :func:`choose_repacks`), and the report has the same fields with
-    the same meaning (:func:`pending`). The home's side (``store.gc_home()``: :class:`LocalGC`,
-    or :class:`ckptstore.bucketgc.BucketGC` on object storage) holds what differs: how runs
-    exclude each other, how commits and packs are dropped, and its default grace period
-    (``grace=None``).
+    Raises:
+        GCLockedError: another GC holds the home's lock.
+        InvalidArgumentError: a duration, glob, count or size that does not parse.
+        StoreWriteError: the store cannot be written (a dry run goes on).
+        BackendError: object storage failed (what was deleted stays deleted; run again).
     """
-    home = store.gc_home()
-    c = Collector(store, keep_last, list(keep_tags), keep_within, home.default_grace if grace is None else grace, repack_below,
+    side = store.gc_home()
+    c = Collector(store, keep_last, list(keep_tags), keep_within, side.default_grace if grace is None else grace, repack_below,
                   small_pack_bytes)
     report = GCReport(dry_run=dry_run)
-    with home.lock(dry_run):
-        at_grace_0 = home.run(c, report)
+    with side.lock(dry_run):
+        at_grace_0 = _run(side, c.at_grace_0(), GCReport(dry_run=True)) if c.grace > 0 else None
+        _run(side, c, report)
     if at_grace_0 is not None:
         pending(report, at_grace_0)
     return report
 
 
-def _run(c: Collector, report: GCReport) -> GCReport:
-    for phase, step in (("commits", c.drop_commits), ("blobs", c.delete_blobs), ("repack", c.repack),
-                        ("packs", c.delete_packs), ("leftovers", c.leftovers)):
-        t0 = time.perf_counter()
-        step(report)
-        report.seconds[phase] = time.perf_counter() - t0
+def _cutoff(side: GCSide, c: Collector, fresh: bool) -> float:
+    """Set ``c.now`` from the home's clock; returns the grace period's cutoff on that clock."""
+    now = side.now(fresh)
+    c.now = now + side.clock_step  # retention by age reads records' own times, which may run a step ahead
+    return now - c.grace - (side.clock_step if c.grace > 0 else 0.0)
+
+
+def _run(side: GCSide, c: Collector, report: GCReport) -> GCReport:
+    """One run of the protocol (the module docstring), or with ``report.dry_run`` its count."""
+    timer, dry = _Timer(report), report.dry_run
+    with timer("commits"):
+        cutoff = _cutoff(side, c, fresh=False)
+        with side.snapshot():
+            keep = c.retained()
+        commits = side.commits(keep)
+        victims = decide(c, commits, keep, [], cutoff, side.busy).victims
+        gone = due_commits(commits, keep, cutoff)
+        side.drop(c, victims, cutoff, report)  # what leaves the index at once (a dry run: counted)
+        now_dropped = set(report.dropped)
+    with timer("decide"):
+        stats = side.packs(keep, victims + gone, cutoff)
+        plan = decide(c, commits, keep, stats, cutoff, side.busy)
+        plan.victims = victims
+        report.withheld += side.withheld()
+        report.blobs_deleted += sum(p.dies_now for p in stats)
+        report.blob_bytes += sum(p.dies_now_bytes for p in stats)
+    copies = plan.half + plan.small
+    need, free = sum(p.live for p in copies), side.room()
+    if copies and free is not None and free < need + (1 << 20):  # copies are written before the old packs go: a full disk first frees
+        report.withheld.append(f"repacking {len(copies)} packs needs {need} bytes of room and the disk has {free}: left for a later GC")
+        plan.half, plan.small = [], []
+    with timer("repack"):
+        for batch in batches(plan.half + plan.small, c.pack_bytes):
+            report.bytes_freed -= side.copy_size(batch) if dry else side.copy(batch, report)
+        report.packs_repacked, report.packs_consolidated = len(plan.half), len(plan.small)
+        if not dry:
+            side.mark(plan, report)
+    with timer("sweep"):
+        if dry:  # what the sweep below finds: the marks due, and this run's own with a grace period of 0
+            own = c.grace == 0
+            _count_sweep(report, gone + [v for v in victims if own and v not in now_dropped],
+                         due_packs(stats, cutoff) + (plan.marked if own else []), commits)
+        for _ in range(0 if dry or not (c.grace == 0 or side.anything_due(cutoff)) else SWEEP_ATTEMPTS):
+            cutoff = _cutoff(side, c, fresh=True)
+            token = side.refs_token()
+            with side.snapshot():
+                keep = c.retained()
+            commits = side.commits(keep)
+            gone = due_commits(commits, keep, cutoff)
+            swept = due_packs(side.packs(keep, gone, cutoff), cutoff)
+            deleted = side.delete(gone, swept, token, report)
+            if deleted is not None:
+                _count_sweep(report, *deleted, commits)
+                break
+            time.sleep(RANDOM.uniform(0.01, 0.1))  # a ref moved while we decided: decide again
+    with timer("leftovers"):
+        side.leftovers(cutoff, c.grace == 0, report)
+    report.commits_dropped = len(report.dropped)
     return report
+
+
+def _count_sweep(report: GCReport, gone: list[str], swept: list[PackStat], commits: dict) -> None:
+    """Count into ``report`` what a sweep of the ``gone`` commits and the ``swept`` packs deletes."""
+    report.dropped += gone
+    report.packs_deleted += len(swept)
+    report.blobs_deleted += sum(p.dies_with for p in swept)
+    report.blob_bytes += sum(p.dies_with_bytes for p in swept)
+    report.bytes_freed += sum(p.freed for p in swept) + sum(commits[cid][2] for cid in gone)
+
+
+class _Timer:
+    def __init__(self, report: GCReport):
+        self.report = report
+
+    @contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.report.seconds[phase] = self.report.seconds.get(phase, 0.0) + time.perf_counter() - t0

@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import shutil
 import time
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import jsonvalue, records
+from . import jsonvalue, progress, records
 from .catalog import Catalog, CatalogMissing, damaged, rebuild_record, reserve_path
 from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
 from .errors import (
@@ -52,10 +54,12 @@ from .errors import (
     StoreWriteError,
 )
 from .fsck import FsckReport
-from .gc import LocalGC
+from .gc import GCReport, GCSide, PackStat, gc_lock, packed, unlocked
 from .layout import ShardPlan, address, itemsize
-from .packs import BLOB_HEADER, CODEC_RAW, DEFAULT_PACK_BYTES, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, pack_path
-from .records import LeafRecord
+from .packs import (
+    BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, DEFAULT_PACK_BYTES, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, fsync_dir, pack_path,
+)
+from .records import KIND_COMMIT, KIND_REF, LeafRecord
 from .refs import ANY, CatalogRefs, Refs
 
 if TYPE_CHECKING:
@@ -561,7 +565,7 @@ class LocalHome(Home):
             return None
 
     def gc_home(self) -> LocalGC:
-        """This home's side of the GC protocol (:func:`ckptstore.gc.collect`)."""
+        """This home's primitives of the GC protocol (:func:`ckptstore.gc.collect`)."""
         return LocalGC(self.store)
 
     # --- fsck's primitives (:func:`ckptstore.fsck.check`): the catalog against the packs ----------
@@ -754,4 +758,252 @@ class LocalHome(Home):
             reader.close()
 
 
-__all__ = ["CATALOG", "Home", "LocalHome", "weakly"]
+# --- the GC primitives of a folder (ckptstore.gc.GCSide) ------------------------------------
+
+_BATCH_COMMITS = 500
+_BATCH_BLOBS = 2000
+_BATCH_PACKS = 500
+# Ref-move records that a newer move of the same tag supersedes (recovery needs only the newest).
+_SUPERSEDED = f"kind = {KIND_REF} AND seq < (SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)"
+
+
+class LocalGC(GCSide):
+    """The primitives of the GC protocol (:mod:`ckptstore.gc`) on a folder: ``gc.lock``
+    (``flock``), this machine's clock, the catalog as the index. Commits, and the blob rows
+    only they referenced, leave the catalog at once, in write transactions that first check
+    that no tag moved since the roots were computed (computing them again if one did); a
+    commit's final transaction takes the same write lock and re-checks every blob it reuses
+    (invariant 4). The mark is a pack's ``retired_at``; the sweep deletes the rows and
+    unlinks the files (500 per transaction, each folder fsynced once at the end: a file a
+    power cut brings back has no row, an orphan the next GC removes). A copy writes each
+    live entry as stored (verified) into new durable packs, then one transaction indexes
+    them, repoints the rows and retires the old packs. Pack files without a row (a crashed
+    commit) and files in ``tmp/`` are removed when older than the grace period and not
+    ``flock``ed by a running commit."""
+
+    def __init__(self, store):
+        self.store = store
+        self.cat = store.catalog
+        self._now: float | None = None
+        self._dying: tuple = ("0", (), "0")
+        self._victims: list = []
+        self._token: tuple = ()
+
+    def lock(self, dry_run: bool):
+        return gc_lock(self.store.root, read_only_ok=dry_run)
+
+    def now(self, fresh: bool) -> float:
+        if fresh or self._now is None:
+            self._now = time.time()
+        return self._now
+
+    @contextmanager
+    def snapshot(self):
+        """A read transaction; the tags' state (:meth:`refs_token`) is noted in it, for :meth:`drop`."""
+        with self.cat.read():
+            self._token = self.refs_token()
+            yield
+
+    def commits(self, keep: set) -> dict:
+        return {c: (t, None, 0) for c, t in self.cat.rows("SELECT id, created_at FROM commits", raw=True)}
+
+    def packs(self, keep: set, victims: list, cutoff: float) -> list[PackStat]:
+        """Per pack, from the catalog: entries and bytes that stay once ``victims`` are dropped,
+        and the blob rows that then die (no other commit's shard, created before ``cutoff``);
+        bulk SQL (one pass over the blobs), however many commits."""
+        self._victims = victims
+        with self._dropping(victims):
+            if victims:
+                blob_dies = ("created_at < ? AND NOT EXISTS (SELECT 1 FROM shards s JOIN leaves l ON l.id = s.leaf_id "
+                             "WHERE s.blob_id = blobs.id AND l.commit_id NOT IN (SELECT id FROM gc_dropped))")
+            else:
+                blob_dies = "created_at < ? AND NOT EXISTS (SELECT 1 FROM shards s WHERE s.blob_id = blobs.id)"
+            record_dies = f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR ({_SUPERSEDED})"
+            self._dying = (blob_dies, (cutoff,), record_dies)
+            h = BLOB_HEADER.size
+            blobs = {r[0]: r[1:] for r in self.cat.rows(
+                f"SELECT pack, COUNT(*) - SUM(d), SUM((1 - d) * (stored_len + {h})), SUM(d), SUM(d * (stored_len + {h})) "
+                f"FROM (SELECT pack, stored_len, ({blob_dies}) AS d FROM blobs) GROUP BY pack", (cutoff,), raw=True)}
+            recs = {r[0]: r[1:] for r in self.cat.rows(
+                f"SELECT pack, COUNT(*), SUM(stored_len + {h}) FROM records WHERE NOT ({record_dies}) GROUP BY pack", raw=True)}
+            packs = self.cat.rows("SELECT id, size, created_at, retired_at FROM packs", raw=True)
+        out = []
+        for pid, size, created, retired in packs:
+            n, live, dies, dies_bytes = blobs.get(pid, (0, 0, 0, 0))
+            rn, rlive = recs.get(pid, (0, 0))
+            out.append(PackStat(pid, size, created, retired, n + rn, live + rlive, size, dies, dies_bytes))
+        return out
+
+    @contextmanager
+    def _dropping(self, victims: list):
+        """A read transaction whose temporary table ``gc_dropped`` holds ``victims``."""
+        with self.cat.read():
+            self.cat.conn.execute("CREATE TEMP TABLE IF NOT EXISTS gc_dropped (id TEXT PRIMARY KEY)")
+            self.cat.conn.execute("DELETE FROM gc_dropped")
+            self.cat.conn.execute("INSERT OR IGNORE INTO gc_dropped SELECT value FROM json_each(?)", (json.dumps(victims),))
+            yield
+
+    def busy(self, pack: str) -> bool:
+        fd = unlocked(pack_path(self.store.root, pack))
+        if fd is None:
+            return True  # held by a running process (or gone): left for a later run
+        os.close(fd)  # nothing locks a pack again once it has its final name
+        return False
+
+    def drop(self, c, victims: list, cutoff: float, report: GCReport) -> None:
+        if report.dry_run:
+            report.dropped += victims
+            return
+        cat, state = self.cat, self._token  # the tags as the roots saw them
+        while victims:
+            with cat.write():
+                if self.refs_token() != state:  # a tag moved since: the roots again
+                    keep = c.retained()
+                    victims = [v for (v, t) in cat.rows("SELECT id, created_at FROM commits ORDER BY created_at", raw=True)
+                               if v not in keep and t <= cutoff]
+                state = self.refs_token()
+                batch, victims = victims[:_BATCH_COMMITS], victims[_BATCH_COMMITS:]
+                cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", batch)
+                for table in ("leaves", "components", "parents"):
+                    cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", batch)
+                cat.chunked(f"DELETE FROM records WHERE kind = {KIND_COMMIT} AND name IN ({{}})", batch)
+                cat.chunked("DELETE FROM commits WHERE id IN ({})", batch)
+                report.dropped += batch
+        with cat.write():  # of each tag's ref-move records, the newest is what recovery needs
+            cat.conn.execute(f"DELETE FROM records WHERE {_SUPERSEDED}")
+        last = -1  # the blob rows no shard references, walked once in id order (a batch never rescans the rows kept before it)
+        while True:
+            with cat.write():
+                rows = cat.rows(
+                    "SELECT id, stored_len FROM blobs b WHERE id > ? AND created_at < ? AND NOT EXISTS "
+                    "(SELECT 1 FROM shards s WHERE s.blob_id = b.id) ORDER BY id LIMIT ?", (last, cutoff, _BATCH_BLOBS), raw=True)
+                cat.chunked("DELETE FROM blobs WHERE id IN ({})", [r[0] for r in rows])
+            report.blobs_deleted += len(rows)
+            report.blob_bytes += sum(r[1] + BLOB_HEADER.size for r in rows)
+            if len(rows) < _BATCH_BLOBS:
+                break
+            last = rows[-1][0]
+
+    def room(self) -> int:
+        return shutil.disk_usage(self.store.root).free
+
+    def _entries(self, packs: list[str], dying: tuple = ("0", (), "0")) -> dict[str, tuple[list, list]]:
+        """``{pack: (blob rows, record rows)}`` of ``packs``, each in id order, less the rows
+        ``dying`` selects (as :meth:`packs` last counted them: what a dry run's drop would have
+        deleted); a few statements per 500 packs."""
+        blob_dies, params, record_dies = dying
+        out: dict[str, tuple[list, list]] = {p: ([], []) for p in packs}
+        for table, dies, args, i in (("blobs", blob_dies, params, 0), ("records", record_dies, (), 1)):
+            for r in self.cat.chunked(f"SELECT * FROM {table} WHERE NOT ({dies}) AND pack IN ({{}}) ORDER BY id", packs, args):
+                out[r["pack"]][i].append(r)
+        return out
+
+    def copy_size(self, batch: list[PackStat]) -> int:
+        with self._dropping(self._victims):
+            rows = self._entries([p.id for p in batch], self._dying)
+        sizes = [BLOB_HEADER.size + r["stored_len"] for p in batch for part in rows[p.id] for r in part]
+        return sum(size for _, size in packed(sizes, self.store.pack_bytes))
+
+    def copy(self, batch: list[PackStat], report: GCReport) -> int:
+        store, now = self.store, self._now
+        with PackWriter(store.root, store.compression_level, store.pack_bytes) as writer:
+            moved, entries = [], self._entries([p.id for p in batch])
+            for p in batch:
+                where = f"repacking pack {p.id}"
+                blobs, recs = entries[p.id]
+                with open(pack_path(store.root, p.id), "rb") as f, progress.task(f"repack {p.id[:12]}", sum(r["raw_len"] for r in blobs)) as advance:
+                    for table, rows, magic in (("blobs", blobs, BLOB_MAGIC), ("records", recs, RECORD_MAGIC)):
+                        for r in rows:
+                            blob = table == "blobs"
+                            loc = BlobLoc(bytes(r["hash" if blob else "digest"]), r["raw_len"], p.id, r["offset"], r["stored_len"],
+                                          r["codec"] if blob else CODEC_RAW)
+                            payload = check_entry(os.pread(f.fileno(), BLOB_HEADER.size + loc.stored_len, loc.offset), loc, where, magic)
+                            new = writer.append_encoded(loc.digest, loc.raw_len, loc.codec, payload, magic, 0 if blob else r["kind"])
+                            moved.append((table, r["id"], p.id, new))
+                            advance(r["raw_len"] if blob else 0)
+            writer.finish()  # durable under their final names before any row points at them
+            with self.cat.write():
+                self.cat.db["packs"].insert_all({"id": pid, "size": size, "created_at": now} for pid, size in writer.pack_ids)
+                for table, row_id, old, loc in moved:
+                    codec = ", codec = ?" if table == "blobs" else ""
+                    self.cat.conn.execute(
+                        f"UPDATE {table} SET pack = ?, offset = ?, stored_len = ?{codec} WHERE id = ? AND pack = ?",
+                        (loc.pack, loc.offset, loc.stored_len, *((loc.codec,) if codec else ()), row_id, old),
+                    )
+                self.cat.chunked(f"UPDATE packs SET retired_at = {now!r} WHERE id IN ({{}})", [p.id for p in batch])
+            return sum(size for _, size in writer.pack_ids)
+
+    def mark(self, plan, report: GCReport) -> None:
+        with self.cat.write():  # (the copied packs were retired with their copy)
+            self.cat.chunked(f"UPDATE packs SET retired_at = {self._now!r} WHERE retired_at IS NULL AND id IN ({{}}) "
+                             "AND NOT EXISTS (SELECT 1 FROM blobs b WHERE b.pack = packs.id) "
+                             "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.pack = packs.id)", [p.id for p in plan.dead])
+
+    def refs_token(self) -> tuple:
+        """Changes whenever a tag moves, is created or deleted (what retention depends on
+        besides commits, which only ever get added, young)."""
+        return (*self.cat.rows("SELECT MAX(id) FROM reflog", raw=True)[0],
+                *self.cat.rows("SELECT COUNT(*), MAX(updated_at), TOTAL(updated_at) FROM tags", raw=True)[0])
+
+    def delete(self, commits: list[str], packs: list[PackStat], token, report: GCReport) -> tuple[list, list]:
+        """Rows, then files, then commit (each batch re-checks in its transaction that no row points into the packs)."""
+        folders: set[Path] = set()
+        gone: list[PackStat] = []
+        for i in range(0, len(packs), _BATCH_PACKS):
+            batch = {p.id: p for p in packs[i : i + _BATCH_PACKS]}
+            with self.cat.write():
+                used = {r[0] for r in self.cat.chunked("SELECT pack FROM blobs WHERE pack IN ({})", list(batch), raw=True)}
+                used |= {r[0] for r in self.cat.chunked("SELECT pack FROM records WHERE pack IN ({})", list(batch), raw=True)}
+                ids = [p for p in batch if p not in used]
+                self.cat.chunked("DELETE FROM packs WHERE id IN ({})", ids)
+                for pid in ids:
+                    path = pack_path(self.store.root, pid)
+                    batch[pid].freed = _unlink(path, sync=False)
+                    folders.add(path.parent)
+                    gone.append(batch[pid])
+        for folder in sorted(folders):  # the unlinks made durable once per folder, not per pack
+            fsync_dir(folder)
+        return [], gone
+
+    def leftovers(self, cutoff: float, own_due: bool, report: GCReport) -> None:
+        known = {r[0] for r in self.cat.rows("SELECT id FROM packs", raw=True)}
+        root = self.store.root
+        candidates = [(f, "orphan") for f in (root / "blobs").glob("*/*.pack") if f.stem not in known]
+        candidates += [(f, "tmp") for f in (root / "tmp").iterdir() if f.is_file()]
+        for path, kind in candidates:
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            if st.st_mtime > cutoff:
+                continue
+            fd = unlocked(path)
+            if fd is None:
+                continue  # a running commit owns it
+            try:
+                if kind == "orphan" and self.cat.rows("SELECT 1 FROM packs WHERE id = ?", (path.stem,)):
+                    continue  # its commit finished meanwhile
+                if not report.dry_run:
+                    _unlink(path)
+            finally:
+                os.close(fd)
+            report.bytes_freed += st.st_size
+            if kind == "orphan":
+                report.orphans_removed += 1
+            else:
+                report.tmp_removed += 1
+
+
+def _unlink(path: Path, sync: bool = True) -> int:
+    """Unlink ``path`` (and, with ``sync``, fsync its folder); its size in bytes, 0 if it was gone."""
+    try:
+        size = path.stat().st_size
+        path.unlink()
+        if sync:
+            fsync_dir(path.parent)
+        return size
+    except FileNotFoundError:
+        return 0
+
+
+__all__ = ["CATALOG", "Home", "LocalGC", "LocalHome", "weakly"]

@@ -27,7 +27,7 @@ from .errors import CatalogCorruptError, CkptStoreError, InvalidArgumentError, N
 from .fsck import FsckReport
 from .fsck import run as run_fsck
 from .fsck import verify as verify_commit
-from .gc import SMALL_PACK_BYTES, GCReport, LocalGC, collect
+from .gc import SMALL_PACK_BYTES, GCReport, GCSide, collect
 from .home import CATALOG, Home, LocalHome
 from .layout import DEFAULT_SHARD_BYTES
 from .packs import IOStats, PackReader, PackWriter
@@ -294,8 +294,8 @@ class Store(CommitEngine, Queries):
         self.forget_hashes()
         return report
 
-    def gc_home(self) -> LocalGC:
-        """This home's side of the GC protocol (:func:`ckptstore.gc.collect`)."""
+    def gc_home(self) -> GCSide:
+        """This home's primitives of the GC protocol (:class:`ckptstore.gc.GCSide`, used by :func:`ckptstore.gc.collect`)."""
         return self.home.gc_home()
 
     def forget_hashes(self) -> None:
