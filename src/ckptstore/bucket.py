@@ -148,7 +148,7 @@ class BucketReader:
         def fetch(item: tuple[str, list[BlobLoc]]) -> None:
             pid, group = item
             try:
-                bufs = self.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in group])
+                bufs = self.backend.get_ranges(pack_key(pid), [loc.span for loc in group])
             except ObjectNotFoundError:
                 return  # read_into finds the blob elsewhere, or reports it
             with self._lock:
@@ -164,7 +164,7 @@ class BucketReader:
             raise BlobMissingError(f"{where}: no pack index of {self.backend.url} that the cache has read holds it")
         if buf is None:
             try:
-                buf = self.backend.get_ranges(pack_key(loc.pack), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len)])[0]
+                buf = self.backend.get_ranges(pack_key(loc.pack), [loc.span])[0]
             except ObjectNotFoundError:
                 raise BlobMissingError(f"{where}: pack {loc.pack} is not on {self.backend.url}") from None
         with self._lock:
@@ -958,7 +958,7 @@ class BucketHome(Home):
         def read(group: list[BlobLoc]):
             pid = group[0].pack
             try:
-                bufs = self.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in group])
+                bufs = self.backend.get_ranges(pack_key(pid), [loc.span for loc in group])
             except IntegrityError as exc:  # gone since listed, or shorter than its index says
                 return [(loc, BlobMissingError(f"blob {loc.address} in pack {pid}: {exc}")) for loc in group]
             out = []
@@ -1175,7 +1175,7 @@ class BucketGC(GCSide):
         with writer:
             for p in batch:
                 live = self._live_entries[p.id]
-                bufs = backend.get_ranges(pack_key(p.id), [(e.loc.offset, e.loc.offset + BLOB_HEADER.size + e.loc.stored_len) for e in live])
+                bufs = backend.get_ranges(pack_key(p.id), [e.loc.span for e in live])
                 for e, buf in zip(live, bufs):
                     payload = check_entry(buf, e.loc, f"{backend.url}: pack {p.id}")
                     writer.append_encoded(e.loc.digest, e.loc.raw_len, e.loc.codec, bytes(payload))

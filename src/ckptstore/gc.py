@@ -1,7 +1,7 @@
 """Garbage collection: one protocol on both homes, written once here against the primitives
 each home provides (:class:`GCSide`: :class:`ckptstore.home.LocalGC` for a folder,
 :class:`ckptstore.bucket.BucketGC` for a bucket). One entry (:func:`collect`), one report
-(:class:`GCReport`), one set of decisions (:func:`decide`, :func:`sweep_due`, :func:`pending`).
+(:class:`GCReport`), one set of decisions (:func:`decide`, :func:`due_commits`, :func:`due_packs`, :func:`pending`).
 
 The protocol (``shared/design/ARCHITECTURE.md``, "GC protocol"; docs/design.md, "Garbage collection"):
 
@@ -26,7 +26,7 @@ The protocol (``shared/design/ARCHITECTURE.md``, "GC protocol"; docs/design.md, 
    ``pack_bytes`` (:meth:`GCSide.copy`, batches of :func:`batches`); the dead and copied
    packs (and, on a bucket, the victims' records) are **marked** (:meth:`GCSide.mark`:
    ``retired_at`` in the catalog; ``gc/<run>.json`` on a bucket).
-5. **Sweep** (:func:`sweep_due`): what has been marked for the grace period (this run's
+5. **Sweep** (:func:`due_commits`, :func:`due_packs`): what has been marked for the grace period (this run's
    own marks with a grace period of 0) and is still outside the keep-set is deleted: the
    state is read again, and the deletion (:meth:`GCSide.delete`) starts over if a ref moved
    meanwhile. Stale temporary files and leftovers go too (:meth:`GCSide.leftovers`).
@@ -508,8 +508,8 @@ def _cutoff(side: GCSide, c: Collector, fresh: bool) -> float:
 
 def _run(side: GCSide, c: Collector, report: GCReport) -> GCReport:
     """One run of the protocol (the module docstring), or with ``report.dry_run`` its count."""
-    timer, dry = _Timer(report), report.dry_run
-    with timer("commits"):
+    dry = report.dry_run
+    with _timed(report, "commits"):
         cutoff = _cutoff(side, c, fresh=False)
         with side.snapshot():
             keep = c.retained()
@@ -518,7 +518,7 @@ def _run(side: GCSide, c: Collector, report: GCReport) -> GCReport:
         gone = due_commits(commits, keep, cutoff)
         side.drop(c, victims, cutoff, report)  # what leaves the index at once (a dry run: counted)
         now_dropped = set(report.dropped)
-    with timer("decide"):
+    with _timed(report, "decide"):
         stats = side.packs(keep, victims + gone, cutoff)
         plan = decide(c, commits, keep, stats, cutoff, side.busy)
         plan.victims = victims
@@ -530,13 +530,13 @@ def _run(side: GCSide, c: Collector, report: GCReport) -> GCReport:
     if copies and free is not None and free < need + (1 << 20):  # copies are written before the old packs go: a full disk first frees
         report.withheld.append(f"repacking {len(copies)} packs needs {need} bytes of room and the disk has {free}: left for a later GC")
         plan.half, plan.small = [], []
-    with timer("repack"):
+    with _timed(report, "repack"):
         for batch in batches(plan.half + plan.small, c.pack_bytes):
             report.bytes_freed -= side.copy_size(batch) if dry else side.copy(batch, report)
         report.packs_repacked, report.packs_consolidated = len(plan.half), len(plan.small)
         if not dry:
             side.mark(plan, report)
-    with timer("sweep"):
+    with _timed(report, "sweep"):
         if dry:  # what the sweep below finds: the marks due, and this run's own with a grace period of 0
             own = c.grace == 0
             _count_sweep(report, gone + [v for v in victims if own and v not in now_dropped],
@@ -554,7 +554,7 @@ def _run(side: GCSide, c: Collector, report: GCReport) -> GCReport:
                 _count_sweep(report, *deleted, commits)
                 break
             time.sleep(RANDOM.uniform(0.01, 0.1))  # a ref moved while we decided: decide again
-    with timer("leftovers"):
+    with _timed(report, "leftovers"):
         side.leftovers(cutoff, c.grace == 0, report)
     report.commits_dropped = len(report.dropped)
     return report
@@ -569,14 +569,11 @@ def _count_sweep(report: GCReport, gone: list[str], swept: list[PackStat], commi
     report.bytes_freed += sum(p.freed for p in swept) + sum(commits[cid][2] for cid in gone)
 
 
-class _Timer:
-    def __init__(self, report: GCReport):
-        self.report = report
-
-    @contextmanager
-    def __call__(self, phase: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.report.seconds[phase] = self.report.seconds.get(phase, 0.0) + time.perf_counter() - t0
+@contextmanager
+def _timed(report: GCReport, phase: str):
+    """Add the seconds the block takes to ``report.seconds[phase]``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        report.seconds[phase] = report.seconds.get(phase, 0.0) + time.perf_counter() - t0

@@ -91,6 +91,11 @@ class BlobLoc:
     def address(self) -> str:
         return address(self.digest, self.raw_len)
 
+    @property
+    def span(self) -> tuple[int, int]:
+        """``(start, end)`` byte offsets of the whole entry (header and payload) in its pack."""
+        return self.offset, self.offset + BLOB_HEADER.size + self.stored_len
+
 
 def pack_path(root: Path, pack_id: str) -> Path:
     """Final path of pack ``pack_id`` under a store's ``blobs/`` folder."""

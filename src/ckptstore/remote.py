@@ -451,7 +451,7 @@ class RemoteIndex:
             by_pack.setdefault(loc.pack, []).append(loc)
         out = {}
         for pid, locs in by_pack.items():
-            got = self.backend.get_ranges(pack_key(pid), [(loc.offset, loc.offset + BLOB_HEADER.size + loc.stored_len) for loc in locs])
+            got = self.backend.get_ranges(pack_key(pid), [loc.span for loc in locs])
             for loc, buf in zip(locs, got):
                 payload = check_entry(buf, loc, f"{self.backend.url}: {where}, pack {pid}")
                 out[(loc.digest, loc.raw_len)] = (loc, payload)
