@@ -331,7 +331,8 @@ def test_a_pack_stays_while_a_record_that_needs_it_stays(tmp_path, url):
 
 
 def test_gc_beside_a_writer_that_reuses_old_blobs(tmp_path, url):
-    """A writer commits 40 states (pausing 30 ms after each), each with new floats and one of two
+    """A writer commits 60 states (pausing 60 ms after each, so that it outlasts the first
+    sweeps even on an idle machine), each with new floats and one of two
     64 KiB blobs in turn (so it keeps reusing blobs from older packs that GC marks once
     the tag names the other one), while this process runs gc(grace=0.5 s, keep_last=1)
     again and again (a grace period and the server clock's 1 s step: the sweeps start
@@ -339,7 +340,7 @@ def test_gc_beside_a_writer_that_reuses_old_blobs(tmp_path, url):
     fsck finds nothing, and a final GC leaves only that commit."""
     ctx = bucket_workers.context()
     log = str(tmp_path / "writer.log")
-    p = ctx.Process(target=bucket_workers.writer, args=(_env(tmp_path / "cache-w"), url, "live", 4, 0, 40, 1 << 14, 1, log, 0.03))
+    p = ctx.Process(target=bucket_workers.writer, args=(_env(tmp_path / "cache-w"), url, "live", 4, 0, 60, 1 << 14, 1, log, 0.06))
     p.start()
     store = ckptstore.Store(url)
     runs, dropped, deleted = 0, 0, 0
@@ -351,13 +352,13 @@ def test_gc_beside_a_writer_that_reuses_old_blobs(tmp_path, url):
     p.join()
     assert p.exitcode == 0, bucket_workers.read_log(log)[-3:]
     results = [line.split() for line in bucket_workers.read_log(log)[1:-1]]
-    assert [int(r[1]) for r in results] == list(range(40)), results
+    assert [int(r[1]) for r in results] == list(range(60)), results
     fewest = min(int(r[2]) for r in results)  # new floats and step; more: a reused blob was written again
     rewritten = [int(r[1]) for r in results if int(r[1]) >= 2 and int(r[2]) > fewest]
     print(f"{runs} gc runs beside the writer: {dropped} commits dropped, {deleted} packs deleted; "
           f"commits that wrote a reused blob again: {rewritten}")
     assert dropped > 0 and deleted > 0  # the sweeps ran beside the writer
-    last = {"w": 4, "i": 39, "n": 1 << 14, "alt": 1}
+    last = {"w": 4, "i": 59, "n": 1 << 14, "alt": 1}
     assert store.tags() == {"live": results[-1][0]}
     _assert_state(store.checkout("live"), last, "the writer's last commit")
     assert store.fsck(deep=True).ok
