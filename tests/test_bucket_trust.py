@@ -25,7 +25,7 @@ import torch
 import ckptstore
 from ckptstore.backends import open_backend
 from ckptstore.packindex import encode_index, index_key, pack_key
-from ckptstore.remote import MARKER, MARKER_COPY, commit_key
+from ckptstore.bucketformat import MARKER, MARKER_COPY, commit_key
 
 from . import bucket_workers
 from .delay_proxy import DelayProxy

@@ -22,7 +22,7 @@ from ckptstore.backends import open_backend
 from ckptstore.bucket import DetachedPackWriter, cache_folder
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.layout import DEFAULT_SHARD_BYTES
-from ckptstore.remote import commit_key
+from ckptstore.bucketformat import commit_key
 
 from .conftest import assert_bit_equal
 from .test_dcp import (
