@@ -22,10 +22,10 @@ import torch
 
 import ckptstore
 from ckptstore.backends import S3Backend, open_backend
+from ckptstore.bucketformat import commit_key, fetch_record, read_tag
 from ckptstore.errors import BackendError, BlobCorruptError, IntegrityError, NotAStoreError, RefConflictError
 from ckptstore.packindex import decode_index, encode_index
 from ckptstore.packs import BLOB_HEADER, PACK_HEADER, Entry
-from ckptstore.bucketformat import commit_key, fetch_record, read_tag
 
 from .conftest import assert_bit_equal, row_count
 

@@ -64,6 +64,8 @@ FORMAT_VERSION = 1
 PACK_BYTES = 64 << 20
 #: Packs uploaded at a time by a push or a commit to object storage.
 UPLOADS = 4
+#: Parallel small requests (heads, refs, indexes); packs upload ``UPLOADS`` at a time.
+REQUESTS = 16
 _CID = re.compile(r"[0-9a-f]{32}")
 
 
@@ -550,6 +552,6 @@ class BucketPackWriter:
         self.close()
 
 
-__all__ = ["FORMAT_VERSION", "MARKER", "MARKER_COPY", "PACK_BYTES", "UPLOADS", "BucketPackWriter", "PackEntries", "RemoteIndex", "commit_key",
+__all__ = ["FORMAT_VERSION", "MARKER", "MARKER_COPY", "PACK_BYTES", "REQUESTS", "UPLOADS", "BucketPackWriter", "PackEntries", "RemoteIndex", "commit_key",
            "complete_marker", "ensure_marker", "fetch_record", "marker_bytes", "marker_problem", "pack_entries", "parse_marker",
            "parse_reflog", "read_marker", "read_tag", "read_tag_hint", "ref_payload", "reflog_bytes", "repair_index", "repair_marker"]

@@ -52,8 +52,8 @@ INLINE_HASH_BYTES = 4 << 20
 
 @register_adapter
 class DCPAdapter(Adapter):
-    """The component of a commit made by :class:`StoreWriter`: its leaves are the
-    state dict's items, its meta the DCP metadata. Read it with :class:`StoreReader`
+    """The component of a commit made by :class:`~ckptstore.dcp.StoreWriter`: its leaves are the
+    state dict's items, its meta the DCP metadata. Read it with :class:`~ckptstore.dcp.StoreReader`
     (``dcp.load``) or as a TensorDict (``Store.checkout(ref)``); ``checkout(into=...)``
     is refused (DCP's planner, not an adapter, knows where each chunk goes)."""
 

@@ -81,7 +81,7 @@ class StoreReader(StorageReader):
     :attr:`blobs_received` and :attr:`bytes_received` what it received from other ranks.
 
     Raises (at construction): NotAStoreError, RefNotFoundError, AmbiguousRefError;
-    InvalidArgumentError when the commit was not made by :class:`StoreWriter`;
+    InvalidArgumentError when the commit was not made by :class:`~ckptstore.dcp.StoreWriter`;
     IntegrityError for a damaged record or metadata. During ``dcp.load``:
     IntegrityError (BlobMissingError, BlobCorruptError) naming the leaf and blob; on the
     other ranks, when a rank failed to read the blobs it reads for them, IntegrityError
