@@ -755,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
             import ckptstore
             import ckptstore.bucket
 
-            defaults = {"UPLOADS": ckptstore.bucket.UPLOADS, "REQUESTS": ckptstore.bucket.REQUESTS, "PACK_BYTES": ckptstore.remote.PACK_BYTES}
+            defaults = {"UPLOADS": ckptstore.bucket.UPLOADS, "REQUESTS": ckptstore.bucket.REQUESTS, "PACK_BYTES": ckptstore.bucketformat.PACK_BYTES}
             if args.uploads is not None:
                 ckptstore.bucket.UPLOADS = args.uploads
             state = make_state(args.size_mib)

@@ -829,7 +829,7 @@ class Harness:
         return es
 
     def _needs(self, cid: str) -> set | None:
-        from ckptstore.remote import fetch_record
+        from ckptstore.bucketformat import fetch_record
 
         if cid not in self.needs:
             try:
@@ -841,7 +841,7 @@ class Harness:
 
     def _lineage(self, heads: set) -> set:
         """Every commit whose record the bucket holds on the lineage of ``heads`` (themselves included)."""
-        from ckptstore.remote import fetch_record
+        from ckptstore.bucketformat import fetch_record
 
         seen, stack = set(), list(heads)
         while stack:
@@ -857,7 +857,7 @@ class Harness:
         """Tags, commits, blob locations and what each commit's status is under the ledger."""
         from ckptstore.layout import address
         from ckptstore.packs import BLOB_HEADER, BLOB_MAGIC
-        from ckptstore.remote import read_tag
+        from ckptstore.bucketformat import read_tag
 
         listed = {o.key: o for o in self.backend.list("blobs")}
         pids = {k.rsplit("/", 1)[1][:-5] for k in listed if k.endswith(".pack")}
@@ -1132,7 +1132,7 @@ class Harness:
     def inject(self, rnd: Round) -> None:
         from ckptstore.packindex import index_key, pack_key
         from ckptstore.packs import BLOB_HEADER, BLOB_MAGIC
-        from ckptstore.remote import commit_key, ref_payload
+        from ckptstore.bucketformat import commit_key, ref_payload
 
         r = rnd.rng
         sv = self.survey()

@@ -219,7 +219,7 @@ def test_a_blob_in_a_marked_pack_is_written_again_and_survives_the_sweep(tmp_pat
     in a marked pack is never relied on); the sweep a grace period later deletes the old
     pack and record, and the new tag checks out bit-exactly, from a cold cache too."""
     from ckptstore.backends import open_backend
-    from ckptstore.remote import commit_key
+    from ckptstore.bucketformat import commit_key
 
     grace = 1.0
     meta = {"w": 3, "i": 0, "n": 4096, "alt": 1}
@@ -297,7 +297,7 @@ def test_a_pack_stays_while_a_record_that_needs_it_stays(tmp_path, url):
     import json
 
     from ckptstore.backends import open_backend
-    from ckptstore.remote import commit_key
+    from ckptstore.bucketformat import commit_key
 
     grace = 0.5
     meta = {"w": 7, "i": 0, "n": 4096, "alt": 0}
@@ -481,7 +481,7 @@ def _committed(url: str, tmp_path, n: int = 4096) -> tuple[str, dict]:
 def test_a_tag_naming_a_missing_or_forged_record_is_an_integrity_error(tmp_path, url):
     from ckptstore.backends import open_backend
     from ckptstore.errors import IntegrityError
-    from ckptstore.remote import commit_key, ref_payload
+    from ckptstore.bucketformat import commit_key, ref_payload
 
     cid, meta = _committed(url, tmp_path)
     with open_backend(url) as b:

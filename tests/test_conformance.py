@@ -66,7 +66,7 @@ class Home:
             for suffix in ("", "-wal", "-shm"):
                 (self.tmp_path / "store" / f"catalog.sqlite{suffix}").unlink(missing_ok=True)
         else:
-            from ckptstore.bucket import cache_folder
+            from ckptstore.bucketcache import cache_folder
 
             shutil.rmtree(cache_folder(self.location))
 

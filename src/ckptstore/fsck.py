@@ -1,7 +1,7 @@
 """Integrity checks of a store (``ckptstore fsck`` and ``ckptstore verify``): one protocol
 for both homes, written against small per-home primitives (:class:`FsckSide`: the home's
 ``fsck_side()``, :class:`ckptstore.localhome.LocalFsck` for a folder,
-:class:`ckptstore.bucket.BucketFsck` for a bucket).
+:class:`ckptstore.bucketside.BucketFsck` for a bucket).
 
 :func:`check` (entered through :func:`run` and :func:`verify`) asks the home's side for
 what it holds and checks it the same way on both homes:

@@ -1,6 +1,6 @@
 """Garbage collection: one protocol on both homes, written once here against the primitives
 each home provides (:class:`GCSide`: :class:`ckptstore.localhome.LocalGC` for a folder,
-:class:`ckptstore.bucket.BucketGC` for a bucket). One entry (:func:`collect`), one report
+:class:`ckptstore.bucketside.BucketGC` for a bucket). One entry (:func:`collect`), one report
 (:class:`GCReport`), one set of decisions (:func:`decide`, :func:`due_commits`, :func:`due_packs`, :func:`pending`).
 
 The protocol (``shared/design/ARCHITECTURE.md``, "GC protocol"; docs/design.md, "Garbage collection"):

@@ -64,7 +64,7 @@ from .layout import address
 from .packindex import index_key
 from .packs import CODEC_RAW, RECORD_MAGIC, PackReader, scan
 from .records import KIND_COMMIT, KIND_REF, CommitRecord, commit_id, parse_commit, parse_ref
-from .remote import fetch_record, parse_reflog, read_tag, repair_index
+from .bucketformat import fetch_record, parse_reflog, read_tag, repair_index
 
 CATALOG = "catalog.sqlite"
 

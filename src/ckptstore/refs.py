@@ -16,7 +16,7 @@ and a commit's tag move are written once against it); two homes implement it:
   refs that changed.
 
 This module knows the catalog, the backend and the remote ref formats
-(:mod:`ckptstore.remote`'s payload and reflog helpers); never the store.
+(:mod:`ckptstore.bucketformat`'s payload and reflog helpers); never the store.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from .errors import (
     ReflogWarning,
     RefNotFoundError,
 )
-from .remote import parse_reflog, read_tag, read_tag_hint, ref_payload, reflog_bytes
+from .bucketformat import parse_reflog, read_tag, read_tag_hint, ref_payload, reflog_bytes
 
 if TYPE_CHECKING:
     from .backends import Backend

@@ -69,7 +69,7 @@ class Store(CommitEngine, Queries):
             the sample catches them: :mod:`ckptstore.digests`. Shared and file-backed memory
             and CUDA tensors are always hashed. ``False`` always hashes everything.
         cache: (``s3://`` only) the folder of the local index (default
-            :func:`ckptstore.bucket.cache_folder`).
+            :func:`ckptstore.bucketcache.cache_folder`).
         backend: (``s3://`` only) the :class:`~ckptstore.backends.Backend` to use instead of
             one opened from ``path`` (the store closes it).
 
@@ -337,7 +337,7 @@ class Store(CommitEngine, Queries):
         """
         if not is_url(path):
             return recover(path, force)
-        from .bucket import cache_folder  # object storage: the cache holds only copies, so force changes nothing
+        from .bucketcache import cache_folder  # object storage: the cache holds only copies, so force changes nothing
 
         scratch = cache_folder(path)  # rebuilt on a scratch cache, then installed in place of the cache
         probe = Store(path, create=False, cache=scratch.with_name(f"{scratch.name}.recover-{uuid.uuid4().hex[:8]}"))
@@ -434,7 +434,7 @@ def pack_writer_at(location: str | os.PathLike, compression_level: int, pack_byt
         InvalidArgumentError: an unsupported URL scheme.
     """
     if is_url(location):
-        from .bucket import DetachedPackWriter
+        from .bucketio import DetachedPackWriter
 
         return DetachedPackWriter(location, compression_level, pack_bytes)
     return PackWriter(Path(location), compression_level, pack_bytes)

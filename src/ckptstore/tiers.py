@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from . import jsonvalue
 from .adapters.base import Captured
-from .dcp import ADAPTER, FORMAT_VERSION, DCPAdapter
+from .dcp_layout import ADAPTER, FORMAT_VERSION, DCPAdapter
 from .errors import CkptStoreError, IntegrityError, PushFailedWarning, RefNotFoundError, StoreWriteError
 from .records import ESCAPED, LeafRecord
 from .store import CommitInfo, Store
