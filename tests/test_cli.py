@@ -350,3 +350,135 @@ def test_gc_text_names_the_consolidated_packs_and_the_net_bytes(tmp_path, monkey
             s.commit({"w": torch.full((1024,), float(i))}, tag="t")
     code, out, _ = cli(monkeypatch, capsys, "gc", "--grace", "0", "--keep-last", "5", "--store", str(tmp_path / "s"))
     assert code == 0 and "0 repacked, 5 consolidated," in out and "freed on disk (net of the packs written)" in out, out
+
+
+def test_one_line_messages_stay_one_line_at_any_width(filled, monkeypatch, capsys):
+    """gc's summary, verify's, diff's counts and a tag move print as one line each on a
+    narrow console (a script's or cron's log got them cut at 80 columns), and a name is
+    printed as written, not read as rich markup."""
+    path, a, b = filled
+    code, out, _ = cli_at(80, monkeypatch, capsys, "gc", "--dry-run", "--store", str(path))
+    lines = out.splitlines()
+    assert code == 0 and len(lines) == 2, out
+    assert lines[0].startswith("gc would free: 0 commits, 0 blobs (0 B in packs), 0 packs deleted, ") and lines[1].startswith("phases: ")
+    assert "on disk (net of the packs written); pending the grace period: 1 commit, 0 blobs, " in lines[0]
+    code, out, _ = cli_at(40, monkeypatch, capsys, "verify", "t", "--store", str(path))
+    assert code == 0 and out.count("\n") == 1 and out.startswith("ok: 1 commit, ") and out.rstrip().endswith("0 tmp files"), out
+    code, out, _ = cli_at(40, monkeypatch, capsys, "diff", a.id, b.id, "--store", str(path))
+    assert code == 0 and out.splitlines()[-1] == f"0 added, 0 removed, 2 changed, 0 unchanged; 4.0 KiB new in {b.id[:12]}", out
+    for name in ("a-rather-long-tag-name-for-a-nightly-run", "[red]x"):
+        code, out, _ = cli_at(40, monkeypatch, capsys, "tag", name, "t", "--store", str(path))
+        assert (code, out) == (0, f"{name} -> {b.id}\n")
+        code, out, _ = cli_at(40, monkeypatch, capsys, "delete-tag", name, "--store", str(path))
+        assert (code, out) == (0, f"deleted {name} (was {b.id})\n")
+
+
+def test_show_and_diff_print_keys_as_written_folded_after_separators_at_80_columns(long_leaf, monkeypatch, capsys):
+    """The leaf whose one key is ``encoder/a_rather...`` prints as that key, quoted (it holds a
+    "/"), not as its stored segment ``encoder%2Fa_rather...``; at 80 columns its name folds
+    after a "/" or "_", never mid-word."""
+    path, a, b = long_leaf
+    name = '"encoder/' + "a_rather_long_module_name_" * 2 + 'w"'
+    for args, title in ((("diff", a, b), f"{a[:12]} -> {b[:12]}"), (("show", b), "leaves")):
+        code, out, err = cli_at(80, monkeypatch, capsys, *args, "--store", str(path))
+        assert code == 0 and "%2F" not in out, err
+        lines = out.splitlines()
+        assert all(len(line) <= 80 for line in lines)
+        body = lines[next(i for i, line in enumerate(lines) if line.strip() == title):]
+        body = body[next(i for i, line in enumerate(body) if line.startswith("┡")) + 1:]
+        cells = [line.split("│")[1].strip() for line in body if line.startswith("│")]
+        cells = [c for c in cells if c != "n"]  # show lists the unchanged leaf n too
+        assert "".join(cells) == name and len(cells) > 1, cells
+        assert all(c.endswith(("/", "_")) for c in cells[:-1]), cells
+
+
+def test_shown_path_spells_every_key_apart():
+    from ckptstore.cli import shown_path
+    from ckptstore.layout import keypath
+
+    cases = {("rb", "storage", "x"): "rb/storage/x", ("rb", "x/y"): 'rb/"x/y"', ("",): '""', ("a", '"q"'): 'a/"\\"q\\""',
+             ("<root>",): '"<root>"', ("50%",): "50%", ("a%2Fb",): "a%2Fb", ("x\n",): "x\n"}
+    assert shown_path("") == "<root>"
+    for keys, shown in cases.items():
+        assert shown_path(keypath(*keys)) == shown, keys
+    assert len({shown_path(keypath(*keys)) for keys in cases}) == len(cases)
+
+
+def _pipe_cli(args: list[str], close_first: bool) -> tuple[int, str, str]:
+    """Run ``python -m ckptstore.cli ARGS`` with its stdout a pipe into ``head -1`` (or, with
+    ``close_first``, a pipe whose reader is already gone: the first write finds it closed):
+    ``(the CLI's exit status, its stderr, what head printed)``."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as errors:
+        if close_first:
+            r, w = os.pipe()
+            os.close(r)
+            proc = subprocess.Popen([sys.executable, "-m", "ckptstore.cli", *args], stdout=w, stderr=errors)
+            os.close(w)
+            head_out = ""
+        else:
+            proc = subprocess.Popen([sys.executable, "-m", "ckptstore.cli", *args], stdout=subprocess.PIPE, stderr=errors)
+            head = subprocess.Popen(["head", "-1"], stdin=proc.stdout, stdout=subprocess.PIPE, text=True)
+            proc.stdout.close()  # head holds the only reader
+            head_out = head.communicate(timeout=300)[0]
+        code = proc.wait(timeout=300)
+        errors.seek(0)
+        return code, errors.read(), head_out
+
+
+def test_read_only_commands_end_quietly_when_the_reader_leaves(tmp_path):
+    """``ckptstore diff A B | head -1`` and every other read-only command: status 0 and
+    nothing on stderr once head has its line (click turned the broken pipe into a silent
+    exit 1). log, show, diff, tags and reflog print far more than a pipe holds (64 KiB), so
+    head leaves mid-output; every command also meets a reader gone before its first write."""
+    path = tmp_path / "s"
+    with ckptstore.Store(path) as s:
+        a = s.commit({f"k{i}": torch.full((2,), float(i)) for i in range(1500)}, tag="t", message="a long message " * 6000)
+        b = s.commit({f"k{i}": torch.full((2,), float(-i)) for i in range(1500)}, tag=["t", *(f"run-{i:04d}-with-a-rather-long-tag-name" for i in range(1000))])
+    st = ["--store", str(path)]
+    commands = [["log", *st], ["log", "t", "--json", *st], ["show", "t", *st], ["show", "t", "--json", *st], ["diff", a.id, b.id, *st],
+                ["diff", a.id, b.id, "--json", *st], ["tags", *st], ["tags", "--json", *st], ["reflog", *st], ["du", *st], ["du", "--json", *st],
+                ["runs", *st], ["fsck", *st], ["verify", "t", *st], ["gc", "--dry-run", *st], ["--version"], ["show", "--help"]]
+    for args in commands:
+        code, err, first = _pipe_cli(args, close_first=False)
+        assert (code, err) == (0, ""), (args, code, err[-2000:])
+        assert first.endswith("\n") and len(first.splitlines()) == 1, (args, first)
+        code, err, _ = _pipe_cli(args, close_first=True)
+        assert (code, err) == (0, ""), (args, code, err[-2000:])
+
+
+def test_a_closed_reader_does_not_hide_what_fsck_found(tmp_path):
+    """fsck still exits 1 for a damaged store when its reader left mid-output."""
+    path = tmp_path / "s"
+    with ckptstore.Store(path) as s:
+        s.commit({"w": torch.arange(4096.0)}, tag="t")
+    for pack in (path / "blobs").rglob("*.pack"):
+        pack.write_bytes(b"")
+    code, err, _ = _pipe_cli(["fsck", "--store", str(path)], close_first=True)
+    assert (code, err) == (1, "")
+
+
+def test_torchrl_log_lines_stay_out_of_the_cli_only(tmp_path):
+    """torchrl's logger (set up at import, INFO on stdout by default) is at WARNING in a
+    command (a LazyTensorStorage's "Initialized ..." line no longer in the output), unless the
+    user set $RL_LOGGING_LEVEL; a program that imports ckptstore keeps torchrl's default."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, logging\nfrom ckptstore import cli\n"
+        "def invoke():\n    import torch, torchrl.data\n    from tensordict import TensorDict\n"
+        "    torchrl.data.LazyTensorStorage(4).set(0, TensorDict({'x': torch.zeros(1)}, [1]))\n"
+        "    print('level', logging.getLogger('torchrl').getEffectiveLevel())\n"
+        "if sys.argv[1] == 'cli':\n    cli.invoke = invoke\n    sys.argv = ['ckptstore', '--help']\n    cli.main()\nelse:\n    invoke()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "RL_LOGGING_LEVEL"}
+    for where, extra, level, logged in (("cli", {}, 30, False), ("cli", {"RL_LOGGING_LEVEL": "INFO"}, 20, True), ("library", {}, 20, True)):
+        proc = subprocess.run([sys.executable, "-c", code, where], capture_output=True, text=True, env={**env, **extra}, cwd=tmp_path, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.splitlines()[-1] == f"level {level}" and ("[torchrl][INFO]" in proc.stdout) == logged, (where, extra, proc.stdout)

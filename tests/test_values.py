@@ -21,7 +21,7 @@ import ckptstore
 from ckptstore import Progress, Store
 from ckptstore.errors import NotAStoreError, UnsupportedTypeError
 
-from .conftest import assert_bit_equal, run_fresh
+from .conftest import assert_bit_equal, commit_edited, raw_bytes, run_fresh
 
 
 def _builtin_names() -> list[str]:
@@ -265,6 +265,37 @@ def test_heterogeneous_lazy_stacks_round_trip_with_their_members_keys_and_stack_
     assert _describe(s.checkout("t", into=TensorDict({}, td.batch_size))) == _describe(td)
     s.commit({"rb": {"td": td}}, tag="nested")  # a component of a dict of objects
     assert _describe(s.checkout("nested", into={"rb": {"td": None}})["rb"]["td"]) == _describe(td)
+
+
+def _bits(td):
+    """``td``'s structure and every leaf's dtype, shape and bytes (lazy stacks member by member)."""
+    from tensordict import is_tensor_collection
+
+    if isinstance(td, LazyStackedTensorDict):
+        return ("lazy", td.stack_dim, list(td.batch_size), [_bits(m) for m in td.tensordicts])
+    return (type(td).__name__, list(td.batch_size), sorted(
+        (k, _bits(v) if is_tensor_collection(v) else (v.dtype, tuple(v.shape), raw_bytes(v))) for k, v in td.items()))
+
+
+def test_tensordict_state_version_3_reads_version_2_and_refuses_newer(tmp_path):
+    """Version 3 added meta ``lazy``. Version-2 records (without it, and those written with it
+    before the version was bumped) check out bit-exactly; a version-4 record is refused."""
+    from ckptstore.errors import AdapterVersionError
+
+    plain = TensorDict({"x": torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), "n": {"q": torch.arange(4)}}, [4])
+    lazy = _stacks()["inside_a_tensordict"]
+    s = Store(tmp_path / "s", create=True)
+    s.commit({"plain": plain, "lazy": lazy}, tag="now")
+    assert {p: c["version"] for p, c in s.show("now")["components"].items()} == {"plain": 3, "lazy": 3}
+    commit_edited(s, {"plain": plain, "lazy": lazy}, "v2", version={"plain": 2, "lazy": 2})
+    assert {p: c["version"] for p, c in s.show("v2")["components"].items()} == {"plain": 2, "lazy": 2}
+    back = s.checkout("v2")
+    assert _bits(back["plain"]) == _bits(plain) and _bits(back["lazy"]) == _bits(lazy)
+    into = s.checkout("v2", into={"plain": TensorDict({}, [4]), "lazy": TensorDict({}, [2])})
+    assert _bits(into["plain"]) == _bits(plain) and _bits(into["lazy"]) == _bits(lazy)
+    commit_edited(s, {"plain": plain}, "v4", version={"plain": 4})
+    with pytest.raises(AdapterVersionError, match=r"plain: stored by tensordict version 4, this ckptstore has version 3; upgrade"):
+        s.checkout("v4")
 
 
 # --- nested tensors -----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from . import progress
+from . import layout, progress
 from .units import counted, dedup, fmt_bytes, ratio
 from .errors import CkptStoreError, GCLockedError
 from .store import CommitInfo, Store
@@ -54,7 +54,7 @@ def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
 
-        console.print(f"ckptstore {version('ckptstore')}")
+        say(f"ckptstore {version('ckptstore')}")
         raise typer.Exit()
 
 
@@ -106,6 +106,39 @@ def open_store(path: str | None) -> Store:
     return Store(store_path(path), create=False)
 
 
+class StdoutClosed(Exception):
+    """The program reading the output exited before it was all written (``ckptstore log | head -1``)."""
+
+
+class _Stdout:
+    """``sys.stdout`` while :func:`main` runs: a write or flush that finds the reader gone
+    raises :class:`StdoutClosed` (not an ``OSError``: click would turn a broken pipe into a
+    silent exit 1), so a closed output is told apart from a broken connection to a bucket."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.reader_gone = False
+
+    def _closed(self) -> StdoutClosed:
+        self.reader_gone = True
+        return StdoutClosed()
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise self._closed() from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise self._closed() from None
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding...: the stream's
+        return getattr(self.stream, name)
+
+
 def emit_json(data: Any) -> None:
     def default(o: Any) -> Any:
         if dataclasses.is_dataclass(o):
@@ -126,6 +159,44 @@ def hidden(every: list[str], shown: list[str]) -> str | None:
     if not left_out:
         return None
     return f"not shown at {console.width} columns: {', '.join(left_out)} ({_NARROW} columns or --json show them)"
+
+
+def say(text: str | Text) -> None:
+    """Print a one-line message as one line at any console width (a script's or cron's log
+    gets whole lines, not lines cut at 80 or 200 columns), its text as written (no rich markup)."""
+    console.print(text, soft_wrap=True, markup=False)
+
+
+def shown_path(path: str) -> str:
+    """A stored path (its keys escaped, joined by ``/``: :func:`layout.keypath`) as the user
+    wrote the keys: ``rb/storage/x``; a key that holds ``/``, is empty, starts with ``"`` or
+    is ``<root>`` in double quotes (``enc/"a/b"``) so that no two paths print alike.
+    The root path ``""`` is ``<root>``."""
+    if not path:
+        return "<root>"
+
+    def key(k: str) -> str:
+        return json.dumps(k, ensure_ascii=False) if not k or "/" in k or k.startswith('"') or k == "<root>" else k
+
+    return "/".join(key(k) for k in layout.split(path))
+
+
+def folded(name: str, width: int) -> Text:
+    """``name`` (a :func:`shown_path`, made :func:`visible`) in lines of at most ``width``
+    characters (rich breaks only at spaces: it would cut a long name mid-word): each key on
+    the line of the one before while it fits, else on the next; a key longer than a line
+    broken after its ``_``, ``.`` or ``-``, and a word longer than a line cut where it ends."""
+    lines = [""]
+    for key in re.findall(r"[^/]*/|[^/]+$", name):  # each key with the "/" after it
+        if lines[-1] and len(lines[-1]) + len(key) > width:
+            lines.append("")
+        for word in re.findall(r"[^_.-]*[_.-]|[^_.-]+$", key) if len(key) > width else [key]:
+            if lines[-1] and len(lines[-1]) + len(word) > width:
+                lines.append("")
+            lines[-1] += word
+            while len(lines[-1]) > width:
+                lines[-1:] = [lines[-1][:width], lines[-1][width:]]
+    return Text("\n".join(lines))
 
 
 def fitted(rows: list[list[str]], headers: list[str], flexible: int) -> int:
@@ -237,7 +308,7 @@ def runs_cmd(store: StorePath = None, as_json: AsJson = False) -> None:
         emit_json([dataclasses.asdict(r) for r in found])
         return
     if not found:
-        console.print("no runs: no commit here was made by a Checkpointer (Checkpointer(store, objects, run=NAME) starts one)")
+        say("no runs: no commit here was made by a Checkpointer (Checkpointer(store, objects, run=NAME) starts one)")
         return
     out = table("run", "latest step", "commit", "commits", "bytes", numeric=("latest step", "commits", "bytes"), whole=("commit",))
     for r in found:
@@ -255,7 +326,7 @@ def tag_cmd(
     """Create or move tag NAME to the commit REF names (atomic; logged in the reflog)."""
     with open_store(store) as s:
         cid = s.tag(name, ref)
-    emit_json({"tag": name, "commit": cid}) if as_json else console.print(f"{name} -> {cid}")
+    emit_json({"tag": name, "commit": cid}) if as_json else say(f"{name} -> {cid}")
 
 
 Force = Annotated[bool, typer.Option("--force", metavar="", help="Move the tag even when its commit is not an ancestor of REF's.")]
@@ -266,7 +337,7 @@ def _transfer_done(report, as_json: bool, direction: str) -> None:
         emit_json(report)
         return
     moved = f"; {report.tag} -> {report.commit}" if report.tag else ""
-    console.print(
+    say(
         f"{direction} {report.commit[:12]}: {counted(len(report.commits_copied), 'commit')}, {counted(report.blobs_copied, 'blob')}, "
         f"{fmt_bytes(report.bytes_copied)} copied{moved}"
     )
@@ -306,7 +377,7 @@ def delete_tag_cmd(name: Annotated[str, typer.Argument(help="Tag to delete.")], 
     """Delete tag NAME; its commits stay until a GC no longer keeps them."""
     with open_store(store) as s:
         cid = s.delete_tag(name)
-    emit_json({"deleted": name, "commit": cid}) if as_json else console.print(f"deleted {name} (was {cid})")
+    emit_json({"deleted": name, "commit": cid}) if as_json else say(f"deleted {name} (was {cid})")
 
 
 @app.command()
@@ -334,23 +405,24 @@ def show(ref: Annotated[str, typer.Argument(help="Tag, commit id or unique prefi
     info: CommitInfo = detail["commit"]
     console.print(commit_table([info], title=f"commit {info.id}"))
     if info.metadata:
-        console.print(f"metadata: {json.dumps(info.metadata, default=str)}")
+        say(f"metadata: {json.dumps(info.metadata, default=str)}")
     comps = table("component", "adapter", "version", "class", title="components", whole=("version",))
     for path, c in detail["components"].items():
-        comps.add_row(path or "<root>", c["adapter"], str(c["version"]), str(c["meta"].get("class", "")))
+        comps.add_row(shown_path(path), c["adapter"], str(c["version"]), str(c["meta"].get("class", "")))
     console.print(comps)
     every = ["leaf", "kind", "dtype", "shape", "logical", "stored", "shards", "shared w/ parent"]
     cols = every if console.width >= _NARROW else ["leaf", "dtype", "shape", "logical", "stored"]
     rows = [[
         {
-            "leaf": leaf["path"] or "<root>", "kind": leaf["kind"], "dtype": leaf["dtype"] or leaf["kind"],
+            "leaf": visible(shown_path(leaf["path"])), "kind": leaf["kind"], "dtype": leaf["dtype"] or leaf["kind"],
             "shape": "" if leaf["shape"] is None else str(leaf["shape"]), "logical": fmt_bytes(leaf["logical_bytes"]),
             "stored": fmt_bytes(leaf["stored_bytes"]), "shards": str(leaf["shards"]), "shared w/ parent": str(leaf["shared_with_parent"]),
         }[c] for c in cols] for leaf in detail["leaves"]]
-    leaves = table(*cols, title="leaves", numeric=("logical", "stored", "shards", "shared w/ parent"), min_width={"leaf": fitted(rows, cols, 0)})
+    width = fitted(rows, cols, 0)
+    leaves = table(*cols, title="leaves", numeric=("logical", "stored", "shards", "shared w/ parent"), min_width={"leaf": width})
     leaves.caption = hidden(every, cols)
-    for row in rows:
-        leaves.add_row(*row)
+    for name, *row in rows:
+        leaves.add_row(folded(name, width), *row)
     console.print(leaves)
     for c in detail["components"].values():
         if c["adapter"] == "dcp" and isinstance(c["meta"].get("items"), dict):
@@ -393,15 +465,16 @@ def diff(
         emit_json({**dataclasses.asdict(report), "leaves": listed, "counts": {s: report.count(s) for s in statuses}})
         return
     headers = ["leaf", "status", "dtype", "shape", "shards", "changed", "new bytes"]
-    rows = [[leaf.path or "<root>", leaf.status, leaf.dtype or leaf.kind, "" if leaf.shape is None else str(leaf.shape),
+    rows = [[visible(shown_path(leaf.path)), leaf.status, leaf.dtype or leaf.kind, "" if leaf.shape is None else str(leaf.shape),
              str(leaf.shards), str(leaf.shards_changed), fmt_bytes(leaf.new_bytes)] for leaf in listed]
+    width = fitted(rows, headers, 0)
     out = table(*headers, title=f"{report.a[:12]} -> {report.b[:12]}", numeric=("shards", "changed", "new bytes"),
-                min_width={"leaf": fitted(rows, headers, 0)})
-    for row in rows:
-        out.add_row(*row)
+                min_width={"leaf": width})
+    for name, *row in rows:
+        out.add_row(folded(name, width), *row)
     console.print(out)
     counts = ", ".join(f"{report.count(s)} {s}" for s in statuses)
-    console.print(f"{counts}; {fmt_bytes(report.new_bytes)} new in {report.b[:12]}")
+    say(f"{counts}; {fmt_bytes(report.new_bytes)} new in {report.b[:12]}")
 
 
 @app.command()
@@ -441,37 +514,38 @@ def gc(
         emit_json(report)
         return
     verb = "would free" if report.dry_run else "freed"
-    console.print(
+    say(
         f"gc {verb}: {counted(report.commits_dropped, 'commit')}, {counted(report.blobs_deleted, 'blob')} ({fmt_bytes(report.blob_bytes)} in packs), "
         f"{counted(report.packs_deleted, 'pack')} deleted, {report.packs_repacked} repacked, {report.packs_consolidated} consolidated, "
         f"{counted(report.orphans_removed, 'orphan pack')}, {counted(report.tmp_removed, 'tmp file')}; {fmt_bytes(report.bytes_freed)} freed "
         f"on disk (net of the packs written); pending the grace period: "
         f"{counted(report.commits_pending, 'commit')}, {counted(report.blobs_pending, 'blob')}, {fmt_bytes(report.bytes_pending)}"
     )
-    console.print("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in report.seconds.items()))
+    say("phases: " + ", ".join(f"{k} {v:.3f} s" for k, v in report.seconds.items()))
     for why in report.withheld:
-        console.print(f"[yellow]withheld[/yellow]: {why}")
+        say(Text.assemble(("withheld", "yellow"), f": {why}"))
 
 
 def _print_fsck(report, as_json: bool) -> None:
-    if as_json:
-        emit_json({**dataclasses.asdict(report), "ok": report.ok})
-    else:
-        for problem in report.problems:
-            console.print(f"[red]problem[/red]: {problem}")
-        if report.damaged_commits:
-            console.print(f"damaged commits: {', '.join(c[:12] for c in report.damaged_commits)}")
-        if report.damaged_tags:
-            console.print(f"damaged tags: {', '.join(report.damaged_tags)}")
-        for key in report.repaired:
-            console.print(f"repaired: {key}")
-        if report.missing_indexes:
-            console.print(f"packs without .idx (walked instead; GC rebuilds or removes them): {len(report.missing_indexes)}")
-        console.print(
-            f"{'ok' if report.ok else 'NOT OK'}: {counted(report.commits, 'commit')}, {counted(report.blobs_checked, 'blob')} rehashed "
-            f"({fmt_bytes(report.bytes_checked)}); orphans: {counted(len(report.orphan_packs), 'pack')}, "
-            f"{counted(report.unreferenced_blobs, 'unreferenced blob')}, {counted(report.tmp_files, 'tmp file')}"
-        )
+    with contextlib.suppress(StdoutClosed):  # the reader left (| head): the exit status still says what was found
+        if as_json:
+            emit_json({**dataclasses.asdict(report), "ok": report.ok})
+        else:
+            for problem in report.problems:
+                say(Text.assemble(("problem", "red"), f": {problem}"))
+            if report.damaged_commits:
+                say(f"damaged commits: {', '.join(c[:12] for c in report.damaged_commits)}")
+            if report.damaged_tags:
+                say(f"damaged tags: {', '.join(report.damaged_tags)}")
+            for key in report.repaired:
+                say(f"repaired: {key}")
+            if report.missing_indexes:
+                say(f"packs without .idx (walked instead; GC rebuilds or removes them): {len(report.missing_indexes)}")
+            say(
+                f"{'ok' if report.ok else 'NOT OK'}: {counted(report.commits, 'commit')}, {counted(report.blobs_checked, 'blob')} rehashed "
+                f"({fmt_bytes(report.bytes_checked)}); orphans: {counted(len(report.orphan_packs), 'pack')}, "
+                f"{counted(report.unreferenced_blobs, 'unreferenced blob')}, {counted(report.tmp_files, 'tmp file')}"
+            )
     if not report.ok:
         raise SystemExit(1)
 
@@ -509,28 +583,29 @@ def recover(
     Exit 1 when it could not restore everything the packs hold (each tag, commit, pack and
     record is named, with why); an existing catalog is then replaced only with --force."""
     report = Store.recover(store_path(store), force=force)
-    if as_json:
-        emit_json({**dataclasses.asdict(report), "ok": report.ok})
-    else:
-        console.print(
-            f"recovered {counted(report.commits, 'commit')}, {counted(len(report.tags), 'tag')}, {counted(report.blobs, 'blob')} "
-            f"from {counted(report.packs, 'pack')} "
-            f"in {report.seconds:.2f} s"
-        )
-        for t, cid in report.tags.items():
-            console.print(f"  {t} -> {cid}")
-        if report.moved_aside:
-            console.print(f"the damaged catalog was moved to {report.moved_aside}")
-        if report.repaired:
-            console.print(f"rebuilt from their packs and rewritten on the bucket ({len(report.repaired)}):", markup=False)
-            for key in report.repaired:
-                console.print(f"  {key}", markup=False)
-        lost = report.lost()
-        if lost:
-            console.print(f"NOT restored ({len(report.dropped_tags)} tags, {len(report.dropped_commits)} commits, {len(report.problems)} unreadable packs or records):", markup=False)
-            for line in lost:
-                console.print(f"  {line}", markup=False, soft_wrap=True)
-        console.print("next: ckptstore fsck --deep")
+    with contextlib.suppress(StdoutClosed):  # the reader left (| head): a failure is still reported below
+        if as_json:
+            emit_json({**dataclasses.asdict(report), "ok": report.ok})
+        else:
+            say(
+                f"recovered {counted(report.commits, 'commit')}, {counted(len(report.tags), 'tag')}, {counted(report.blobs, 'blob')} "
+                f"from {counted(report.packs, 'pack')} "
+                f"in {report.seconds:.2f} s"
+            )
+            for t, cid in report.tags.items():
+                say(f"  {t} -> {cid}")
+            if report.moved_aside:
+                say(f"the damaged catalog was moved to {report.moved_aside}")
+            if report.repaired:
+                say(f"rebuilt from their packs and rewritten on the bucket ({len(report.repaired)}):")
+                for key in report.repaired:
+                    say(f"  {key}")
+            lost = report.lost()
+            if lost:
+                say(f"NOT restored ({len(report.dropped_tags)} tags, {len(report.dropped_commits)} commits, {len(report.problems)} unreadable packs or records):")
+                for line in lost:
+                    say(f"  {line}")
+            say("next: ckptstore fsck --deep")
     if not report.ok:
         err.print(
             f"error: recover could not restore {len(report.dropped_tags)} tag(s) and {len(report.dropped_commits)} commit(s) "
@@ -550,7 +625,7 @@ def export_cmd(
     """Export one commit to a ZIP archive or a folder."""
     with open_store(store) as s, bars():
         out = s.export(ref, dest)
-    emit_json({"exported": str(out)}) if as_json else console.print(f"exported {ref} to {out}")
+    emit_json({"exported": str(out)}) if as_json else say(f"exported {ref} to {out}")
 
 
 @app.command("import")
@@ -588,9 +663,9 @@ def import_torchrl_cmd(
         emit_json({"commit": info, "report": report})
         return
     console.print(commit_table([info], title=f"imported {report.format}"))
-    console.print(f"components: {', '.join(c or '<root>' for c in report.components)}")
+    say(f"components: {', '.join(shown_path(c) for c in report.components)}")
     for name, reason in report.skipped:
-        console.print(f"skipped {name}: {reason}")
+        say(f"skipped {name}: {reason}")
 
 
 @app.command()
@@ -622,10 +697,41 @@ def command():
     return group
 
 
+def quiet_torchrl() -> bool:
+    """Keep torchrl's log lines (INFO and up by default, on stdout: its logger is set up
+    when torchrl is imported, from ``$RL_LOGGING_LEVEL``) out of the CLI's output, unless
+    the user chose a level: warnings and errors only. Only while :func:`main` runs (and in
+    the processes it starts), never for a program that imports ckptstore. True when it set it."""
+    if "RL_LOGGING_LEVEL" in os.environ:
+        return False
+    os.environ["RL_LOGGING_LEVEL"] = "WARNING"
+    return True
+
+
 def main() -> None:
-    """Entry point: one-line errors, non-zero exit (2 for usage errors, as click)."""
+    """Entry point: :func:`invoke` with stdout that tells a gone reader apart (:class:`_Stdout`)
+    and torchrl's log lines left out (:func:`quiet_torchrl`)."""
+    out = sys.stdout = _Stdout(sys.stdout)
+    quieted = quiet_torchrl()
+    try:
+        invoke()
+    finally:
+        sys.stdout = out.stream
+        if quieted:
+            os.environ.pop("RL_LOGGING_LEVEL", None)
+        if out.reader_gone:  # what is still buffered goes nowhere, not into a failed flush at exit
+            with contextlib.suppress(OSError, ValueError):  # ValueError: not a file (a test's captured stdout)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), out.stream.fileno())
+
+
+def invoke() -> None:
+    """The command line: one-line errors, non-zero exit (2 for usage errors, as click); a
+    closed output (``ckptstore log | head -1``) ends a command quietly, with status 0."""
     try:
         code = command()(prog_name="ckptstore", standalone_mode=False)  # click's own usage errors come here, not as a boxed message
+        sys.stdout.flush()  # the last buffered output (--json) fails here, not at exit, when the reader is gone
+    except StdoutClosed:
+        raise SystemExit(0) from None
     except typer.TyperException as exc:  # click's errors, vendored by typer
         if exc.format_message():  # empty when the help was printed instead (no arguments)
             ctx = getattr(exc, "ctx", None)  # a usage error's: the subcommand whose help explains it

@@ -283,6 +283,13 @@ def _tensordict_v1_to_v2(flat: dict, meta: dict) -> dict:
     return flat
 
 
+def _tensordict_v2_to_v3(flat: dict, meta: dict) -> dict:
+    """Version 3 added meta ``lazy`` (heterogeneous lazy stacks stored member by member):
+    version 2 state has none, or, written by the code that added it before the version was
+    bumped, has it as version 3 does; either reads unchanged."""
+    return flat
+
+
 @register_adapter
 class TensorDictAdapter(Adapter):
     """A TensorDict: its tensor leaves by nested key, non-tensor leaves as JSON.
@@ -298,12 +305,14 @@ class TensorDictAdapter(Adapter):
 
     Version 1 wrote index-valued non-tensor leaves untagged (a tuple of slices
     as a list of ``[start, stop, step]`` lists); they are migrated on restore.
+    Version 3 added meta ``lazy``: a version-2 reader ignores it (the members' leaves,
+    keyed ``0``, ``1``..., would not come back as the lazy stack), so it refuses version 3.
     """
 
     name = "tensordict"
-    version = 2
+    version = 3
     types = (TensorDictBase,)
-    migrations = {1: _tensordict_v1_to_v2}
+    migrations = {1: _tensordict_v1_to_v2, 2: _tensordict_v2_to_v3}
 
     def _walk(self, td: TensorDictBase, prefix: str, info: dict) -> dict:
         """``td`` as a nested dict of tensors and :class:`Json` leaves; ``info`` collects
