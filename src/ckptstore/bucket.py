@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends import Backend, open_backend
+from .catalog import drop_commit_rows
 from .errors import (
     BlobCorruptError,
     BlobMissingError,
@@ -789,7 +790,7 @@ class BucketHome(Home):
             pass  # not on the bucket (an imported commit, or dropped by a GC): nothing is shared
         out = super().show(cid)
         unlocated = {r[0] for r in self.store.catalog.rows(
-            "SELECT DISTINCT l.path FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? AND b.pack = ?",
+            "SELECT DISTINCT l.path FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? AND b.pack = ?",
             (cid, UNLOCATED), raw=True)}
         for leaf in out["leaves"]:
             if leaf["path"] in unlocated:
@@ -817,9 +818,7 @@ class BucketHome(Home):
             return
         cat = self.store.catalog
         with cat.write():
-            cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", cids)
-            for table in ("leaves", "components", "parents"):
-                cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", cids)
+            drop_commit_rows(cat, cids)  # (rows a kept commit shares move to it)
             cat.chunked("DELETE FROM tags WHERE commit_id IN ({})", cids)
             cat.chunked("DELETE FROM commits WHERE id IN ({})", cids)
 

@@ -33,7 +33,7 @@ from . import jsonvalue, progress, records
 from .collector import paused_gc
 from .digests import DigestCache, Entry, Same, reusable
 from .errors import AdapterError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
-from .layout import address, check_shape, digest, itemsize, sample_unchanged
+from .layout import ShardPlan, address, check_shape, digest, itemsize, sample_unchanged
 from .packs import BLOB_HEADER, BlobLoc, PackWriter
 from .records import CommitInfo, LeafRecord, check_message, check_tag
 from .threads import Pool
@@ -60,6 +60,32 @@ class _Prehashed:
     shards: list[tuple[bytes, memoryview]]
     reused: dict[int, int]  # shard index -> blob id
     last: list[tuple[bytes, int]]
+
+
+@dataclass(eq=False)
+class Reused:
+    """A component committed unchanged since this store's commit ``last`` (every fingerprint
+    equal, the sample rehashed equal), in place of its captured form: its manifest
+    ``records``, shard addresses (``keys``) and ``{address: blob id}`` (``blobs``) as the
+    rows of commit ``owner`` hold them. The index step points the new commit's component
+    at those rows once it finds them in its transaction (``owner`` and ``confirmed`` then
+    say whose: a GC may have moved them to a sharer), else writes rows of its own."""
+
+    path: str
+    adapter: str
+    version: int
+    meta: dict
+    records: list[LeafRecord]
+    keys: list[tuple[bytes, int]]
+    blobs: dict[tuple[bytes, int], int]
+    owner: str
+    last: str
+    confirmed: bool = False
+
+
+class _Redo(Exception):
+    """A blob of a :class:`Reused` component must be written again (a GC freed it, and the
+    rows that held it, meanwhile): the commit is made again from the captured state."""
 
 
 def ints_json(values: Sequence[int]) -> str:
@@ -227,6 +253,10 @@ class CommitEngine:
         out = []
         stale: set[str] = set()
         for comp in components:
+            reused = self._reused(comp) if self.reuse_hashes else None
+            if reused is not None:  # unchanged as a whole: its rows are shared (its records and blob ids taken now)
+                out.append(reused)
+                continue
             leaves = {}
             for path, value in comp.leaves.items():
                 if not isinstance(value, torch.Tensor):
@@ -305,30 +335,56 @@ class CommitEngine:
         *,
         t0: float | None = None,
         reuse_checked: bool = False,
+        share: bool = True,
     ) -> CommitInfo:
         """Commit components already captured (by :func:`ckptstore.adapters.capture`
         or built by an importer); same arguments, result and errors as :meth:`commit`.
         ``reuse_checked``: the shard hashes reused by fingerprint were sample-checked
-        already (:meth:`commit_async` checks them when it snapshots the state)."""
+        already (:meth:`commit_async` checks them when it snapshots the state).
+        A component unchanged since this store's last commit of it (digest cache) shares
+        that commit's catalog rows (:class:`Reused`); not with ``share`` false."""
         t0 = time.perf_counter() if t0 is None else t0
         tags = [] if tag is None else list(tag) if isinstance(tag, (list, tuple)) else [tag]
         tags = list(dict.fromkeys(check_tag(t) for t in tags))
         metadata = check_message(message, metadata)
         parents = [parents] if isinstance(parents, str) else parents
         explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
+        captured = components
         for c in components:
-            if records.ESCAPED in c.meta:
+            if type(c) is not Reused and records.ESCAPED in c.meta:
                 raise AdapterError(f"{c.path or '<root>'}: adapter {c.adapter} returned meta key {records.ESCAPED!r}, which ckptstore reserves")
-        components = [replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]  # paths in today's key encoding
-        leaves, views, tokens, prior, from_cache, unchanged = self._leaves(components, reuse_checked)
-        keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
+        if share and self.reuse_hashes and not reuse_checked:
+            components = [(self._reused(c) or c) if type(c) is not Reused else c for c in components]
+        # paths in today's key encoding
+        components = [c if type(c) is Reused else replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]
+        slow = [c for c in components if type(c) is not Reused]
+        own, views, tokens, prior, from_cache, unchanged = self._leaves(slow, reuse_checked)
+        own_keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
+        if len(slow) == len(components):
+            leaves, keys = own, own_keys
+        else:  # the manifest in component order: the reused components' records and keys in their places
+            leaves, keys = [], []
+            i = k = 0  # the next captured leaf and key
+            for c in components:
+                if type(c) is Reused:
+                    leaves += c.records
+                    keys += c.keys
+                    prior.update(c.blobs)
+                else:
+                    n = len(c.leaves)
+                    nk = sum(map(len, views[i : i + n]))
+                    leaves += own[i : i + n]
+                    keys += own_keys[k : k + nk]
+                    i, k = i + n, k + nk
         unique: dict[tuple[bytes, int], memoryview] = {}
         for shard_views in views:
             for d, mv in shard_views:
                 unique.setdefault((d, len(mv)), mv)
 
         def write(writer: PackWriter, key: tuple[bytes, int]) -> BlobLoc:
-            data = unique[key]
+            data = unique.get(key)
+            if data is None:  # a blob of a Reused component: not at hand (see _Redo)
+                raise _Redo()
             if key in from_cache:
                 # A hash kept from an earlier commit whose blob a GC freed since: the bytes are
                 # live memory. Copied once, so what is hashed is what is written (training may
@@ -342,11 +398,98 @@ class CommitEngine:
                     )
             return writer.append(data, key[0])
 
-        info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
+        try:
+            info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
+        except _Redo:
+            self._digests.components.clear()
+            if any(type(c) is Reused for c in captured):  # taken when an asynchronous commit snapshotted the state: gone since
+                self.forget_hashes()
+                raise StoreWriteError("blobs this commit reused were freed by a GC (another process or Store) while the commit ran; "
+                                      "commit again") from None
+            return self.commit_components(captured, tags, message, metadata, parents, t0=t0, reuse_checked=reuse_checked, share=False)
         if unchanged and any(ids[k] != b for k, b in prior.items()):  # blobs written again (a GC freed them): new ids
             unchanged = set()
-        self._digests.remember(leaves, views, tokens, ids, self.shard_bytes, unchanged)
+        self._digests.remember(own, views, tokens, ids, self.shard_bytes, unchanged)
+        if self.reuse_hashes:
+            self._keep_components(components, leaves, keys, ids, info.id)
         return info
+
+    def _reused(self, comp: Captured) -> Reused | None:
+        """``comp`` as a :class:`Reused` component if the digest cache kept it
+        (:class:`ckptstore.digests.Kept`) and it did not change since: the same leaf paths,
+        every fingerprint equal (compared whole), the same JSON leaves, and a sample of
+        every tensor's shards rehashed equal (a tensor whose sample differs is forgotten
+        and warned about: the commit hashes it in full). Else ``None``."""
+        import torch
+
+        from .shards import flat_bytes, physical
+
+        kept = self._digests.components.get((comp.path, self.shard_bytes))
+        if kept is None or records.ESCAPED in comp.meta:
+            return None
+        if kept.paths != tuple(comp.leaves) or kept.fingerprints != comp.fingerprints:
+            return None
+        if kept.owner_ref is not None and kept.owner_ref() is not comp.owner:
+            return None
+        values = comp.leaves
+        for path, text in kept.jsons:
+            v = values[path]
+            if isinstance(v, (torch.Tensor, _Prehashed)) or jsonvalue.dumps(v, path) != text:
+                return None
+        for path, hashes, p, strided in kept.checks:
+            v = values[path]
+            if not isinstance(v, torch.Tensor):
+                return None
+            if not sample_unchanged(hashes, flat_bytes(physical(v, path)[0] if strided else v, path), p, path):
+                self._digests.components.pop((comp.path, self.shard_bytes), None)
+                self._digests.drop(comp.owner, path, comp.fingerprints[path], self.shard_bytes)  # hashed in full now
+                return None
+        return Reused(comp.path, comp.adapter, comp.version, {**comp.meta, records.ESCAPED: True}, kept.records, kept.keys, kept.blobs,
+                      kept.owner, kept.last)
+
+    def _keep_components(self, components: list, leaves: list[LeafRecord], keys: list, ids: dict, cid: str) -> None:
+        """After commit ``cid``: the digest cache's :class:`~ckptstore.digests.Kept` of each
+        component whose every tensor leaf has a fingerprint (a :class:`Reused` one's now
+        names the rows' owner and ``cid``); the others' go."""
+        import weakref
+
+        from .adapters.base import StorageIdentity
+        from .digests import Kept
+
+        cache = self._digests.components
+        i = k = 0  # the component's first leaf and key
+        for c in components:
+            key = (c.path, self.shard_bytes)
+            if type(c) is Reused:
+                i, k = i + len(c.records), k + len(c.keys)
+                kept = cache.get(key)
+                if kept is not None:
+                    kept.owner, kept.last = (c.owner if c.confirmed else cid), cid
+                continue
+            n = len(c.leaves)
+            recs = leaves[i : i + n]
+            nk = sum(max(1, -(-r.nbytes // r.shard_bytes)) for r in recs if r.kind == "tensor")  # ShardPlan.count
+            comp_keys = keys[k : k + nk]
+            i, k = i + n, k + nk
+            cache.pop(key, None)
+            fingerprints = c.fingerprints
+            tensors = [r for r in recs if r.kind == "tensor"]
+            if not tensors or any(r.path not in fingerprints for r in tensors):
+                continue
+            plain = all(type(t) is tuple and t and type(t[0]) is StorageIdentity for t in fingerprints.values())
+            try:
+                owner_ref = None if plain else weakref.ref(c.owner)
+            except TypeError:
+                continue
+            checks, j = [], 0
+            for r in recs:
+                if r.kind == "tensor":
+                    m = max(1, -(-r.nbytes // r.shard_bytes))
+                    checks.append((r.path, [d for d, _ in comp_keys[j : j + m]], ShardPlan(r.nbytes, r.shard_bytes), r.stride is not None))
+                    j += m
+            jsons = [(r.path, r.value) for r in recs if r.kind == "json"]
+            cache[key] = Kept(tuple(c.leaves), dict(fingerprints), owner_ref, jsons, checks, recs, comp_keys,
+                              {a: ids[a] for a in comp_keys}, cid, cid)
 
     def commit_manifest(
         self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None

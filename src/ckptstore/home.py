@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, progress, records
 from .catalog import Catalog, CatalogMissing, damaged, rebuild_record, reserve_path
-from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
+from .commit import CommitInfo, Reused, ReusedBlobsGone, given_stored, ints_json
 from .errors import (
     AmbiguousRefError,
     BlobCorruptError,
@@ -296,7 +296,17 @@ class Home:
         Returns ``(commit id, parent ids, seconds, {address: blob id})``."""
         store = self.store
         with self.write() as batch:
-            if known:
+            shared = self._shared_rows(components)
+            if shared:  # their blob ids are those of rows that exist: not checked again
+                confirmed: dict[tuple[bytes, int], int] = {}
+                for c in components:
+                    if c.path in shared:
+                        confirmed.update(c.blobs)
+                check = {k: i for k, i in known.items() if k not in confirmed}
+                known = {**check, **confirmed}
+            else:
+                check = known
+            if check:
                 # An id must still hold the same address: GC may have freed it and a new blob taken the id since.
                 # The per-shard rows of a commit (thousands for a large buffer, most of them
                 # unchanged shards) go to SQLite as one JSON array in one statement, here and for
@@ -304,7 +314,7 @@ class Home:
                 # per row, and a thread that does that thousands of times starves the others of
                 # it (each waits a switch interval, 5 ms, to get it back), the training loop
                 # beside an asynchronous commit among them. This one returns only the mismatches.
-                reused = list(known.items())
+                reused = list(check.items())
                 # First one cheap statement: the addresses the ids hold now, in the ids' order, as one text;
                 # only if it differs, the one that names the ids that changed.
                 (now,), = store.catalog.rows(
@@ -339,13 +349,13 @@ class Home:
                 parents = list(dict.fromkeys(current[t] for t in tags if t in current))
             per_leaf = self._keys_per_leaf(leaves, keys)
             for r, keys_of in zip(leaves, per_leaf):
-                if r.encoded is None:
+                if r.encoded is None:  # (set on the records of a Reused component)
                     r.encoded = (records.manifest_entry(r, keys_of), (
                         r.path, r.component, r.kind, r.dtype, None if r.shape is None else ints_json(r.shape),
                         None if r.stride is None else ints_json(r.stride), r.nbytes, r.shard_bytes, r.value,
                     ))
             manifest = [r.encoded[0] for r in leaves]
-            components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]
+            components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]  # (few)
             record = records.commit_text(parents, created_at, message, meta_json, components_json, manifest)
             cid = records.commit_id(record)
             seconds = time.perf_counter() - t0
@@ -365,9 +375,12 @@ class Home:
             batch.append((records.KIND_COMMIT, cid, None, record))
             run_many("INSERT INTO parents (commit_id, position, parent_id) VALUES (?, ?, ?)", [(cid, i, p) for i, p in enumerate(parents)])
             run_many(
-                "INSERT INTO components (commit_id, path, adapter, version, meta) VALUES (?, ?, ?, ?, ?)",
-                [(cid, c.path, c.adapter, c.version, meta) for c, (_, _, _, meta) in zip(components, components_json)],
+                "INSERT INTO components (commit_id, path, adapter, version, meta, rows_of) VALUES (?, ?, ?, ?, ?, ?)",
+                [(cid, c.path, c.adapter, c.version, meta, shared.get(c.path)) for c, (_, _, _, meta) in zip(components, components_json)],
             )
+            if shared:  # a shared component's leaves and shards are rows of its owner's
+                per_leaf = [keys_of for r, keys_of in zip(leaves, per_leaf) if r.component not in shared]
+                leaves = [r for r in leaves if r.component not in shared]
             run_many(
                 "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -387,6 +400,24 @@ class Home:
             if tags:  # in this transaction: the commit's rows and its tag moves are one
                 store.refs.move(dict.fromkeys(tags, (ANY, cid)), "commit", created_at, batch)
         return cid, parents, seconds, ids
+
+    def _shared_rows(self, components: list) -> dict[str, str]:
+        """``{component path: commit id}`` of the :class:`~ckptstore.commit.Reused` components
+        whose rows exist now, in the caller's transaction, and the commit that owns them: that
+        of the component's last commit (itself, or the owner it points at), else its owner's
+        (if it still owns them). A GC that dropped both since leaves the component out: its
+        rows are written again (and its blob ids checked). Each one's ``owner`` and
+        ``confirmed`` are set to what was found."""
+        out: dict[str, str] = {}
+        for c in components:
+            if type(c) is Reused:
+                found = self.store.catalog.rows(
+                    "SELECT COALESCE(rows_of, commit_id) FROM components WHERE path = ? AND commit_id IN (?, ?) "
+                    "ORDER BY commit_id = ? DESC LIMIT 1", (c.path, c.last, c.owner, c.last), raw=True)
+                c.confirmed = bool(found)
+                if found:
+                    c.owner = out[c.path] = found[0][0]
+        return out
 
     @staticmethod
     def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
@@ -503,13 +534,18 @@ class Home:
             r["path"]: r
             for r in self.store.catalog.rows(
                 "SELECT l.path, COUNT(*) AS shards, SUM(b.stored_len + ?) AS stored, "
-                "SUM(s.blob_id IN (SELECT s2.blob_id FROM shards s2 JOIN leaves l2 ON l2.id = s2.leaf_id WHERE l2.commit_id = ?)) AS shared "
-                "FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? GROUP BY l.path",
+                "SUM(s.blob_id IN (SELECT s2.blob_id FROM shards s2 JOIN commit_leaves l2 ON l2.id = s2.leaf_id WHERE l2.commit_id = ?)) AS shared "
+                "FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? GROUP BY l.path",
                 (BLOB_HEADER.size, parent, info.id),
             )
         }
         leaves = []
-        for r in self.store.catalog.rows("SELECT * FROM leaves WHERE commit_id = ? ORDER BY rowid", (info.id,)):
+        rows = self.store.catalog.rows(
+            "SELECT l.*, c.rowid AS pos, c.rows_of AS shares FROM commit_leaves l LEFT JOIN components c ON c.commit_id = l.commit_id "
+            "AND c.path = l.component WHERE l.commit_id = ? ORDER BY l.id", (info.id,))
+        if any(r["shares"] is not None for r in rows):  # rows of several commits: in manifest order, component by component
+            rows.sort(key=lambda r: (r["pos"] or 0, r["id"]))
+        for r in rows:
             st = stats.get(r["path"])
             leaves.append({
                 "path": r["path"], "component": r["component"], "kind": r["kind"], "dtype": r["dtype"],
