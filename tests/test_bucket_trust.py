@@ -317,16 +317,16 @@ def test_fsck_reports_a_damaged_reflog_object_and_gc_collects_the_reflog_of_drop
 
 def test_deep_fsck_rereads_a_pack_in_batches_of_at_most_fsck_batch_bytes(tmp_path, url, monkeypatch):
     """Deep fsck rereads the blobs of all commits together, one pack's at a time in ranged
-    reads of at most ``BucketHome.fsck_batch`` bytes: 10 blobs of 16 KiB in one pack, a
+    reads of at most ``BucketFsck.fsck_batch`` bytes: 10 blobs of 16 KiB in one pack, a
     batch of 40 KiB: 5 reads of 2 entries, and the same report as in one read."""
-    from ckptstore.bucket import BucketHome
+    from ckptstore.bucket import BucketFsck
     from ckptstore.packs import BLOB_HEADER
 
     with ckptstore.Store(url, cache=tmp_path / "w", shard_bytes=16 << 10, compression_level=0) as s:
         s.commit({"x": torch.arange(40 << 10, dtype=torch.float32)}, tag="latest")  # 160 KiB: 10 shards
     one = _fresh(url, tmp_path).fsck(deep=True)
     assert (one.ok, one.blobs_checked, one.bytes_checked) == (True, 10, 160 << 10)
-    monkeypatch.setattr(BucketHome, "fsck_batch", 40 << 10)
+    monkeypatch.setattr(BucketFsck, "fsck_batch", 40 << 10)
     s = _fresh(url, tmp_path)
     reads = []
     get_ranges = s.home.backend.get_ranges

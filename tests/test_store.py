@@ -115,7 +115,7 @@ def test_store_folder_checks(tmp_path):
 
 
 def test_one_store_class_on_its_local_home_and_object_storage_options_refused_for_a_folder(tmp_path):
-    from ckptstore.home import LocalHome
+    from ckptstore.localhome import LocalHome
 
     with ckptstore.Store(tmp_path / "s", create=True) as s:
         assert type(s) is ckptstore.Store and type(s.home) is LocalHome and s.location == str(tmp_path / "s")

@@ -66,6 +66,7 @@ from .errors import (
     RefConflictError,
     RefNotFoundError,
 )
+from .fsck import FsckSide
 from .gc import GCReport, GCSide, PackStat, packed
 from .layout import RANDOM, address, digest
 from .packindex import INDEX_ENTRY, INDEX_HEADER, index_key, pack_key
@@ -830,33 +831,44 @@ class BucketHome(Home):
 
     # --- maintenance ----------------------------------------------------------------------------
 
-    def gc_home(self) -> BucketGC:
+    def gc_side(self) -> BucketGC:
         """This home's primitives of the GC protocol (:class:`BucketGC`: no lock, a mark swept a
         grace period later; ``grace`` defaults to 24 hours)."""
         self._need_store()
         return BucketGC(self.store)
 
-    # --- fsck's primitives (:func:`ckptstore.fsck.check`): the bucket's own objects, never the cache ----
+    def fsck_side(self) -> BucketFsck:
+        """This home's primitives of the fsck protocol (:class:`BucketFsck`)."""
+        return BucketFsck(self)
+
+
+class BucketFsck(FsckSide):
+    """The primitives of the fsck protocol (:mod:`ckptstore.fsck`) on a bucket: the bucket's
+    own objects (refs, ``commits/``, packs and their indexes, reflog, marker), never the cache."""
+
+    def __init__(self, home: BucketHome):
+        self.home, self.store, self.backend, self.requests = home, home.store, home.backend, home.requests
+        self.url = self.location = home.url
 
     #: A commit's record is put before its ref moves: a killed commit may leave a record no tag reaches.
     attempts_leave_records = True
     #: Bytes: fsck rereads at most this much of one pack per ranged read (memory stays bounded).
     fsck_batch = 16 << 20
 
-    def fsck_start(self, repair: bool) -> None:
+    def start(self, repair: bool) -> None:
         """Before any read: the prefix must hold a store (NotAStoreError); ``repair`` is allowed."""
-        self._need_store()
+        self.home._need_store()
 
-    def fsck_resolve(self, ref: str) -> str:
+    def resolve(self, ref: str) -> str:
         """The commit id ``ref`` (a tag or a full id) names on the bucket; nothing is copied into the cache."""
         cid = ref if type(ref) is str and _CID.fullmatch(ref) else None
         return cid if cid is not None else self.store.refs.read(ref) or resolve_remote(self.backend, ref)[0]
 
-    def fsck_snapshot(self):
+    def snapshot(self):
         """Nothing to hold: the objects are immutable, and the tags are read before the records they name."""
         return contextlib.nullcontext()
 
-    def fsck_tags(self, report) -> dict[str, str]:
+    def tags(self, report) -> dict[str, str]:
         """``{tag: commit id}`` from the refs on the bucket; a malformed ref is a damaged tag."""
         def read(name: str):
             try:
@@ -873,7 +885,7 @@ class BucketHome(Home):
                 out[name] = cid
         return out
 
-    def fsck_commits(self, report, ids: list[str] | None, deep: bool) -> dict[str, Any]:
+    def commits(self, report, ids: list[str] | None, deep: bool) -> dict[str, Any]:
         """``{commit id: CommitRecord, or None when damaged}`` of the ``commits/`` objects
         (``ids``, or every one listed), each fetched and checked against its id (without
         ``deep``, a record the cache holds is read from the cache); a damaged one is reported."""
@@ -893,7 +905,7 @@ class BucketHome(Home):
                 report.problems.append(f"commit {cid}: {rec}")
         return out
 
-    def fsck_locate(self, report, keys: list[tuple[bytes, int]], deep: bool, repair: bool) -> dict:
+    def locate(self, report, keys: list[tuple[bytes, int]], deep: bool, repair: bool) -> dict:
         """``{address: BlobLoc}`` of the blobs of ``keys`` that packs on the bucket hold. With
         ``deep`` from each pack's entries as the bucket holds them: its ``.idx``, checked, or
         the pack walked when that is missing or damaged (``damaged_indexes``: a problem;
@@ -904,7 +916,7 @@ class BucketHome(Home):
         listed = {o.key: o for o in self.backend.list("blobs")}
         packs = {k.rsplit("/", 1)[1][:-5]: o for k, o in listed.items() if k.endswith(".pack")}
         if not deep:
-            self.refresh_index()
+            self.home.refresh_index()
             report.missing_indexes = sorted(p for p in packs if index_key(p) not in listed)
             return {k: loc for k, loc in self.store.locate(keys).items() if loc.pack in packs}
         needed = set(keys)
@@ -932,7 +944,7 @@ class BucketHome(Home):
                 report.problems.append(f"pack {pid}: {f.index_problem} (its pack is intact: `ckptstore fsck --repair` rebuilds it)")
         return {k: where[k] for k in keys if k in where}
 
-    def fsck_read(self, locs: list[BlobLoc], reread: set):
+    def read(self, locs: list[BlobLoc], reread: set):
         """``(loc, error)`` for each blob of ``locs`` in ``reread`` (addresses), read from the
         bucket with coalesced ranged reads per pack (at most :attr:`fsck_batch` bytes at a
         time per pack, :data:`REQUESTS` packs at once) and checked in bounded memory
@@ -972,7 +984,7 @@ class BucketHome(Home):
         for results in self.requests.map(read, batches):
             yield from results
 
-    def fsck_extra(self, report, ids: list[str], whole: bool, deep: bool, repair: bool) -> None:
+    def extra(self, report, ids: list[str], whole: bool, deep: bool, repair: bool) -> None:
         """With ``whole`` and ``deep``: every reflog object is a ref-move record of the tag its
         key names (``damaged_reflog``), and the store marker passes its check
         (``damaged_marker``; ``repair`` rewrites it from its intact copy, ``repaired``)."""
@@ -1004,7 +1016,6 @@ class BucketHome(Home):
                 problem = str(exc)
         report.damaged_marker = True
         report.problems.append(problem if repair else f"{problem} (`ckptstore fsck --repair` rewrites it from the intact copy)")
-
 
 
 # --- the GC primitives of a bucket (ckptstore.gc.GCSide) -------------------------------------

@@ -1,22 +1,24 @@
 """Integrity checks of a store (``ckptstore fsck`` and ``ckptstore verify``): one protocol
-for both homes, written against small per-home primitives.
+for both homes, written against small per-home primitives (:class:`FsckSide`: the home's
+``fsck_side()``, :class:`ckptstore.localhome.LocalFsck` for a folder,
+:class:`ckptstore.bucket.BucketFsck` for a bucket).
 
-:func:`check` (entered through :func:`run` and :func:`verify`) asks the home (``store.home``)
-for what it holds and checks it the same way on both homes:
+:func:`check` (entered through :func:`run` and :func:`verify`) asks the home's side for
+what it holds and checks it the same way on both homes:
 
-1. in one snapshot of the home's index (``fsck_snapshot``): the tags (``fsck_tags``: name
+1. in one snapshot of the home's index (``snapshot``): the tags (``tags``: name
    -> commit id; a malformed ref is reported), the commits with their records
-   (``fsck_commits``: locally the catalog's rows against each record, and a copy of it in
+   (``commits``: locally the catalog's rows against each record, and a copy of it in
    a pack; on a bucket the ``commits/`` objects, fetched and checked against their ids
-   when ``deep``), and where each blob those records need is (``fsck_locate``: locally the
+   when ``deep``), and where each blob those records need is (``locate``: locally the
    catalog's rows; on a bucket each pack's ``.idx``, or the pack walked when its index is
    missing or damaged, which ``repair`` rebuilds);
-2. what is particular to the home (``fsck_extra``): locally SQLite's integrity and
+2. what is particular to the home (``extra``): locally SQLite's integrity and
    foreign-key checks, the orphans (pack files without a catalog row, unreferenced blob
    rows, files in ``tmp/``) and, with ``deep``, every record copy in the packs reread; on
    a bucket, with ``deep``, the reflog objects and the store marker (``repair`` rewrites a
    damaged marker from its copy);
-3. every blob a commit needs is in its pack (``fsck_read``: locally the pack file is
+3. every blob a commit needs is in its pack (``read``: locally the pack file is
    there and long enough), and, with ``deep``, reread and rehashed in bounded memory
    (each blob once, however many commits share it; ``sample`` < 1: that fraction of each
    commit's blobs, at least one);
@@ -70,6 +72,55 @@ class FsckReport:
         return not self.problems
 
 
+class FsckSide:
+    """The primitives a home provides to the protocol (its ``fsck_side()``); every check and
+    the mapping of damage to commits and tags is made here, in :mod:`ckptstore.fsck`, from
+    what they report. ``report`` arguments are the run's :class:`FsckReport`, to which a
+    primitive adds what only it can see.
+
+    Attributes:
+        location: where the store lives, for messages.
+        attempts_leave_records: whether a commit's record may exist before its ref moves
+            (then a record no tag reaches whose blobs are gone is an orphan, not damage).
+    """
+
+    location = ""
+    attempts_leave_records = False
+
+    def start(self, repair: bool) -> None:
+        """Before any read: the refusals (e.g. ``repair`` where there is nothing to repair)."""
+        raise NotImplementedError
+
+    def resolve(self, ref: str) -> str:
+        """The commit id that ``ref`` (a tag or a commit id) names, for ``verify``."""
+        raise NotImplementedError
+
+    def snapshot(self):
+        """A context manager over one consistent read of :meth:`tags`, :meth:`commits` and :meth:`locate`."""
+        raise NotImplementedError
+
+    def tags(self, report: FsckReport) -> dict[str, str]:
+        """``{tag: commit id}``; a malformed ref is reported as a damaged tag."""
+        raise NotImplementedError
+
+    def commits(self, report: FsckReport, ids: list[str] | None, deep: bool) -> dict:
+        """``{commit id: CommitRecord, or None when damaged}`` of ``ids`` (every commit when None)."""
+        raise NotImplementedError
+
+    def locate(self, report: FsckReport, keys: list[tuple[bytes, int]], deep: bool, repair: bool) -> dict:
+        """``{address: BlobLoc}`` of the blobs of ``keys`` the home holds (absent: in no pack)."""
+        raise NotImplementedError
+
+    def read(self, locs: list, reread: set):
+        """Yield ``(loc, error or None)``: a BlobMissingError for a blob of ``locs`` whose pack
+        does not hold it, and each of ``reread`` (addresses) reread and rehashed."""
+        raise NotImplementedError
+
+    def extra(self, report: FsckReport, ids: list[str], whole: bool, deep: bool, repair: bool) -> None:
+        """The checks only this home has (``whole``: of the whole store; ``ids``: the commits checked)."""
+        raise NotImplementedError
+
+
 def check_sample(sample: float) -> float:
     """Validate ``sample`` (0 < sample <= 1), before any read on either home. Raises InvalidArgumentError."""
     if not 0 < sample <= 1:
@@ -82,26 +133,27 @@ def run(store, deep: bool = False, sample: float = 1.0, repair: bool = False) ->
 
     Raises:
         InvalidArgumentError: ``sample`` outside (0, 1]; ``repair`` on a home that has
-            nothing it can repair (``fsck_start``: a local store's index is its catalog).
+            nothing it can repair (``start``: a local store's index is its catalog).
         NotAStoreError: a bucket prefix that holds no store.
     """
     check_sample(sample)
-    store.home.fsck_start(repair)
+    store.home.fsck_side().start(repair)
     with paused_gc():  # it holds every commit's record: a full collection would walk them again and again
         return check(store, deep=deep or sample < 1 or repair, sample=sample, repair=repair)
 
 
 def verify(store, ref: str) -> FsckReport:
-    """Check one commit (a tag or a commit id, resolved by the home's ``fsck_resolve``)
+    """Check one commit (a tag or a commit id, resolved by the home's ``resolve``)
     and reread every blob of it; ``report.ok`` tells."""
-    store.home.fsck_start(False)
+    side = store.home.fsck_side()
+    side.start(False)
     with paused_gc():
-        return check(store, deep=True, commit=store.home.fsck_resolve(ref))
+        return check(store, deep=True, commit=side.resolve(ref))
 
 
 def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None,
           repair: bool = False) -> FsckReport:
-    """Check ``store`` (or only commit id ``commit``, for ``verify``) on its home (the module's docstring).
+    """Check ``store`` (or only commit id ``commit``, for ``verify``) on its side (the module's docstring).
 
     Args:
         deep: reread blobs and check headers and hashes (on a bucket also every record,
@@ -109,7 +161,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         sample: with ``deep``, the fraction of each commit's blobs to reread (0 < sample <= 1).
         commit: restrict every check to one commit's record and blobs.
         seed: the sample's random seed.
-        repair: let the home rebuild what it can (a bucket's pack indexes and marker).
+        repair: let the side rebuild what it can (a bucket's pack indexes and marker).
 
     Raises:
         InvalidArgumentError: ``sample`` outside (0, 1].
@@ -117,21 +169,21 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         BackendError: the storage failed (never reported as damage).
     """
     check_sample(sample)
-    home, rep, whole = store.home, FsckReport(), commit is None
-    with home.fsck_snapshot():
-        tags = home.fsck_tags(rep) if whole else None
-        records = home.fsck_commits(rep, None if whole else [commit], deep)
+    side, rep, whole = store.home.fsck_side(), FsckReport(), commit is None
+    with side.snapshot():
+        tags = side.tags(rep) if whole else None
+        records = side.commits(rep, None if whole else [commit], deep)
         keys_of = {cid: list(dict.fromkeys(k for leaf in rec.leaves for k in leaf.keys)) for cid, rec in records.items() if rec is not None}
-        where = home.fsck_locate(rep, list(dict.fromkeys(k for keys in keys_of.values() for k in keys)), deep, repair)
-    home.fsck_extra(rep, list(records), whole, deep, repair)
+        where = side.locate(rep, list(dict.fromkeys(k for keys in keys_of.values() for k in keys)), deep, repair)
+    side.extra(rep, list(records), whole, deep, repair)
     rep.commits = len(records)
     bad_tags = set(rep.damaged_tags)
     for name, cid in (tags or {}).items():
         if cid not in records:
-            rep.problems.append(f"tag {name!r} names commit {cid}, which {home.location} does not hold")
+            rep.problems.append(f"tag {name!r} names commit {cid}, which {side.location} does not hold")
             bad_tags.add(name)
 
-    reach = lineage(records, set(tags.values())) if whole and home.attempts_leave_records else records
+    reach = lineage(records, set(tags.values())) if whole and side.attempts_leave_records else records
     rng = random.Random(seed)
     users: dict[tuple[bytes, int], list[str]] = {}  # blob address -> the commits that need it
     reread: set[tuple[bytes, int]] = set()
@@ -151,9 +203,9 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
     for k in users:
         if k not in where:
             rep.missing_blobs.append(address(*k))
-            bad[k] = f"blob {address(*k)} is in no pack of {home.location}"
+            bad[k] = f"blob {address(*k)} is in no pack of {side.location}"
     with progress.task("fsck --deep", sum(n for _, n in reread)) as advance:
-        for loc, err in home.fsck_read([loc for k, loc in where.items() if k in users], reread):  # in the home's order (locally: as written)
+        for loc, err in side.read([loc for k, loc in where.items() if k in users], reread):  # in the side's order (locally: as written)
             k = (loc.digest, loc.raw_len)
             if isinstance(err, BlobMissingError):
                 rep.missing_blobs.append(loc.address)
@@ -170,7 +222,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
     damaged = set(rep.damaged_commits) | {c for k in bad for c in users[k]}
     rep.damaged_commits = sorted(damaged)
     if damaged and tags is None:  # verify: the tags only to name those the damage hurts
-        tags = home.fsck_tags(FsckReport())
+        tags = side.tags(FsckReport())
     rep.damaged_tags = sorted(bad_tags | {name for name, cid in (tags or {}).items() if cid in damaged})
     return rep
 

@@ -1,5 +1,5 @@
 """Garbage collection: one protocol on both homes, written once here against the primitives
-each home provides (:class:`GCSide`: :class:`ckptstore.home.LocalGC` for a folder,
+each home provides (:class:`GCSide`: :class:`ckptstore.localhome.LocalGC` for a folder,
 :class:`ckptstore.bucket.BucketGC` for a bucket). One entry (:func:`collect`), one report
 (:class:`GCReport`), one set of decisions (:func:`decide`, :func:`due_commits`, :func:`due_packs`, :func:`pending`).
 
@@ -333,7 +333,7 @@ class Plan:
 
 
 class GCSide:
-    """The primitives a home provides to the protocol (its :meth:`~ckptstore.home.Home.gc_home`);
+    """The primitives a home provides to the protocol (the home's ``gc_side()``);
     every decision is made here, in :mod:`ckptstore.gc`, from what they report.
 
     Attributes:
@@ -487,7 +487,7 @@ def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...]
         StoreWriteError: the store cannot be written (a dry run goes on).
         BackendError: object storage failed (what was deleted stays deleted; run again).
     """
-    side = store.gc_home()
+    side = store.home.gc_side()
     c = Collector(store, keep_last, list(keep_tags), keep_within, side.default_grace if grace is None else grace, repack_below,
                   small_pack_bytes)
     report = GCReport(dry_run=dry_run)

@@ -1,7 +1,7 @@
 """The store: the facade that builds a home from a path or URL and delegates.
 
 What differs between homes (objects, refs, the index: opening the catalog, its settings and
-queries) is the home's (:attr:`Store.home`: :class:`ckptstore.home.LocalHome` in a folder,
+queries) is the home's (:attr:`Store.home`: :class:`ckptstore.localhome.LocalHome` in a folder,
 :class:`ckptstore.bucket.BucketHome` on object storage); what is the same is in the protocol
 modules: :mod:`ckptstore.commit` (its index step is the home's: one ``BEGIN IMMEDIATE``
 catalog transaction locally), :mod:`ckptstore.queries`, :mod:`ckptstore.checkout`,
@@ -27,8 +27,9 @@ from .errors import CatalogCorruptError, CkptStoreError, InvalidArgumentError, N
 from .fsck import FsckReport
 from .fsck import run as run_fsck
 from .fsck import verify as verify_commit
-from .gc import SMALL_PACK_BYTES, GCReport, GCSide, collect
-from .home import CATALOG, Home, LocalHome
+from .gc import SMALL_PACK_BYTES, GCReport, collect
+from .home import CATALOG, Home
+from .localhome import LocalHome
 from .layout import DEFAULT_SHARD_BYTES
 from .packs import IOStats, PackReader, PackWriter
 from .queries import Queries
@@ -293,10 +294,6 @@ class Store(CommitEngine, Queries):
                 keep_reserve(self.root / CATALOG)  # back, from the room the GC freed
         self.forget_hashes()
         return report
-
-    def gc_home(self) -> GCSide:
-        """This home's primitives of the GC protocol (:class:`ckptstore.gc.GCSide`, used by :func:`ckptstore.gc.collect`)."""
-        return self.home.gc_home()
 
     def forget_hashes(self) -> None:
         """Drop the shard hashes and blob ids kept from this store's last commits of live
