@@ -33,7 +33,7 @@ from . import jsonvalue, progress, records
 from .collector import paused_gc
 from .digests import DigestCache, Entry, Same, reusable
 from .errors import AdapterError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
-from .layout import ShardPlan, address, check_shape, digest, itemsize, sample_unchanged
+from .layout import ShardPlan, address, changed_parts, check_shape, digest, itemsize, sample_unchanged
 from .packs import BLOB_HEADER, BlobLoc, PackWriter
 from .records import CommitInfo, LeafRecord, check_message, check_tag
 from .threads import Pool
@@ -45,6 +45,17 @@ if TYPE_CHECKING:
     from .adapters.base import Captured
 
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
+_SMALL = 4096  # a one-shard tensor up to this size is rehashed in one copy with the component's others (Reused)
+
+
+def _flatten(tensors: list) -> Any:
+    """The tensors (one dtype, contiguous) laid end to end in one new 1-d tensor."""
+    import torch
+
+    try:
+        return torch._C._nn.flatten_dense_tensors(tensors)  # one C++ call (torch._utils._flatten_dense_tensors)
+    except AttributeError:
+        return torch.cat([t.reshape(-1) for t in tensors])
 
 
 @dataclass
@@ -80,7 +91,23 @@ class Reused:
     blobs: dict[tuple[bytes, int], int]
     owner: str
     last: str
+    manifest_json: str  # its manifest entries' JSON text (records.manifest_json)
+    nbytes: int  # of its tensor leaves
     confirmed: bool = False
+
+
+def logical_bytes(components: list, leaves: list[LeafRecord]) -> int:
+    """Bytes of the tensor leaves of a commit's manifest (``leaves``, in the order of
+    ``components``, whose :class:`Reused` ones know theirs)."""
+    reused = [c for c in components if type(c) is Reused]
+    if not reused:
+        return sum(r.nbytes for r in leaves if r.kind == "tensor")
+    total, i = 0, 0
+    for c in components:
+        n = len(c.records) if type(c) is Reused else len(c.leaves)
+        total += c.nbytes if type(c) is Reused else sum(r.nbytes for r in leaves[i : i + n] if r.kind == "tensor")
+        i += n
+    return total
 
 
 class _Redo(Exception):
@@ -129,6 +156,7 @@ class CommitEngine:
         self._committer: ThreadPoolExecutor | None = None  # runs asynchronous commits, one at a time
         self._pending: Future | None = None
         self._snapshots: dict[str, torch.Tensor] = {}
+        self._last_paths: tuple[str, tuple[str, ...]] = ("", ())  # the last commit's id and component paths (its leaf paths checked)
 
     @property
     def registry(self) -> Registry:
@@ -398,8 +426,12 @@ class CommitEngine:
                     )
             return writer.append(data, key[0])
 
+        paths = tuple(c.path for c in components)
+        # every component as this store's last commit held it, which checked their paths: not checked again
+        checked = all(type(c) is Reused and c.last == self._last_paths[0] for c in components) and paths == self._last_paths[1]
         try:
-            info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior)
+            info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior,
+                                             paths_checked=checked)
         except _Redo:
             self._digests.components.clear()
             if any(type(c) is Reused for c in captured):  # taken when an asynchronous commit snapshotted the state: gone since
@@ -412,6 +444,7 @@ class CommitEngine:
         self._digests.remember(own, views, tokens, ids, self.shard_bytes, unchanged)
         if self.reuse_hashes:
             self._keep_components(components, leaves, keys, ids, info.id)
+        self._last_paths = (info.id, paths)
         return info
 
     def _reused(self, comp: Captured) -> Reused | None:
@@ -436,16 +469,33 @@ class CommitEngine:
             v = values[path]
             if isinstance(v, (torch.Tensor, _Prehashed)) or jsonvalue.dumps(v, path) != text:
                 return None
+        def stale(path: str) -> None:  # (sample_unchanged warned): the commit hashes it in full, the component has rows of its own
+            self._digests.components.pop((comp.path, self.shard_bytes), None)
+            self._digests.drop(comp.owner, path, comp.fingerprints[path], self.shard_bytes)
+
+        if kept.small:  # the small one-shard tensors (contiguous, one dtype): laid end to end in one copy, each rehashed whole
+            paths, hashes, ends = kept.small
+            try:
+                flat = _flatten([values[p] for p in paths])
+                mv = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+            except (TypeError, RuntimeError, ValueError):
+                return None
+            for i in changed_parts(hashes, mv, ends):
+                v = values[paths[i]]
+                if not isinstance(v, torch.Tensor):
+                    return None
+                if not sample_unchanged([hashes[i]], flat_bytes(v, paths[i]), ShardPlan(ends[i] - (ends[i - 1] if i else 0), 1 << 62), paths[i]):
+                    stale(paths[i])
+                    return None
         for path, hashes, p, strided in kept.checks:
             v = values[path]
             if not isinstance(v, torch.Tensor):
                 return None
             if not sample_unchanged(hashes, flat_bytes(physical(v, path)[0] if strided else v, path), p, path):
-                self._digests.components.pop((comp.path, self.shard_bytes), None)
-                self._digests.drop(comp.owner, path, comp.fingerprints[path], self.shard_bytes)  # hashed in full now
+                stale(path)
                 return None
         return Reused(comp.path, comp.adapter, comp.version, {**comp.meta, records.ESCAPED: True}, kept.records, kept.keys, kept.blobs,
-                      kept.owner, kept.last)
+                      kept.owner, kept.last, kept.text, kept.nbytes)
 
     def _keep_components(self, components: list, leaves: list[LeafRecord], keys: list, ids: dict, cid: str) -> None:
         """After commit ``cid``: the digest cache's :class:`~ckptstore.digests.Kept` of each
@@ -482,17 +532,32 @@ class CommitEngine:
             except TypeError:
                 continue
             checks, j = [], 0
+            small: dict[str, tuple[list, list, list]] = {}  # dtype -> (paths, hashes, ends)
             for r in recs:
                 if r.kind == "tensor":
                     m = max(1, -(-r.nbytes // r.shard_bytes))
-                    checks.append((r.path, [d for d, _ in comp_keys[j : j + m]], ShardPlan(r.nbytes, r.shard_bytes), r.stride is not None))
+                    if m == 1 and r.stride is None and 0 < r.nbytes <= _SMALL:
+                        group = small.setdefault(r.dtype, ([], [], []))
+                        group[0].append(r.path)
+                        group[1].append(comp_keys[j][0])
+                        group[2].append((group[2][-1] if group[2] else 0) + r.nbytes)
+                    else:
+                        checks.append((r.path, [d for d, _ in comp_keys[j : j + m]], ShardPlan(r.nbytes, r.shard_bytes), r.stride is not None))
                     j += m
+            if len(small) > 1:  # one dtype only (the largest group): the others are checked one by one
+                keep = max(small, key=lambda d: len(small[d][0]))
+                for d, (paths, hashes, ends) in small.items():
+                    if d != keep:
+                        checks += [(p, [h], ShardPlan(e - (ends[i - 1] if i else 0), 1 << 62), False) for i, (p, h, e) in enumerate(zip(paths, hashes, ends))]
+                small = {keep: small[keep]}
             jsons = [(r.path, r.value) for r in recs if r.kind == "json"]
-            cache[key] = Kept(tuple(c.leaves), dict(fingerprints), owner_ref, jsons, checks, recs, comp_keys,
-                              {a: ids[a] for a in comp_keys}, cid, cid)
+            cache[key] = Kept(tuple(c.leaves), dict(fingerprints), owner_ref, jsons, checks, next(iter(small.values()), None), recs, comp_keys,
+                              {a: ids[a] for a in comp_keys}, cid, cid, records.manifest_json([r.encoded[0] for r in recs]),
+                              sum(r.nbytes for r in tensors))
 
     def commit_manifest(
-        self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None
+        self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None,
+        paths_checked=False,
     ):
         """Steps 3 and 4 of the commit protocol for a manifest already built (commits and
         importers): ``leaves`` are :class:`LeafRecord` s, ``keys`` every tensor shard's
@@ -508,12 +573,14 @@ class CommitEngine:
         save, :mod:`ckptstore.dcp`), ``{address: BlobLoc}`` and ``[(pack id, size)]``;
         they are indexed in this commit's transaction and not written again (an
         address the catalog already holds keeps its row; that copy is left for GC).
+        ``paths_checked``: the leaves' paths are those of a commit this store checked them for.
         Returns the CommitInfo and every address's blob id.
         """
         self.home.before_commit()
         self._open_for_commit()
         meta_json = jsonvalue.dumps(metadata, "metadata")
-        bad, _ = records.path_problem({c.path: {"meta": c.meta} for c in components}, leaves)  # a store never accepts a commit it cannot check out
+        # a store never accepts a commit it cannot check out
+        bad, _ = (None, None) if paths_checked else records.path_problem({c.path: {"meta": c.meta} for c in components}, leaves)
         if bad:
             raise InvalidNameError(f"cannot commit: {bad}")
         for r in leaves:
@@ -567,7 +634,7 @@ class CommitEngine:
             created_at=created_at,
             message=message,
             metadata=metadata,
-            logical_bytes=sum(r.nbytes for r in leaves if r.kind == "tensor"),
+            logical_bytes=logical_bytes(components, leaves),
             new_bytes=sum(n for _, n in written),
             stored_bytes=writer.stored_bytes + given_stored(written, given_packs),
             shards_total=len(keys),

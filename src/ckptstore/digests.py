@@ -109,15 +109,19 @@ class Kept:
     and per-shard work but the fingerprints' comparison and the sample: its leaf paths and
     fingerprints (compared whole), the object an adapter's fingerprints belong to (weakly;
     ``None`` when all are plain tokens, which name their storages), its JSON leaves' text,
-    each tensor leaf's sample plan ``(path, shard hashes, ShardPlan, strided)``, its
+    each tensor leaf's sample plan ``(path, shard hashes, ShardPlan, strided)`` (the small
+    one-shard ones of one dtype as ``small``: ``(paths, hashes, end offsets)``, rehashed whole
+    in one copy), its
     manifest records, shard addresses and ``{address: blob id}``, and the commits whose
-    rows hold them (``owner``) and that last committed it (``last``)."""
+    rows hold them (``owner``) and that last committed it (``last``), and its manifest
+    entries' JSON text (``text``) and its tensors' bytes (``nbytes``)."""
 
-    __slots__ = ("paths", "fingerprints", "owner_ref", "jsons", "checks", "records", "keys", "blobs", "owner", "last")
+    __slots__ = ("paths", "fingerprints", "owner_ref", "jsons", "checks", "small", "records", "keys", "blobs", "owner", "last", "text", "nbytes")
 
-    def __init__(self, paths, fingerprints, owner_ref, jsons, checks, records, keys, blobs, owner, last):
+    def __init__(self, paths, fingerprints, owner_ref, jsons, checks, small, records, keys, blobs, owner, last, text, nbytes):
         self.paths, self.fingerprints, self.owner_ref, self.jsons, self.checks = paths, fingerprints, owner_ref, jsons, checks
-        self.records, self.keys, self.blobs, self.owner, self.last = records, keys, blobs, owner, last
+        self.small = small
+        self.records, self.keys, self.blobs, self.owner, self.last, self.text, self.nbytes = records, keys, blobs, owner, last, text, nbytes
 
 
 class DigestCache:

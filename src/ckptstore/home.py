@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
 from .catalog import Catalog, CatalogMissing, damaged, reserve_path
-from .commit import CommitInfo, Reused, ReusedBlobsGone, given_stored, ints_json
+from .commit import CommitInfo, Reused, ReusedBlobsGone, given_stored, ints_json, logical_bytes
 from .errors import (
     AmbiguousRefError,
     CatalogCorruptError,
@@ -337,16 +337,15 @@ class Home:
             else:
                 current = {r["name"]: r["commit_id"] for r in store.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
                 parents = list(dict.fromkeys(current[t] for t in tags if t in current))
-            per_leaf = self._keys_per_leaf(leaves, keys)
-            for r, keys_of in zip(leaves, per_leaf):
+            own, per_leaf = self._own_rows(components, leaves, keys, shared)
+            for r, keys_of in zip(own, per_leaf):
                 if r.encoded is None:  # (set on the records of a Reused component)
                     r.encoded = (records.manifest_entry(r, keys_of), (
                         r.path, r.component, r.kind, r.dtype, None if r.shape is None else ints_json(r.shape),
                         None if r.stride is None else ints_json(r.stride), r.nbytes, r.shard_bytes, r.value,
                     ))
-            manifest = [r.encoded[0] for r in leaves]
             components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]  # (few)
-            record = records.commit_text(parents, created_at, message, meta_json, components_json, manifest)
+            record = records.commit_text_of(parents, created_at, message, meta_json, components_json, self._manifest_parts(components, leaves))
             cid = records.commit_id(record)
             seconds = time.perf_counter() - t0
             if expect is not None and cid != expect:
@@ -359,7 +358,7 @@ class Home:
             store.catalog.conn.execute(
                 "INSERT INTO commits (id, created_at, message, metadata, logical_bytes, new_bytes, stored_bytes, shards_total, shards_new, "
                 "seconds, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (cid, created_at, message, meta_json, sum(r.nbytes for r in leaves if r.kind == "tensor"), new_bytes,
+                (cid, created_at, message, meta_json, logical_bytes(components, leaves), new_bytes,
                  writer.stored_bytes + given_stored(written, given_packs), len(keys), len(written), seconds, record),
             )
             batch.append((records.KIND_COMMIT, cid, None, record))
@@ -368,19 +367,16 @@ class Home:
                 "INSERT INTO components (commit_id, path, adapter, version, meta, rows_of) VALUES (?, ?, ?, ?, ?, ?)",
                 [(cid, c.path, c.adapter, c.version, meta, shared.get(c.path)) for c, (_, _, _, meta) in zip(components, components_json)],
             )
-            if shared:  # a shared component's leaves and shards are rows of its owner's
-                per_leaf = [keys_of for r, keys_of in zip(leaves, per_leaf) if r.component not in shared]
-                leaves = [r for r in leaves if r.component not in shared]
-            run_many(
+            run_many(  # (a shared component's leaves and shards are rows of its owner's)
                 "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(cid, *r.encoded[1]) for r in leaves],
+                [(cid, *r.encoded[1]) for r in own],
             )
             leaf_ids = dict(store.catalog.rows("SELECT path, id FROM leaves WHERE commit_id = ?", (cid,), raw=True))
             # A leaf's shard rows from one JSON array of blob ids, as the check above; the one row of a
             # one-shard leaf (most of a state of many small leaves) as a plain row: json_each costs more.
             single, multi = [], []
-            for r, keys_of in zip(leaves, per_leaf):
+            for r, keys_of in zip(own, per_leaf):
                 if len(keys_of) == 1:
                     single.append((leaf_ids[r.path], 0, ids[keys_of[0]]))
                 elif keys_of:
@@ -390,6 +386,20 @@ class Home:
             if tags:  # in this transaction: the commit's rows and its tag moves are one
                 store.refs.move(dict.fromkeys(tags, (ANY, cid)), "commit", created_at, batch)
         return cid, parents, seconds, ids
+
+    @staticmethod
+    def _manifest_parts(components: list, leaves: list[LeafRecord]) -> list[str]:
+        """The manifest's JSON text in parts (:func:`ckptstore.records.commit_text_of`): a
+        :class:`~ckptstore.commit.Reused` component's as it keeps it, the runs of leaves
+        between them encoded here."""
+        if not any(type(c) is Reused for c in components):
+            return [records.manifest_json([r.encoded[0] for r in leaves])]
+        parts, i = [], 0  # (a commit with Reused components lists its leaves component by component)
+        for c in components:
+            n = len(c.records) if type(c) is Reused else len(c.leaves)
+            parts.append(c.manifest_json if type(c) is Reused else records.manifest_json([r.encoded[0] for r in leaves[i : i + n]]))
+            i += n
+        return parts
 
     def _shared_rows(self, components: list) -> dict[str, str]:
         """``{component path: commit id}`` of the :class:`~ckptstore.commit.Reused` components
@@ -409,9 +419,32 @@ class Home:
                     c.owner = out[c.path] = found[0][0]
         return out
 
+    def _own_rows(self, components: list, leaves: list[LeafRecord], keys: list, shared: dict) -> tuple[list[LeafRecord], list[list]]:
+        """The leaves whose rows the commit writes (all but those of the ``shared``
+        components), and each one's shard addresses."""
+        if not any(type(c) is Reused for c in components):
+            return leaves, self._keys_per_leaf(leaves, keys)
+        own: list[LeafRecord] = []
+        per_leaf: list[list] = []
+        i = k = 0  # (a commit with Reused components lists its leaves component by component)
+        for c in components:
+            if type(c) is Reused:
+                n, nk = len(c.records), len(c.keys)
+                if c.path not in shared:
+                    own += c.records
+                    per_leaf += self._keys_per_leaf(c.records, c.keys)
+            else:
+                n = len(c.leaves)
+                part = self._keys_per_leaf(leaves[i : i + n], keys, k)
+                nk = sum(map(len, part))
+                own += leaves[i : i + n]
+                per_leaf += part
+            i, k = i + n, k + nk
+        return own, per_leaf
+
     @staticmethod
-    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
-        out, i = [], 0
+    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]], i: int = 0) -> list[list[tuple[bytes, int]]]:
+        out = []
         for r in leaves:
             n = max(1, -(-r.nbytes // r.shard_bytes)) if r.kind == "tensor" else 0  # ShardPlan.count
             out.append(keys[i : i + n])
@@ -530,12 +563,9 @@ class Home:
             )
         }
         leaves = []
-        rows = self.store.catalog.rows(
-            "SELECT l.*, c.rowid AS pos, c.rows_of AS shares FROM commit_leaves l LEFT JOIN components c ON c.commit_id = l.commit_id "
-            "AND c.path = l.component WHERE l.commit_id = ? ORDER BY l.id", (info.id,))
-        if any(r["shares"] is not None for r in rows):  # rows of several commits: in manifest order, component by component
-            rows.sort(key=lambda r: (r["pos"] or 0, r["id"]))
-        for r in rows:
+        for r in self.store.catalog.rows(  # component by component (a commit may share another's rows for some)
+            "SELECT l.* FROM commit_leaves l LEFT JOIN components c ON c.commit_id = l.commit_id AND c.path = l.component "
+            "WHERE l.commit_id = ? ORDER BY c.rowid, l.id", (info.id,)):
             st = stats.get(r["path"])
             leaves.append({
                 "path": r["path"], "component": r["component"], "kind": r["kind"], "dtype": r["dtype"],
