@@ -21,17 +21,21 @@ def commit_seeing_reuse(store: ckptstore.Store, obj, tag: str) -> tuple[ckptstor
     import ckptstore.commit as store_module
 
     seen = []
-    original = store_module.sample_unchanged
+    original, small = store_module.sample_unchanged, store_module.small_changed
 
     def spy(known, mv, p, path):
         seen.append(path)
         return original(known, mv, p, path)
 
-    store_module.sample_unchanged = spy
+    def spy_small(paths, hashes, ends, values):  # a component's small tensors, unchanged as a whole, in one copy
+        seen.extend(paths)
+        return small(paths, hashes, ends, values)
+
+    store_module.sample_unchanged, store_module.small_changed = spy, spy_small
     try:
         info = store.commit(obj, tag=tag)
     finally:
-        store_module.sample_unchanged = original
+        store_module.sample_unchanged, store_module.small_changed = original, small
     return info, set(seen)
 
 

@@ -48,14 +48,23 @@ _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than i
 _SMALL = 4096  # a one-shard tensor up to this size is rehashed in one copy with the component's others (Reused)
 
 
-def _flatten(tensors: list) -> Any:
-    """The tensors (one dtype, contiguous) laid end to end in one new 1-d tensor."""
+def small_changed(paths: list[str], hashes: list[bytes], ends: list[int], values: dict) -> list[int] | None:
+    """The sample of a component's small one-shard tensors ``values[path]`` (one dtype,
+    contiguous): all of each, laid end to end in one copy and each part rehashed
+    (:func:`ckptstore.layout.changed_parts`); the indices whose hash is not ``hashes``' at
+    that index, or ``None`` if they cannot be laid end to end (not tensors)."""
     import torch
 
+    tensors = [values[p] for p in paths]
     try:
-        return torch._C._nn.flatten_dense_tensors(tensors)  # one C++ call (torch._utils._flatten_dense_tensors)
-    except AttributeError:
-        return torch.cat([t.reshape(-1) for t in tensors])
+        try:
+            flat = torch._C._nn.flatten_dense_tensors(tensors)  # one C++ call (torch._utils._flatten_dense_tensors)
+        except AttributeError:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        mv = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    except (TypeError, RuntimeError, ValueError):
+        return None
+    return changed_parts(hashes, mv, ends)
 
 
 @dataclass
@@ -93,6 +102,7 @@ class Reused:
     last: str
     manifest_json: str  # its manifest entries' JSON text (records.manifest_json)
     nbytes: int  # of its tensor leaves
+    source: Any = None  # the captured component (live tensors), to commit it without sharing (_unshared)
     confirmed: bool = False
 
 
@@ -434,10 +444,7 @@ class CommitEngine:
                                              paths_checked=checked)
         except _Redo:
             self._digests.components.clear()
-            if any(type(c) is Reused for c in captured):  # taken when an asynchronous commit snapshotted the state: gone since
-                self.forget_hashes()
-                raise StoreWriteError("blobs this commit reused were freed by a GC (another process or Store) while the commit ran; "
-                                      "commit again") from None
+            captured = [self._unshared(c) if type(c) is Reused else c for c in captured]  # (an asynchronous commit's snapshot)
             return self.commit_components(captured, tags, message, metadata, parents, t0=t0, reuse_checked=reuse_checked, share=False)
         if unchanged and any(ids[k] != b for k, b in prior.items()):  # blobs written again (a GC freed them): new ids
             unchanged = set()
@@ -446,6 +453,25 @@ class CommitEngine:
             self._keep_components(components, leaves, keys, ids, info.id)
         self._last_paths = (info.id, paths)
         return info
+
+    def _unshared(self, c: Reused) -> Captured:
+        """A :class:`Reused` component that an asynchronous commit took when it snapshotted
+        the state, as that snapshot would have been without sharing: each tensor a
+        :class:`_Prehashed` of the live tensor with every shard's hash and blob id (a blob
+        written again is read once from live memory and rehashed, as for any such leaf), each
+        JSON value as committed."""
+        from .adapters.base import Captured
+
+        src, leaves, k = c.source, {}, 0
+        for r in c.records:
+            if r.kind != "tensor":
+                leaves[r.path] = jsonvalue.loads(r.value)
+                continue
+            m = max(1, -(-r.nbytes // r.shard_bytes))
+            mine = [(d, c.blobs[(d, n)]) for d, n in c.keys[k : k + m]]
+            k += m
+            leaves[r.path] = self._prehash(c.path, r.path, src.leaves[r.path], mine, dict(enumerate(mine)))
+        return Captured(c.path, c.adapter, c.version, src.meta, leaves, dict(src.fingerprints), src.owner)
 
     def _reused(self, comp: Captured) -> Reused | None:
         """``comp`` as a :class:`Reused` component if the digest cache kept it
@@ -475,12 +501,10 @@ class CommitEngine:
 
         if kept.small:  # the small one-shard tensors (contiguous, one dtype): laid end to end in one copy, each rehashed whole
             paths, hashes, ends = kept.small
-            try:
-                flat = _flatten([values[p] for p in paths])
-                mv = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-            except (TypeError, RuntimeError, ValueError):
+            changed = small_changed(paths, hashes, ends, values)
+            if changed is None:
                 return None
-            for i in changed_parts(hashes, mv, ends):
+            for i in changed:
                 v = values[paths[i]]
                 if not isinstance(v, torch.Tensor):
                     return None
@@ -495,7 +519,7 @@ class CommitEngine:
                 stale(path)
                 return None
         return Reused(comp.path, comp.adapter, comp.version, {**comp.meta, records.ESCAPED: True}, kept.records, kept.keys, kept.blobs,
-                      kept.owner, kept.last, kept.text, kept.nbytes)
+                      kept.owner, kept.last, kept.text, kept.nbytes, comp)
 
     def _keep_components(self, components: list, leaves: list[LeafRecord], keys: list, ids: dict, cid: str) -> None:
         """After commit ``cid``: the digest cache's :class:`~ckptstore.digests.Kept` of each
@@ -595,11 +619,12 @@ class CommitEngine:
             except ValueError as exc:
                 raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
         known = dict(prior or {})
-        known.update(self._lookup([k for k in dict.fromkeys(keys) if k not in known]))
+        unknown = [k for k in dict.fromkeys(keys) if k not in known]
+        known.update(self._lookup(unknown))
         given, given_packs = written or ({}, [])
         with self.pack_writer() as writer:
             written = {k: loc for k, loc in given.items() if k not in known}
-            todo = [k for k in dict.fromkeys(keys) if k not in known and k not in written]
+            todo = [k for k in unknown if k not in known and k not in written]
             relocated: set[tuple[bytes, int]] = set()
             while True:
                 with progress.task("commit: write new shards", sum(n for _, n in todo)) as advance:

@@ -292,7 +292,7 @@ class Home:
                 for c in components:
                     if c.path in shared:
                         confirmed.update(c.blobs)
-                check = {k: i for k, i in known.items() if k not in confirmed}
+                check = {k: known[k] for k in known.keys() - confirmed.keys()}
                 known = {**check, **confirmed}
             else:
                 check = known
