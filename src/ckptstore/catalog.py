@@ -282,7 +282,9 @@ def translate(path: Path, exc: BaseException) -> Exception:
         return StoreWriteError(f"{path}: writing the catalog failed: {exc}")
     if "not a database" in str(exc):
         return CatalogCorruptError(f"{path} is not an SQLite database ({exc}); {remedy(path)}")
-    return CatalogCorruptError(f"{path}: damaged catalog: {exc}; {remedy(path)}")
+    # (one line: SQLite quotes the damaged schema text, whose flipped bytes may be line breaks)
+    said = " ".join(str(exc).split())
+    return CatalogCorruptError(f"{path}: damaged catalog: {said}; {remedy(path)}")
 
 
 def damaged(path: Path, what: str) -> CatalogCorruptError:

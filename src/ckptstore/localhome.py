@@ -311,8 +311,11 @@ class LocalGC(GCSide):
         self._victims = victims
         with self._dropping(victims):
             if victims:
-                blob_dies = ("created_at < ? AND NOT EXISTS (SELECT 1 FROM shards s JOIN commit_leaves l ON l.id = s.leaf_id "
-                             "WHERE s.blob_id = blobs.id AND l.commit_id NOT IN (SELECT id FROM gc_dropped))")
+                # (a leaf row is kept by its owner, or by a kept commit that shares it: components.rows_of)
+                blob_dies = ("created_at < ? AND NOT EXISTS (SELECT 1 FROM shards s JOIN leaves l ON l.id = s.leaf_id "
+                             "WHERE s.blob_id = blobs.id AND (l.commit_id NOT IN (SELECT id FROM gc_dropped) OR EXISTS (SELECT 1 FROM "
+                             "components c WHERE c.rows_of = l.commit_id AND c.path = l.component AND c.commit_id != c.rows_of "
+                             "AND c.commit_id NOT IN (SELECT id FROM gc_dropped))))")
             else:
                 blob_dies = "created_at < ? AND NOT EXISTS (SELECT 1 FROM shards s WHERE s.blob_id = blobs.id)"
             record_dies = f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR ({_SUPERSEDED})"

@@ -766,7 +766,7 @@ def capture(obj: Any, registry: Registry = REGISTRY, path: str = "") -> list[Cap
         tokens = {join(p, rel): token for rel, token in adapter.fingerprints(o).items()}
         raw = {join(p, rel) for rel in forms}
         for leaf, value in leaves.items():
-            if leaf not in tokens and isinstance(value, torch.Tensor) and not any(under(leaf, r) for r in raw):
+            if leaf not in tokens and isinstance(value, torch.Tensor) and not (raw and any(under(leaf, r) for r in raw)):
                 token = plain_token(value)
                 if token is not None:
                     tokens[leaf] = token
