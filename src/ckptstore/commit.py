@@ -448,7 +448,8 @@ class CommitEngine:
             return self.commit_components(captured, tags, message, metadata, parents, t0=t0, reuse_checked=reuse_checked, share=False)
         if unchanged and any(ids[k] != b for k, b in prior.items()):  # blobs written again (a GC freed them): new ids
             unchanged = set()
-        self._digests.remember(own, views, tokens, ids, self.shard_bytes, unchanged)
+        if own:  # (a commit of Reused components only has nothing new to keep)
+            self._digests.remember(own, views, tokens, ids, self.shard_bytes, unchanged)
         if self.reuse_hashes:
             self._keep_components(components, leaves, keys, ids, info.id)
         self._last_paths = (info.id, paths)
