@@ -265,6 +265,32 @@ def test_gc_frees_what_no_tag_keeps(home):
     assert [c.id for c in s.log()] == [kept.id]
 
 
+def test_gc_keeps_the_rows_a_kept_commit_shares(home):
+    """An unchanged re-commit shares its parent's catalog rows (in a bucket store's cache);
+    a GC that drops the parent moves them to the kept commit."""
+    s = home.open()
+    sd = state()
+    first = s.commit(sd, tag="old")
+    again = s.commit(sd, tag="new")
+    rows_of = lambda cid: s.catalog.rows("SELECT rows_of FROM components WHERE commit_id = ?", (cid,), raw=True)
+    assert rows_of(again.id) == [(first.id,)]
+    assert s.catalog.rows("SELECT COUNT(*) FROM leaves WHERE commit_id = ?", (again.id,), raw=True) == [(0,)]
+    s.delete_tag("old")
+    assert s.gc(grace=0).dropped == [first.id]
+    assert rows_of(again.id) == [(again.id,)]
+    for store in (s, home.open(fresh_cache=True)):
+        got = store.checkout("new")
+        assert_bit_equal(got["a"], sd["a"])
+        assert_bit_equal(got["b"], sd["b"])
+        assert got["cfg", "name"] == "x/y"
+        report = store.fsck(deep=True)
+        assert report.ok, report.problems
+    third = s.commit(sd, tag="new")  # (the GC emptied the digest cache: rows of its own)
+    fourth = s.commit(sd, tag="new")
+    assert rows_of(third.id) == [(None,)] and rows_of(fourth.id) == [(third.id,)]
+    assert_bit_equal(home.open(fresh_cache=True).checkout(fourth.id)["a"], sd["a"])
+
+
 def test_fsck_and_checkout_catch_a_flipped_byte(home):
     s = home.open()
     sd = state()

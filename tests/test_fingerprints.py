@@ -21,17 +21,21 @@ def commit_seeing_reuse(store: ckptstore.Store, obj, tag: str) -> tuple[ckptstor
     import ckptstore.commit as store_module
 
     seen = []
-    original = store_module.sample_unchanged
+    original, small = store_module.sample_unchanged, store_module.small_changed
 
     def spy(known, mv, p, path):
         seen.append(path)
         return original(known, mv, p, path)
 
-    store_module.sample_unchanged = spy
+    def spy_small(paths, hashes, ends, values):  # a component's small tensors, unchanged as a whole, in one copy
+        seen.extend(paths)
+        return small(paths, hashes, ends, values)
+
+    store_module.sample_unchanged, store_module.small_changed = spy, spy_small
     try:
         info = store.commit(obj, tag=tag)
     finally:
-        store_module.sample_unchanged = original
+        store_module.sample_unchanged, store_module.small_changed = original, small
     return info, set(seen)
 
 
@@ -195,9 +199,11 @@ def test_unchanged_recommit_of_many_small_leaves_writes_no_blob_and_one_row_per_
     assert (again.shards_new, again.new_bytes, again.shards_total) == (0, 0, 303)
     assert cat.rows("SELECT count(*) FROM blobs", raw=True)[0][0] == blobs
     assert cat.rows("SELECT count(*) FROM packs", raw=True)[0][0] == packs + 1  # the commit's record pack only
-    assert cat.rows("SELECT count(*) FROM leaves WHERE commit_id = ?", (again.id,), raw=True)[0][0] == 302
+    assert cat.rows("SELECT count(*) FROM leaves WHERE commit_id = ?", (again.id,), raw=True)[0][0] == 0  # first's rows, shared
+    assert cat.rows("SELECT count(*) FROM commit_leaves WHERE commit_id = ?", (again.id,), raw=True)[0][0] == 302
     rows = cat.rows(
-        "SELECT l.path, s.seq, s.blob_id FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE l.commit_id = ? ORDER BY l.path, s.seq", (again.id,), raw=True
+        "SELECT l.path, s.seq, s.blob_id FROM shards s JOIN commit_leaves l ON l.id = s.leaf_id WHERE l.commit_id = ? ORDER BY l.path, s.seq",
+        (again.id,), raw=True,
     )
     old = cat.rows(
         "SELECT l.path, s.seq, s.blob_id FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE l.commit_id = ? ORDER BY l.path, s.seq", (first.id,), raw=True

@@ -27,7 +27,7 @@ def layers(changed: int, value: float) -> dict:
 
 def blob_ids(store, ref) -> set[int]:
     return {r["blob_id"] for r in store.catalog.rows(
-        "SELECT s.blob_id FROM shards s JOIN leaves l ON l.id = s.leaf_id WHERE l.commit_id = ?", (store.resolve(ref),))}
+        "SELECT s.blob_id FROM shards s JOIN commit_leaves l ON l.id = s.leaf_id WHERE l.commit_id = ?", (store.resolve(ref),))}
 
 
 def test_durations_and_bad_arguments(store):

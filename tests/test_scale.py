@@ -303,7 +303,9 @@ def test_a_read_only_schema_2_catalog_is_read_without_the_new_indexes(tmp_path):
     build(src / "s", 3)
     conn = sqlite3.connect(src / "s" / "catalog.sqlite")
     conn.executescript(
-        "DROP INDEX idx_tags_commit_id; DROP INDEX idx_records_kind_name_seq; DELETE FROM migrations WHERE version = 3; PRAGMA user_version = 2;"
+        "DROP VIEW commit_leaves; DROP INDEX idx_components_rows_of_path; DROP INDEX idx_leaves_commit_id_component; "
+        "ALTER TABLE components DROP COLUMN rows_of; "
+        "DROP INDEX idx_tags_commit_id; DROP INDEX idx_records_kind_name_seq; DELETE FROM migrations WHERE version >= 3; PRAGMA user_version = 2;"
     )
     conn.close()
     with read_only_view(src, tmp_path / "ro") as ro, ckptstore.Store(ro / "s", create=False) as s:
@@ -311,5 +313,5 @@ def test_a_read_only_schema_2_catalog_is_read_without_the_new_indexes(tmp_path):
         assert s.tags() == {"latest": s.resolve("latest"), "step-0": s.resolve("step-0")}
         assert torch.equal(s.checkout("latest")["x"], expected_x(2))
     with ckptstore.Store(src / "s") as s:
-        assert s.catalog.user_version == 3 and (src / "s" / "catalog.sqlite.v2.bak").exists()
+        assert s.catalog.user_version == 4 and (src / "s" / "catalog.sqlite.v2.bak").exists()
         assert {r[0] for r in s.catalog.rows("SELECT name FROM sqlite_master WHERE type = 'index'")} >= {"idx_tags_commit_id", "idx_records_kind_name_seq"}

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends import Backend, open_backend
+from .catalog import drop_commit_rows
 from .bucketcache import UNLOCATED, BucketCache, cache_folder
 from .bucketformat import (
     MARKER,
@@ -454,7 +455,7 @@ class BucketHome(BucketCache, Home):
             pass  # not on the bucket (an imported commit, or dropped by a GC): nothing is shared
         out = super().show(cid)
         unlocated = {r[0] for r in self.store.catalog.rows(
-            "SELECT DISTINCT l.path FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? AND b.pack = ?",
+            "SELECT DISTINCT l.path FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? AND b.pack = ?",
             (cid, UNLOCATED), raw=True)}
         for leaf in out["leaves"]:
             if leaf["path"] in unlocated:
@@ -482,9 +483,7 @@ class BucketHome(BucketCache, Home):
             return
         cat = self.store.catalog
         with cat.write():
-            cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", cids)
-            for table in ("leaves", "components", "parents"):
-                cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", cids)
+            drop_commit_rows(cat, cids)  # (rows a kept commit shares move to it)
             cat.chunked("DELETE FROM tags WHERE commit_id IN ({})", cids)
             cat.chunked("DELETE FROM commits WHERE id IN ({})", cids)
 

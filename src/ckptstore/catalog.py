@@ -21,6 +21,7 @@ next writable open allocates it again when there is room (docs/operations.md).
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -56,6 +57,9 @@ class Migration:
     #: Only adds indexes: a catalog without it reads the same rows (slower), so one that
     #: cannot be written here is read at its older version instead of being refused.
     index_only: bool = False
+    #: SQL that lets a catalog without this step be read as if it had it (a temporary view),
+    #: where it cannot be written: run on opening instead of refusing it.
+    read_as: str | None = None
 
 
 def _v1(db: sqlite_utils.Database) -> None:
@@ -147,6 +151,60 @@ def _v3(db: sqlite_utils.Database) -> None:
     db.execute("CREATE INDEX IF NOT EXISTS idx_records_kind_name_seq ON records (kind, name, seq)")
 
 
+#: Every commit's leaves: its own ``leaves`` rows, and those of the components whose rows
+#: another commit holds (``components.rows_of``). ``rows_of`` is NULL for own rows; readers
+#: of a commit's leaves (and, through ``id``, their ``shards`` rows) read this view.
+COMMIT_LEAVES = (
+    "SELECT id, commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value, NULL AS rows_of FROM leaves "
+    "UNION ALL SELECT l.id, c.commit_id, l.path, l.component, l.kind, l.dtype, l.shape, l.stride, l.nbytes, l.shard_bytes, l.value, "
+    "c.rows_of FROM components c JOIN leaves l ON l.commit_id = c.rows_of AND l.component = c.path WHERE c.rows_of != c.commit_id"
+)
+
+
+def _v4(db: sqlite_utils.Database) -> None:
+    # Rows shared between commits: a component committed unchanged points at the commit whose
+    # leaves and shards rows hold its leaves (rows_of; NULL: its own rows, in manifest order;
+    # its own id: its own rows, which a GC moved to it from a dropped owner) instead of
+    # writing a row per leaf and per shard again. Always the owner itself, never a chain.
+    db.execute("ALTER TABLE components ADD COLUMN rows_of TEXT")
+    db.execute("CREATE INDEX idx_components_rows_of_path ON components (rows_of, path)")
+    db.execute("CREATE INDEX idx_leaves_commit_id_component ON leaves (commit_id, component)")
+    db.execute(f"CREATE VIEW commit_leaves AS {COMMIT_LEAVES}")
+
+
+#: What a catalog of version 3 (no shared rows) reads as schema 4 through, where it cannot be migrated.
+_V4_READ_AS = (
+    "CREATE TEMP VIEW IF NOT EXISTS commit_leaves AS SELECT id, commit_id, path, component, kind, dtype, shape, stride, nbytes, "
+    "shard_bytes, value, NULL AS rows_of FROM leaves"
+)
+
+
+def drop_commit_rows(cat: Catalog, cids: list[str]) -> None:
+    """Delete the rows of commits ``cids`` (shards, leaves, components, parents; not the
+    commits rows, records or tags), inside the caller's write transaction. Rows a kept commit
+    shares (``components.rows_of``) are not deleted: for each dropped owner's component,
+    its newest kept sharer becomes the owner (the rows' ``commit_id`` moves to it, its
+    ``rows_of`` becomes its own id) and the other sharers point at it."""
+    conn = cat.conn
+    conn.execute("CREATE TEMP TABLE IF NOT EXISTS rows_dropped (id TEXT PRIMARY KEY)")
+    conn.execute("DELETE FROM rows_dropped")
+    conn.execute("INSERT OR IGNORE INTO rows_dropped SELECT value FROM json_each(?)", (json.dumps(cids),))
+    heirs: dict[tuple[str, str], str] = {}
+    for owner, path, sharer in conn.execute(
+        "SELECT c.rows_of, c.path, c.commit_id FROM components c JOIN commits k ON k.id = c.commit_id "
+        "WHERE c.rows_of IN (SELECT id FROM rows_dropped) AND c.rows_of != c.commit_id "
+        "AND c.commit_id NOT IN (SELECT id FROM rows_dropped) ORDER BY k.created_at, c.commit_id"
+    ).fetchall():
+        heirs[(owner, path)] = sharer  # the newest one last
+    for (owner, path), heir in heirs.items():
+        conn.execute("UPDATE leaves SET commit_id = ? WHERE commit_id = ? AND component = ?", (heir, owner, path))
+        conn.execute("UPDATE components SET rows_of = ? WHERE rows_of = ? AND path = ?", (heir, owner, path))
+    conn.execute("DELETE FROM shards WHERE leaf_id IN (SELECT l.id FROM leaves l WHERE l.commit_id IN (SELECT id FROM rows_dropped))")
+    for table in ("leaves", "components", "parents"):
+        conn.execute(f"DELETE FROM {table} WHERE commit_id IN (SELECT id FROM rows_dropped)")
+    conn.execute("DELETE FROM rows_dropped")
+
+
 def rebuild_record(conn: sqlite3.Connection, cid: str) -> str | None:
     """The commit record (records.py) as the catalog's rows describe commit ``cid``.
 
@@ -158,28 +216,38 @@ def rebuild_record(conn: sqlite3.Connection, cid: str) -> str | None:
     if head is None:
         return None
     parents = [r[0] for r in conn.execute("SELECT parent_id FROM parents WHERE commit_id = ? ORDER BY position", (cid,))]
-    comps = [list(r) for r in conn.execute("SELECT path, adapter, version, meta FROM components WHERE commit_id = ? ORDER BY rowid", (cid,))]
+    try:  # schema 4 (shared rows); older catalogs (migration 2, one read where it cannot be migrated) have no rows_of
+        comps = [list(r) for r in conn.execute(
+            "SELECT path, adapter, version, meta, rows_of FROM components WHERE commit_id = ? ORDER BY rowid", (cid,))]
+        leaves = "commit_leaves"
+    except sqlite3.OperationalError as exc:
+        if "no such" not in str(exc):
+            raise
+        comps = [[*r, None] for r in conn.execute("SELECT path, adapter, version, meta FROM components WHERE commit_id = ? ORDER BY rowid", (cid,))]
+        leaves = "leaves"
     shards: dict[int, list[str]] = {}
     for leaf_id, h, n in conn.execute(
-        "SELECT s.leaf_id, b.hash, b.raw_len FROM leaves l JOIN shards s ON s.leaf_id = l.id LEFT JOIN blobs b ON b.id = s.blob_id "
+        f"SELECT s.leaf_id, b.hash, b.raw_len FROM {leaves} l JOIN shards s ON s.leaf_id = l.id LEFT JOIN blobs b ON b.id = s.blob_id "
         "WHERE l.commit_id = ? ORDER BY s.leaf_id, s.seq",
         (cid,),
     ):
         if h is None:
             return None
         shards.setdefault(leaf_id, []).append(address(bytes(h), n))
+    rows = conn.execute(f"SELECT id, path, component, kind, dtype, shape, stride, value FROM {leaves} WHERE commit_id = ? ORDER BY id", (cid,)).fetchall()
+    if any(c[4] is not None for c in comps):  # rows of several commits: the manifest lists them component by component
+        order = {c[0]: i for i, c in enumerate(comps)}
+        rows.sort(key=lambda r: (order.get(r[2], len(order)), r[0]))
     manifest = []
     try:
-        for leaf_id, path, comp, kind, dtype, shape, stride, value in conn.execute(
-            "SELECT id, path, component, kind, dtype, shape, stride, value FROM leaves WHERE commit_id = ? ORDER BY id", (cid,)
-        ):
+        for leaf_id, path, comp, kind, dtype, shape, stride, value in rows:
             manifest.append([
                 path, comp, kind, dtype, None if shape is None else jsonvalue.loads(shape),
                 None if stride is None else jsonvalue.loads(stride), value, " ".join(shards.get(leaf_id, [])),
             ])
     except CkptStoreError:
         return None
-    return commit_text(parents, head[0], head[1], head[2], comps, manifest)
+    return commit_text(parents, head[0], head[1], head[2], [c[:4] for c in comps], manifest)
 
 
 #: Ordered schema migrations; the last one's version is the current schema.
@@ -187,6 +255,7 @@ MIGRATIONS: list[Migration] = [
     Migration(1, "initial schema: settings, packs, blobs, commits, parents, components, leaves, shards, tags, reflog", _v1),
     Migration(2, "commit records in the catalog and in packs (records table): manifests verifiable, catalog rebuildable", _v2),
     Migration(3, "indexes for large stores: tags by commit, ref-move records by tag and seq", _v3, index_only=True),
+    Migration(4, "rows shared between commits: components.rows_of, the commit_leaves view", _v4, read_as=_V4_READ_AS),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1].version
 
@@ -213,7 +282,9 @@ def translate(path: Path, exc: BaseException) -> Exception:
         return StoreWriteError(f"{path}: writing the catalog failed: {exc}")
     if "not a database" in str(exc):
         return CatalogCorruptError(f"{path} is not an SQLite database ({exc}); {remedy(path)}")
-    return CatalogCorruptError(f"{path}: damaged catalog: {exc}; {remedy(path)}")
+    # (one line: SQLite quotes the damaged schema text, whose flipped bytes may be line breaks)
+    said = " ".join(str(exc).split())
+    return CatalogCorruptError(f"{path}: damaged catalog: {said}; {remedy(path)}")
 
 
 def damaged(path: Path, what: str) -> CatalogCorruptError:
@@ -404,8 +475,12 @@ class Catalog:
         if version == 0 and not (create and self.writable):
             raise CatalogMissing(f"{self.path} is empty: the store was never initialised")
         if not self.writable:
-            if version > 0 and all(m.index_only for m in self.migrations if m.version > version):
-                return  # readable as it is, without the newer indexes
+            later = [m for m in self.migrations if m.version > version]
+            if version > 0 and all(m.index_only or m.read_as for m in later):
+                for m in later:  # readable as it is, without the newer indexes, through temporary views
+                    if m.read_as:
+                        self.conn.execute(m.read_as)
+                return
             raise SchemaVersionError(f"{self.path}: schema version {version} must be migrated to {latest}, and the catalog cannot be written here")
         if version > 0:
             self.migrated_from = version

@@ -43,10 +43,10 @@ class DiffReport:
 
 
 def _leaves(store, cid: str) -> dict[str, dict]:
-    rows = store.catalog.rows("SELECT path, kind, dtype, shape, stride, value FROM leaves WHERE commit_id = ?", (cid,))
+    rows = store.catalog.rows("SELECT path, kind, dtype, shape, stride, value FROM commit_leaves WHERE commit_id = ?", (cid,))
     out = {r["path"]: {**dict(r), "blobs": []} for r in rows}
     for r in store.catalog.rows(
-        "SELECT l.path, s.blob_id, b.raw_len FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
+        "SELECT l.path, s.blob_id, b.raw_len FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
         "WHERE l.commit_id = ? ORDER BY l.path, s.seq",
         (cid,),
     ):

@@ -103,11 +103,34 @@ def reusable(entry: Entry, token: Any, value: Any, p: ShardPlan) -> dict[int, tu
     return {i: hashes[i] for i in range(same) if i not in dirty}
 
 
+class Kept:
+    """What the digest cache keeps of a component whose every tensor leaf has a fingerprint,
+    as this store last committed it, so that a commit of it unchanged skips all per-leaf
+    and per-shard work but the fingerprints' comparison and the sample: its leaf paths and
+    fingerprints (compared whole), the object an adapter's fingerprints belong to (weakly;
+    ``None`` when all are plain tokens, which name their storages), its JSON leaves' text,
+    each tensor leaf's sample plan ``(path, shard hashes, ShardPlan, strided)`` (the small
+    one-shard ones of one dtype as ``small``: ``(paths, hashes, end offsets)``, rehashed whole
+    in one copy), its
+    manifest records, shard addresses and ``{address: blob id}``, and the commits whose
+    rows hold them (``owner``) and that last committed it (``last``), and its manifest
+    entries' JSON text (``text``) and its tensors' bytes (``nbytes``)."""
+
+    __slots__ = ("paths", "fingerprints", "owner_ref", "jsons", "checks", "small", "records", "keys", "blobs", "owner", "last", "text", "nbytes")
+
+    def __init__(self, paths, fingerprints, owner_ref, jsons, checks, small, records, keys, blobs, owner, last, text, nbytes):
+        self.paths, self.fingerprints, self.owner_ref, self.jsons, self.checks = paths, fingerprints, owner_ref, jsons, checks
+        self.small = small
+        self.records, self.keys, self.blobs, self.owner, self.last, self.text, self.nbytes = records, keys, blobs, owner, last, text, nbytes
+
+
 class DigestCache:
-    """One store's digest cache: ``{id(keeper): (weak reference to it, {(path, shard bytes): Entry})}``."""
+    """One store's digest cache: ``{id(keeper): (weak reference to it, {(path, shard bytes): Entry})}``,
+    and per component ``{(component path, shard bytes): Kept}`` (:attr:`components`)."""
 
     def __init__(self):
         self._entries: dict[int, tuple[weakref.ref, dict]] = {}
+        self.components: dict[tuple[str, int], Kept] = {}
 
     def get(self, owner: Any, path: str, token: Any, shard_bytes: int) -> Entry | None:
         """The entry of leaf ``path`` of ``owner`` (fingerprint ``token``) as this store last
@@ -120,7 +143,9 @@ class DigestCache:
 
     def drop(self, owner: Any, path: str, token: Any, shard_bytes: int) -> None:
         """Forget the entry :meth:`get` returned (its fingerprint lied: the next commit rehashes it all)."""
-        self._entries[id(keeper(owner, token))][1].pop((path, shard_bytes), None)
+        cached = self._entries.get(id(keeper(owner, token)))
+        if cached is not None:
+            cached[1].pop((path, shard_bytes), None)
 
     def remember(self, leaves: list[LeafRecord], views: list, tokens: list, ids: dict[tuple[bytes, int], int], shard_bytes: int,
                  unchanged: set[int] = frozenset()) -> None:
@@ -152,6 +177,7 @@ class DigestCache:
     def clear(self) -> None:
         """Forget every entry (:meth:`ckptstore.Store.forget_hashes`)."""
         self._entries = {}
+        self.components = {}
 
 
-__all__ = ["DigestCache", "Entry", "Same", "keeper", "reusable"]
+__all__ = ["DigestCache", "Entry", "Kept", "Same", "keeper", "reusable"]

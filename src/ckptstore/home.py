@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
 from .catalog import Catalog, CatalogMissing, damaged, reserve_path
-from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
+from .commit import CommitInfo, Reused, ReusedBlobsGone, given_stored, ints_json, logical_bytes
 from .errors import (
     AmbiguousRefError,
     CatalogCorruptError,
@@ -286,7 +286,17 @@ class Home:
         Returns ``(commit id, parent ids, seconds, {address: blob id})``."""
         store = self.store
         with self.write() as batch:
-            if known:
+            shared = self._shared_rows(components)
+            if shared:  # their blob ids are those of rows that exist: not checked again
+                confirmed: dict[tuple[bytes, int], int] = {}
+                for c in components:
+                    if c.path in shared:
+                        confirmed.update(c.blobs)
+                check = {k: known[k] for k in known.keys() - confirmed.keys()}
+                known = {**check, **confirmed}
+            else:
+                check = known
+            if check:
                 # An id must still hold the same address: GC may have freed it and a new blob taken the id since.
                 # The per-shard rows of a commit (thousands for a large buffer, most of them
                 # unchanged shards) go to SQLite as one JSON array in one statement, here and for
@@ -294,7 +304,7 @@ class Home:
                 # per row, and a thread that does that thousands of times starves the others of
                 # it (each waits a switch interval, 5 ms, to get it back), the training loop
                 # beside an asynchronous commit among them. This one returns only the mismatches.
-                reused = list(known.items())
+                reused = list(check.items())
                 # First one cheap statement: the addresses the ids hold now, in the ids' order, as one text;
                 # only if it differs, the one that names the ids that changed.
                 (now,), = store.catalog.rows(
@@ -327,16 +337,15 @@ class Home:
             else:
                 current = {r["name"]: r["commit_id"] for r in store.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
                 parents = list(dict.fromkeys(current[t] for t in tags if t in current))
-            per_leaf = self._keys_per_leaf(leaves, keys)
-            for r, keys_of in zip(leaves, per_leaf):
-                if r.encoded is None:
+            own, per_leaf = self._own_rows(components, leaves, keys, shared)
+            for r, keys_of in zip(own, per_leaf):
+                if r.encoded is None:  # (set on the records of a Reused component)
                     r.encoded = (records.manifest_entry(r, keys_of), (
                         r.path, r.component, r.kind, r.dtype, None if r.shape is None else ints_json(r.shape),
                         None if r.stride is None else ints_json(r.stride), r.nbytes, r.shard_bytes, r.value,
                     ))
-            manifest = [r.encoded[0] for r in leaves]
-            components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]
-            record = records.commit_text(parents, created_at, message, meta_json, components_json, manifest)
+            components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]  # (few)
+            record = records.commit_text_of(parents, created_at, message, meta_json, components_json, self._manifest_parts(components, leaves))
             cid = records.commit_id(record)
             seconds = time.perf_counter() - t0
             if expect is not None and cid != expect:
@@ -349,25 +358,25 @@ class Home:
             store.catalog.conn.execute(
                 "INSERT INTO commits (id, created_at, message, metadata, logical_bytes, new_bytes, stored_bytes, shards_total, shards_new, "
                 "seconds, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (cid, created_at, message, meta_json, sum(r.nbytes for r in leaves if r.kind == "tensor"), new_bytes,
+                (cid, created_at, message, meta_json, logical_bytes(components, leaves), new_bytes,
                  writer.stored_bytes + given_stored(written, given_packs), len(keys), len(written), seconds, record),
             )
             batch.append((records.KIND_COMMIT, cid, None, record))
             run_many("INSERT INTO parents (commit_id, position, parent_id) VALUES (?, ?, ?)", [(cid, i, p) for i, p in enumerate(parents)])
             run_many(
-                "INSERT INTO components (commit_id, path, adapter, version, meta) VALUES (?, ?, ?, ?, ?)",
-                [(cid, c.path, c.adapter, c.version, meta) for c, (_, _, _, meta) in zip(components, components_json)],
+                "INSERT INTO components (commit_id, path, adapter, version, meta, rows_of) VALUES (?, ?, ?, ?, ?, ?)",
+                [(cid, c.path, c.adapter, c.version, meta, shared.get(c.path)) for c, (_, _, _, meta) in zip(components, components_json)],
             )
-            run_many(
+            run_many(  # (a shared component's leaves and shards are rows of its owner's)
                 "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(cid, *r.encoded[1]) for r in leaves],
+                [(cid, *r.encoded[1]) for r in own],
             )
             leaf_ids = dict(store.catalog.rows("SELECT path, id FROM leaves WHERE commit_id = ?", (cid,), raw=True))
             # A leaf's shard rows from one JSON array of blob ids, as the check above; the one row of a
             # one-shard leaf (most of a state of many small leaves) as a plain row: json_each costs more.
             single, multi = [], []
-            for r, keys_of in zip(leaves, per_leaf):
+            for r, keys_of in zip(own, per_leaf):
                 if len(keys_of) == 1:
                     single.append((leaf_ids[r.path], 0, ids[keys_of[0]]))
                 elif keys_of:
@@ -379,8 +388,63 @@ class Home:
         return cid, parents, seconds, ids
 
     @staticmethod
-    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
-        out, i = [], 0
+    def _manifest_parts(components: list, leaves: list[LeafRecord]) -> list[str]:
+        """The manifest's JSON text in parts (:func:`ckptstore.records.commit_text_of`): a
+        :class:`~ckptstore.commit.Reused` component's as it keeps it, the runs of leaves
+        between them encoded here."""
+        if not any(type(c) is Reused for c in components):
+            return [records.manifest_json([r.encoded[0] for r in leaves])]
+        parts, i = [], 0  # (a commit with Reused components lists its leaves component by component)
+        for c in components:
+            n = len(c.records) if type(c) is Reused else len(c.leaves)
+            parts.append(c.manifest_json if type(c) is Reused else records.manifest_json([r.encoded[0] for r in leaves[i : i + n]]))
+            i += n
+        return parts
+
+    def _shared_rows(self, components: list) -> dict[str, str]:
+        """``{component path: commit id}`` of the :class:`~ckptstore.commit.Reused` components
+        whose rows exist now, in the caller's transaction, and the commit that owns them: that
+        of the component's last commit (itself, or the owner it points at), else its owner's
+        (if it still owns them). A GC that dropped both since leaves the component out: its
+        rows are written again (and its blob ids checked). Each one's ``owner`` and
+        ``confirmed`` are set to what was found."""
+        out: dict[str, str] = {}
+        for c in components:
+            if type(c) is Reused:
+                found = self.store.catalog.rows(
+                    "SELECT COALESCE(rows_of, commit_id) FROM components WHERE path = ? AND commit_id IN (?, ?) "
+                    "ORDER BY commit_id = ? DESC LIMIT 1", (c.path, c.last, c.owner, c.last), raw=True)
+                c.confirmed = bool(found)
+                if found:
+                    c.owner = out[c.path] = found[0][0]
+        return out
+
+    def _own_rows(self, components: list, leaves: list[LeafRecord], keys: list, shared: dict) -> tuple[list[LeafRecord], list[list]]:
+        """The leaves whose rows the commit writes (all but those of the ``shared``
+        components), and each one's shard addresses."""
+        if not any(type(c) is Reused for c in components):
+            return leaves, self._keys_per_leaf(leaves, keys)
+        own: list[LeafRecord] = []
+        per_leaf: list[list] = []
+        i = k = 0  # (a commit with Reused components lists its leaves component by component)
+        for c in components:
+            if type(c) is Reused:
+                n, nk = len(c.records), len(c.keys)
+                if c.path not in shared:
+                    own += c.records
+                    per_leaf += self._keys_per_leaf(c.records, c.keys)
+            else:
+                n = len(c.leaves)
+                part = self._keys_per_leaf(leaves[i : i + n], keys, k)
+                nk = sum(map(len, part))
+                own += leaves[i : i + n]
+                per_leaf += part
+            i, k = i + n, k + nk
+        return own, per_leaf
+
+    @staticmethod
+    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]], i: int = 0) -> list[list[tuple[bytes, int]]]:
+        out = []
         for r in leaves:
             n = max(1, -(-r.nbytes // r.shard_bytes)) if r.kind == "tensor" else 0  # ShardPlan.count
             out.append(keys[i : i + n])
@@ -493,13 +557,15 @@ class Home:
             r["path"]: r
             for r in self.store.catalog.rows(
                 "SELECT l.path, COUNT(*) AS shards, SUM(b.stored_len + ?) AS stored, "
-                "SUM(s.blob_id IN (SELECT s2.blob_id FROM shards s2 JOIN leaves l2 ON l2.id = s2.leaf_id WHERE l2.commit_id = ?)) AS shared "
-                "FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? GROUP BY l.path",
+                "SUM(s.blob_id IN (SELECT s2.blob_id FROM shards s2 JOIN commit_leaves l2 ON l2.id = s2.leaf_id WHERE l2.commit_id = ?)) AS shared "
+                "FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? GROUP BY l.path",
                 (BLOB_HEADER.size, parent, info.id),
             )
         }
         leaves = []
-        for r in self.store.catalog.rows("SELECT * FROM leaves WHERE commit_id = ? ORDER BY rowid", (info.id,)):
+        for r in self.store.catalog.rows(  # component by component (a commit may share another's rows for some)
+            "SELECT l.* FROM commit_leaves l LEFT JOIN components c ON c.commit_id = l.commit_id AND c.path = l.component "
+            "WHERE l.commit_id = ? ORDER BY c.rowid, l.id", (info.id,)):
             st = stats.get(r["path"])
             leaves.append({
                 "path": r["path"], "component": r["component"], "kind": r["kind"], "dtype": r["dtype"],

@@ -155,6 +155,20 @@ def sample_unchanged(known: Sequence[bytes] | Mapping[int, bytes], mv: memoryvie
     return False
 
 
+def changed_parts(known: Sequence[bytes], mv: memoryview, ends: Sequence[int]) -> list[int]:
+    """Rehash each of the consecutive parts of ``mv`` that end at ``ends`` (the bytes of many
+    one-shard tensors laid end to end, each one's whole sample): the indices of those whose
+    hash is not ``known`` at the same index (every one when ``mv`` is not ``ends[-1]`` long)."""
+    if len(mv) != (ends[-1] if ends else 0):
+        return list(range(len(known)))
+    out, start = [], 0
+    for i, (h, end) in enumerate(zip(known, ends)):
+        if digest(mv[start:end]) != h:
+            out.append(i)
+        start = end
+    return out
+
+
 # --- paths: keys escaped into segments joined by "/" ----------------------------------------
 #
 # A state tree's keys are any Python strings; a stored path joins them with "/".

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from . import progress, records
-from .catalog import rebuild_record
+from .catalog import drop_commit_rows, rebuild_record
 from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, InvalidArgumentError, ResourceLimitError
 from .fsck import FsckReport, FsckSide
 from .gc import GCReport, GCSide, PackStat, gc_lock, packed, unlocked
@@ -116,12 +116,12 @@ class LocalFsck(FsckSide):
         where, params = ("WHERE l.commit_id = ?", (ids[0],)) if len(ids) == 1 else ("", ())
         shards: dict[tuple[str, str], list[int]] = {}
         for cid, path, raw_len in cat.rows(
-            f"SELECT l.commit_id, l.path, b.raw_len FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id {where} "
+            f"SELECT l.commit_id, l.path, b.raw_len FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id {where} "
             "ORDER BY l.commit_id, l.path, s.seq", params, raw=True,
         ):
             shards.setdefault((cid, path), []).append(raw_len)
         for cid, path, dtype, shape, nbytes, shard_bytes in cat.rows(
-            f"SELECT commit_id, path, dtype, shape, nbytes, shard_bytes FROM leaves l {where} {'AND' if where else 'WHERE'} kind = 'tensor'",
+            f"SELECT commit_id, path, dtype, shape, nbytes, shard_bytes FROM commit_leaves l {where} {'AND' if where else 'WHERE'} kind = 'tensor'",
             params, raw=True,
         ):
             got = shards.get((cid, path), [])
@@ -311,8 +311,11 @@ class LocalGC(GCSide):
         self._victims = victims
         with self._dropping(victims):
             if victims:
+                # (a leaf row is kept by its owner, or by a kept commit that shares it: components.rows_of)
                 blob_dies = ("created_at < ? AND NOT EXISTS (SELECT 1 FROM shards s JOIN leaves l ON l.id = s.leaf_id "
-                             "WHERE s.blob_id = blobs.id AND l.commit_id NOT IN (SELECT id FROM gc_dropped))")
+                             "WHERE s.blob_id = blobs.id AND (l.commit_id NOT IN (SELECT id FROM gc_dropped) OR EXISTS (SELECT 1 FROM "
+                             "components c WHERE c.rows_of = l.commit_id AND c.path = l.component AND c.commit_id != c.rows_of "
+                             "AND c.commit_id NOT IN (SELECT id FROM gc_dropped))))")
             else:
                 blob_dies = "created_at < ? AND NOT EXISTS (SELECT 1 FROM shards s WHERE s.blob_id = blobs.id)"
             record_dies = f"(kind = {KIND_COMMIT} AND name IN (SELECT id FROM gc_dropped)) OR ({_SUPERSEDED})"
@@ -360,9 +363,7 @@ class LocalGC(GCSide):
                                if v not in keep and t <= cutoff]
                 state = self.refs_token()
                 batch, victims = victims[:_BATCH_COMMITS], victims[_BATCH_COMMITS:]
-                cat.chunked("DELETE FROM shards WHERE leaf_id IN (SELECT id FROM leaves WHERE commit_id IN ({}))", batch)
-                for table in ("leaves", "components", "parents"):
-                    cat.chunked(f"DELETE FROM {table} WHERE commit_id IN ({{}})", batch)
+                drop_commit_rows(cat, batch)  # (rows a kept commit shares move to it)
                 cat.chunked(f"DELETE FROM records WHERE kind = {KIND_COMMIT} AND name IN ({{}})", batch)
                 cat.chunked("DELETE FROM commits WHERE id IN ({})", batch)
                 report.dropped += batch

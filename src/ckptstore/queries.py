@@ -233,7 +233,7 @@ class Queries:
         out: dict[str, dict[tuple[bytes, int], int]] = {}
         for cid in dict.fromkeys(commits):
             rows = self.catalog.chunked(
-                "SELECT l.path, b.hash, b.raw_len, b.id FROM leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
+                "SELECT l.path, b.hash, b.raw_len, b.id FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
                 "WHERE l.commit_id = ? AND l.path IN ({})", list(dict.fromkeys(paths)), (cid,), raw=True,
             )
             for path, h, n, i in rows:

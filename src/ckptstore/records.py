@@ -159,6 +159,19 @@ def commit_text(parents, created_at: float, message: str, meta_json: str, compon
     return json.dumps([list(parents), created_at, message, meta_json, components, manifest], separators=(",", ":"))
 
 
+def commit_text_of(parents, created_at: float, message: str, meta_json: str, components: list, manifest_json: list[str]) -> str:
+    """:func:`commit_text` with the manifest given as JSON text in consecutive parts (each
+    the entries of a run of leaves joined by ``,``, as ``json.dumps`` writes a list's
+    items): the same text, without encoding again the parts a commit kept."""
+    head = json.dumps([list(parents), created_at, message, meta_json, components], separators=(",", ":"))
+    return head[:-1] + ",[" + ",".join(p for p in manifest_json if p) + "]]"
+
+
+def manifest_json(entries: list) -> str:
+    """The JSON text of manifest ``entries`` as :func:`commit_text_of` takes a part."""
+    return json.dumps(entries, separators=(",", ":"))[1:-1]
+
+
 def manifest_entry(r: LeafRecord, keys: list[tuple[bytes, int]]) -> list:
     """One ``manifest`` entry for a leaf to commit (``r.value`` is JSON text)."""
     shape = None if r.shape is None else list(r.shape)

@@ -101,7 +101,7 @@ def runs(store) -> list[RunInfo]:
         for name, infos in members.items():
             ids = [i.id for i in infos]
             blob_ids = {r[0] for r in cat.chunked(
-                "SELECT DISTINCT s.blob_id FROM leaves l JOIN shards s ON s.leaf_id = l.id WHERE l.commit_id IN ({})", ids, raw=True)}
+                "SELECT DISTINCT s.blob_id FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id WHERE l.commit_id IN ({})", ids, raw=True)}
             size = sum(r[0] for r in cat.chunked("SELECT stored_len FROM blobs WHERE id IN ({})", sorted(blob_ids), raw=True))
             mine = set(ids)
             out.append(RunInfo(name=name, latest_step=infos[0].metadata["step"], latest_commit=infos[0].id, commits=len(infos),

@@ -729,10 +729,11 @@ def plain_token(t: torch.Tensor) -> tuple | None:
     inference tensors get no token, and a store checks a sample of every reused
     tensor's shards at each commit (see ``Store``, ``reuse_hashes``).
     """
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_nested or t.is_inference():
+    if not t.is_cpu or t.layout is not torch.strided or t.is_nested or t.is_inference():
         return None
     storage = t.untyped_storage()
-    if storage.is_shared() or getattr(storage, "filename", None) is not None:  # Tensor.is_shared asks the same storage
+    # Tensor.is_shared asks the same storage; _get_filename is what its `filename` property returns
+    if storage.is_shared() or storage._get_filename() is not None:
         return None
     return (StorageIdentity(storage), t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
@@ -765,7 +766,7 @@ def capture(obj: Any, registry: Registry = REGISTRY, path: str = "") -> list[Cap
         tokens = {join(p, rel): token for rel, token in adapter.fingerprints(o).items()}
         raw = {join(p, rel) for rel in forms}
         for leaf, value in leaves.items():
-            if leaf not in tokens and isinstance(value, torch.Tensor) and not any(under(leaf, r) for r in raw):
+            if leaf not in tokens and isinstance(value, torch.Tensor) and not (raw and any(under(leaf, r) for r in raw)):
                 token = plain_token(value)
                 if token is not None:
                     tokens[leaf] = token
