@@ -167,7 +167,8 @@ def test_cli_shows_escaped_paths(store, tmp_path):
     from ckptstore.cli import app
 
     out = CliRunner().invoke(app, ["--store", str(store.root), "show", "t"]).output
-    assert "x%2Fy" in out and "%" in out
+    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│ ") and "tensor" in line]
+    assert rows == ['"x/y"', '""'] and "%2F" not in out  # keys as the user wrote them, quoted where "/" or "" would mislead
 
 
 # --- 2. optimizers by parameter name ---------------------------------------------------------
