@@ -21,7 +21,7 @@ from .adapters import Adapter, ComponentState, LazyTensor, Registry, join, migra
 from .adapters.base import Scope, check_key, escape, under
 from .errors import AdapterError, CkptStoreError, IntegrityError, PartialPathError, TargetMismatchError
 from .layout import check_path, keypath, split
-from .packs import CODEC_RAW, RUN_BLOBS
+from .packs import BLOB_HEADER, CODEC_RAW, RUN_BLOBS
 from .shards import DTYPES, ShardPlan, byte_view, dense_order
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class BlobReader:
                 run = [task]
                 units.append(run)
                 size = loc.raw_len
-            end = loc.span[1] if raw else None
+            end = loc.offset + BLOB_HEADER.size + loc.raw_len if raw else None
         return units
 
     def close(self) -> None:
