@@ -252,3 +252,121 @@ def test_blobs_folder_fsynced_once_per_store_and_process(tmp_path, monkeypatch):
     assert synced == ["blobs"]
     report = store.fsck()
     assert report.ok and report.orphan_packs == []
+
+
+# --- checkout reads runs of blobs (issue 22, item 8) ---------------------------------------
+
+
+def _count_preadv(monkeypatch) -> list[int]:
+    import os
+
+    calls: list[int] = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, offset: (calls.append(len(bufs)), real(fd, bufs, offset))[1])
+    return calls
+
+
+def _flip(store: ckptstore.Store, loc, at: int) -> None:
+    import os
+
+    pack = store.root / "blobs" / loc.pack[:2] / f"{loc.pack}.pack"
+    raw = bytearray(pack.read_bytes())
+    raw[loc.offset + at] ^= 0xFF
+    os.chmod(pack, 0o644)
+    pack.write_bytes(bytes(raw))
+
+
+def test_checkout_reads_back_to_back_blobs_in_one_call_and_only_what_is_named(store, monkeypatch):
+    """The shards of a checkout that lie back to back in a pack are read with one
+    ``preadv`` (headers and payloads, straight into the tensors), each still rehashed;
+    a partial checkout reads only the named leaves' blobs, counted exactly."""
+    import ckptstore.checkout as checkout
+    from ckptstore.packs import BLOB_HEADER
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.rand(512, 1024, generator=g)  # 8 shards
+    b = torch.rand(512, 1024, generator=g, dtype=torch.float64)  # 16 shards
+    store.commit({"a": a}, tag="t")
+    store.commit({"a": a, "b": b}, tag="t")  # b's blobs in a second pack
+    calls = _count_preadv(monkeypatch)
+    out = store.checkout("t")
+    assert_bit_equal(out["a"], a)
+    assert_bit_equal(out["b"], b)
+    assert (store.io.blobs_read, store.io.bytes_read) == (24, 24 * (BLOB_HEADER.size + (256 << 10)))
+    assert sorted(calls) == [16, 32]  # one call per pack: 8 and 16 headers and payloads
+    calls.clear()
+    part = store.checkout("t", partial=["a"])
+    assert list(part.keys()) == ["a"]
+    assert_bit_equal(part["a"], a)
+    assert (store.io.blobs_read, calls) == (24 + 8, [16])  # none of b's
+    monkeypatch.setattr(checkout, "_RUN_BYTES", 3 << 18)  # three shards a run
+    calls.clear()
+    assert_bit_equal(store.checkout("t", partial=["a"], verify=False)["a"], a)
+    assert calls == [6, 6, 4]
+
+
+def test_run_reader_refuses_what_is_not_a_verified_run(store):
+    """:meth:`PackReader.read_run` reads only raw blobs back to back, and reports a bad
+    header or hash by returning False with nothing counted (the caller then reads blob by
+    blob, which names the error)."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.rand(4, 65536, generator=g)  # 4 shards
+    info = store.commit({"w": w}, tag="t")
+    order = sorted(range(4), key=lambda i: store.manifest(info.id)[0].shards[i].offset)  # the pool may write them in any order
+    locs = [store.manifest(info.id)[0].shards[i] for i in order]
+    size = sum(loc.span[1] - loc.span[0] for loc in locs)
+    reader = store.pack_reader()
+    try:
+        bufs = [memoryview(bytearray(loc.raw_len)) for loc in locs]
+        assert reader.read_run(locs, bufs) and (reader.blobs_read, reader.bytes_read) == (4, size)
+        assert [bytes(buf) for buf in bufs] == [w[i].numpy().tobytes() for i in order]
+        assert not reader.read_run([locs[0], locs[2]], [bufs[0], bufs[2]])  # not back to back
+        assert not reader.read_run(locs[:2], [bufs[0], bufs[1][:-1]])  # a destination of the wrong size
+        _flip(store, locs[2], 40 + 1000)  # payload of the third blob
+        assert not reader.read_run(locs, bufs)
+        assert reader.read_run(locs, bufs, verify=False)  # its header still matches
+        _flip(store, locs[1], 20)  # a header's stored length
+        assert not reader.read_run(locs, bufs, verify=False)
+        assert (reader.blobs_read, reader.bytes_read) == (8, 2 * size)
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_bad_blob_in_a_run_raises_and_leaves_the_module_and_optimizer_unchanged(store, where):
+    """A damaged blob in the middle of a run: checkout(into=) raises IntegrityError naming
+    the leaf, blob and commit, and the target module and optimizer keep every bit."""
+    from ckptstore.errors import BlobCorruptError, IntegrityError
+
+    def make(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 8))
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 1024)).sum().backward()
+        optim.step()
+        return model, optim
+
+    model, optim = make(0)
+    info = store.commit({"model": model, "optim": optim}, tag="t")
+    leaf = next(r for r in store.manifest(info.id) if r.path == "model/0.weight")
+    assert len(leaf.shards) == 16
+    _flip(store, leaf.shards[7], 40 + 5000 if where == "payload" else 8)
+    target, topt = make(1)
+    params = list(target.parameters())
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    moments = [{k: v.clone() for k, v in topt.state[p].items()} for p in params]
+    with pytest.raises(IntegrityError) as err:
+        store.checkout("t", into={"model": target, "optim": topt})
+    assert isinstance(err.value, BlobCorruptError)
+    assert "leaf model/0.weight, shard 7" in str(err.value) and leaf.shards[7].address in str(err.value) and info.id in str(err.value)
+    for k, v in target.state_dict().items():
+        assert_bit_equal(v, before[k])
+    for p, saved in zip(params, moments):
+        assert sorted(topt.state[p]) == sorted(saved)
+        for k, v in topt.state[p].items():
+            assert_bit_equal(v, saved[k])
+    whole = store.checkout("t", partial=["optim"], into={"model": target, "optim": topt})  # the optimizer's blobs are whole
+    assert whole["optim"] is topt
+    for p, q in zip(model.parameters(), params):
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert_bit_equal(optim.state[p][k], topt.state[q][k])
