@@ -19,9 +19,10 @@ from .conftest import assert_bit_equal
 def commit_seeing_reuse(store: ckptstore.Store, obj, tag: str) -> tuple[ckptstore.CommitInfo, set[str]]:
     """Commit; also return the leaves whose hashes a fingerprint vouched for (sample-checked)."""
     import ckptstore.commit as store_module
+    import ckptstore.reuse as reuse_module
 
     seen = []
-    original, small = store_module.sample_unchanged, store_module.small_changed
+    original, small = store_module.sample_unchanged, reuse_module.small_changed
 
     def spy(known, mv, p, path):
         seen.append(path)
@@ -31,11 +32,13 @@ def commit_seeing_reuse(store: ckptstore.Store, obj, tag: str) -> tuple[ckptstor
         seen.extend(paths)
         return small(paths, hashes, ends, values)
 
-    store_module.sample_unchanged, store_module.small_changed = spy, spy_small
+    store_module.sample_unchanged = reuse_module.sample_unchanged = spy
+    reuse_module.small_changed = spy_small
     try:
         info = store.commit(obj, tag=tag)
     finally:
-        store_module.sample_unchanged, store_module.small_changed = original, small
+        store_module.sample_unchanged = reuse_module.sample_unchanged = original
+        reuse_module.small_changed = small
     return info, set(seen)
 
 

@@ -26,16 +26,18 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, progress, records
 from .collector import paused_gc
 from .digests import DigestCache, Entry, Same, reusable
 from .errors import AdapterError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
-from .layout import ShardPlan, address, changed_parts, check_shape, digest, itemsize, sample_unchanged
+from .layout import address, check_shape, digest, itemsize, sample_unchanged
 from .packs import BLOB_HEADER, BlobLoc, PackWriter
 from .records import CommitInfo, LeafRecord, check_message, check_tag
+from .reuse import Prehashed as _Prehashed
+from .reuse import Reused, as_reused, keep_components, logical_bytes
 from .threads import Pool
 
 if TYPE_CHECKING:
@@ -45,79 +47,6 @@ if TYPE_CHECKING:
     from .adapters.base import Captured
 
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
-_SMALL = 4096  # a one-shard tensor up to this size is rehashed in one copy with the component's others (Reused)
-
-
-def small_changed(paths: list[str], hashes: list[bytes], ends: list[int], values: dict) -> list[int] | None:
-    """The sample of a component's small one-shard tensors ``values[path]`` (one dtype,
-    contiguous): all of each, laid end to end in one copy and each part rehashed
-    (:func:`ckptstore.layout.changed_parts`); the indices whose hash is not ``hashes``' at
-    that index, or ``None`` if they cannot be laid end to end (not tensors)."""
-    import torch
-
-    tensors = [values[p] for p in paths]
-    try:
-        try:
-            flat = torch._C._nn.flatten_dense_tensors(tensors)  # one C++ call (torch._utils._flatten_dense_tensors)
-        except AttributeError:
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-        mv = memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
-    except (TypeError, RuntimeError, ValueError):
-        return None
-    return changed_parts(hashes, mv, ends)
-
-
-@dataclass
-class _Prehashed:
-    """A changed tensor leaf of an asynchronous commit, split when it was snapshotted:
-    its record, each shard's ``(digest, bytes)`` (copies of the shards that changed since
-    the last commit, views of the live tensor for the others, only read if their blob
-    must be written again, after a rehash; a copy's digest is ``b""`` until the commit
-    hashes it), the blob ids of the unchanged ones, and the last commit's
-    ``(digest, blob id)`` per shard."""
-
-    record: LeafRecord
-    shards: list[tuple[bytes, memoryview]]
-    reused: dict[int, int]  # shard index -> blob id
-    last: list[tuple[bytes, int]]
-
-
-@dataclass(eq=False)
-class Reused:
-    """A component committed unchanged since this store's commit ``last`` (every fingerprint
-    equal, the sample rehashed equal), in place of its captured form: its manifest
-    ``records``, shard addresses (``keys``) and ``{address: blob id}`` (``blobs``) as the
-    rows of commit ``owner`` hold them. The index step points the new commit's component
-    at those rows once it finds them in its transaction (``owner`` and ``confirmed`` then
-    say whose: a GC may have moved them to a sharer), else writes rows of its own."""
-
-    path: str
-    adapter: str
-    version: int
-    meta: dict
-    records: list[LeafRecord]
-    keys: list[tuple[bytes, int]]
-    blobs: dict[tuple[bytes, int], int]
-    owner: str
-    last: str
-    manifest_json: str  # its manifest entries' JSON text (records.manifest_json)
-    nbytes: int  # of its tensor leaves
-    source: Any = None  # the captured component (live tensors), to commit it without sharing (_unshared)
-    confirmed: bool = False
-
-
-def logical_bytes(components: list, leaves: list[LeafRecord]) -> int:
-    """Bytes of the tensor leaves of a commit's manifest (``leaves``, in the order of
-    ``components``, whose :class:`Reused` ones know theirs)."""
-    reused = [c for c in components if type(c) is Reused]
-    if not reused:
-        return sum(r.nbytes for r in leaves if r.kind == "tensor")
-    total, i = 0, 0
-    for c in components:
-        n = len(c.records) if type(c) is Reused else len(c.leaves)
-        total += c.nbytes if type(c) is Reused else sum(r.nbytes for r in leaves[i : i + n] if r.kind == "tensor")
-        i += n
-    return total
 
 
 class _Redo(Exception):
@@ -291,7 +220,7 @@ class CommitEngine:
         out = []
         stale: set[str] = set()
         for comp in components:
-            reused = self._reused(comp) if self.reuse_hashes else None
+            reused = as_reused(self._digests, comp, self.shard_bytes) if self.reuse_hashes else None
             if reused is not None:  # unchanged as a whole: its rows are shared (its records and blob ids taken now)
                 out.append(reused)
                 continue
@@ -392,7 +321,7 @@ class CommitEngine:
             if type(c) is not Reused and records.ESCAPED in c.meta:
                 raise AdapterError(f"{c.path or '<root>'}: adapter {c.adapter} returned meta key {records.ESCAPED!r}, which ckptstore reserves")
         if share and self.reuse_hashes and not reuse_checked:
-            components = [(self._reused(c) or c) if type(c) is not Reused else c for c in components]
+            components = [(as_reused(self._digests, c, self.shard_bytes) or c) if type(c) is not Reused else c for c in components]
         # paths in today's key encoding
         components = [c if type(c) is Reused else replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]
         slow = [c for c in components if type(c) is not Reused]
@@ -451,7 +380,7 @@ class CommitEngine:
         if own:  # (a commit of Reused components only has nothing new to keep)
             self._digests.remember(own, views, tokens, ids, self.shard_bytes, unchanged)
         if self.reuse_hashes:
-            self._keep_components(components, leaves, keys, ids, info.id)
+            keep_components(self._digests, components, leaves, keys, ids, info.id, self.shard_bytes)
         self._last_paths = (info.id, paths)
         return info
 
@@ -473,112 +402,6 @@ class CommitEngine:
             k += m
             leaves[r.path] = self._prehash(c.path, r.path, src.leaves[r.path], mine, dict(enumerate(mine)))
         return Captured(c.path, c.adapter, c.version, src.meta, leaves, dict(src.fingerprints), src.owner)
-
-    def _reused(self, comp: Captured) -> Reused | None:
-        """``comp`` as a :class:`Reused` component if the digest cache kept it
-        (:class:`ckptstore.digests.Kept`) and it did not change since: the same leaf paths,
-        every fingerprint equal (compared whole), the same JSON leaves, and a sample of
-        every tensor's shards rehashed equal (a tensor whose sample differs is forgotten
-        and warned about: the commit hashes it in full). Else ``None``."""
-        import torch
-
-        from .shards import flat_bytes, physical
-
-        kept = self._digests.components.get((comp.path, self.shard_bytes))
-        if kept is None or records.ESCAPED in comp.meta:
-            return None
-        if kept.paths != tuple(comp.leaves) or kept.fingerprints != comp.fingerprints:
-            return None
-        if kept.owner_ref is not None and kept.owner_ref() is not comp.owner:
-            return None
-        values = comp.leaves
-        for path, text in kept.jsons:
-            v = values[path]
-            if isinstance(v, (torch.Tensor, _Prehashed)) or jsonvalue.dumps(v, path) != text:
-                return None
-        def stale(path: str) -> None:  # (sample_unchanged warned): the commit hashes it in full, the component has rows of its own
-            self._digests.components.pop((comp.path, self.shard_bytes), None)
-            self._digests.drop(comp.owner, path, comp.fingerprints[path], self.shard_bytes)
-
-        if kept.small:  # the small one-shard tensors (contiguous, one dtype): laid end to end in one copy, each rehashed whole
-            paths, hashes, ends = kept.small
-            changed = small_changed(paths, hashes, ends, values)
-            if changed is None:
-                return None
-            for i in changed:
-                v = values[paths[i]]
-                if not isinstance(v, torch.Tensor):
-                    return None
-                if not sample_unchanged([hashes[i]], flat_bytes(v, paths[i]), ShardPlan(ends[i] - (ends[i - 1] if i else 0), 1 << 62), paths[i]):
-                    stale(paths[i])
-                    return None
-        for path, hashes, p, strided in kept.checks:
-            v = values[path]
-            if not isinstance(v, torch.Tensor):
-                return None
-            if not sample_unchanged(hashes, flat_bytes(physical(v, path)[0] if strided else v, path), p, path):
-                stale(path)
-                return None
-        return Reused(comp.path, comp.adapter, comp.version, {**comp.meta, records.ESCAPED: True}, kept.records, kept.keys, kept.blobs,
-                      kept.owner, kept.last, kept.text, kept.nbytes, comp)
-
-    def _keep_components(self, components: list, leaves: list[LeafRecord], keys: list, ids: dict, cid: str) -> None:
-        """After commit ``cid``: the digest cache's :class:`~ckptstore.digests.Kept` of each
-        component whose every tensor leaf has a fingerprint (a :class:`Reused` one's now
-        names the rows' owner and ``cid``); the others' go."""
-        import weakref
-
-        from .adapters.base import StorageIdentity
-        from .digests import Kept
-
-        cache = self._digests.components
-        i = k = 0  # the component's first leaf and key
-        for c in components:
-            key = (c.path, self.shard_bytes)
-            if type(c) is Reused:
-                i, k = i + len(c.records), k + len(c.keys)
-                kept = cache.get(key)
-                if kept is not None:
-                    kept.owner, kept.last = (c.owner if c.confirmed else cid), cid
-                continue
-            n = len(c.leaves)
-            recs = leaves[i : i + n]
-            nk = sum(max(1, -(-r.nbytes // r.shard_bytes)) for r in recs if r.kind == "tensor")  # ShardPlan.count
-            comp_keys = keys[k : k + nk]
-            i, k = i + n, k + nk
-            cache.pop(key, None)
-            fingerprints = c.fingerprints
-            tensors = [r for r in recs if r.kind == "tensor"]
-            if not tensors or any(r.path not in fingerprints for r in tensors):
-                continue
-            plain = all(type(t) is tuple and t and type(t[0]) is StorageIdentity for t in fingerprints.values())
-            try:
-                owner_ref = None if plain else weakref.ref(c.owner)
-            except TypeError:
-                continue
-            checks, j = [], 0
-            small: dict[str, tuple[list, list, list]] = {}  # dtype -> (paths, hashes, ends)
-            for r in recs:
-                if r.kind == "tensor":
-                    m = max(1, -(-r.nbytes // r.shard_bytes))
-                    if m == 1 and r.stride is None and 0 < r.nbytes <= _SMALL:
-                        group = small.setdefault(r.dtype, ([], [], []))
-                        group[0].append(r.path)
-                        group[1].append(comp_keys[j][0])
-                        group[2].append((group[2][-1] if group[2] else 0) + r.nbytes)
-                    else:
-                        checks.append((r.path, [d for d, _ in comp_keys[j : j + m]], ShardPlan(r.nbytes, r.shard_bytes), r.stride is not None))
-                    j += m
-            if len(small) > 1:  # one dtype only (the largest group): the others are checked one by one
-                keep = max(small, key=lambda d: len(small[d][0]))
-                for d, (paths, hashes, ends) in small.items():
-                    if d != keep:
-                        checks += [(p, [h], ShardPlan(e - (ends[i - 1] if i else 0), 1 << 62), False) for i, (p, h, e) in enumerate(zip(paths, hashes, ends))]
-                small = {keep: small[keep]}
-            jsons = [(r.path, r.value) for r in recs if r.kind == "json"]
-            cache[key] = Kept(tuple(c.leaves), dict(fingerprints), owner_ref, jsons, checks, next(iter(small.values()), None), recs, comp_keys,
-                              {a: ids[a] for a in comp_keys}, cid, cid, records.manifest_json([r.encoded[0] for r in recs]),
-                              sum(r.nbytes for r in tensors))
 
     def commit_manifest(
         self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None,

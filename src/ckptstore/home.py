@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
 from .catalog import Catalog, CatalogMissing, damaged, reserve_path
-from .commit import CommitInfo, Reused, ReusedBlobsGone, given_stored, ints_json, logical_bytes
+from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
+from .reuse import Reused, logical_bytes
 from .errors import (
     AmbiguousRefError,
     CatalogCorruptError,
@@ -390,7 +391,7 @@ class Home:
     @staticmethod
     def _manifest_parts(components: list, leaves: list[LeafRecord]) -> list[str]:
         """The manifest's JSON text in parts (:func:`ckptstore.records.commit_text_of`): a
-        :class:`~ckptstore.commit.Reused` component's as it keeps it, the runs of leaves
+        :class:`~ckptstore.reuse.Reused` component's as it keeps it, the runs of leaves
         between them encoded here."""
         if not any(type(c) is Reused for c in components):
             return [records.manifest_json([r.encoded[0] for r in leaves])]
@@ -402,7 +403,7 @@ class Home:
         return parts
 
     def _shared_rows(self, components: list) -> dict[str, str]:
-        """``{component path: commit id}`` of the :class:`~ckptstore.commit.Reused` components
+        """``{component path: commit id}`` of the :class:`~ckptstore.reuse.Reused` components
         whose rows exist now, in the caller's transaction, and the commit that owns them: that
         of the component's last commit (itself, or the owner it points at), else its owner's
         (if it still owns them). A GC that dropped both since leaves the component out: its
