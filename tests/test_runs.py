@@ -115,6 +115,7 @@ def test_runs_lists_latest_step_commits_and_bytes(tmp_path, monkeypatch, capsys)
     default = Checkpointer(store, {"w": same}, every_n_steps=1, on_signal=())
     default.step()
     store.commit({"x": torch.ones(3)}, tag="plain")  # not a Checkpointer's: in no run
+    store.commit({"x": torch.ones(4)}, tag="step-1000", metadata={"step": 1000})  # the README's plain commit: in no run either
     one = 4000 + BLOB_HEADER.size
     expected = [
         ("exp-a", 3, 3, one, ("exp-a/latest", "exp-a/step-1", "exp-a/step-2", "exp-a/step-3")),

@@ -82,8 +82,9 @@ def runs(store) -> list[RunInfo]:
     """The runs of ``store`` (a :class:`~ckptstore.Store`), named runs by name, then the default run.
 
     A commit belongs to run ``metadata["run"]`` when a Checkpointer made it (its metadata
-    holds an int ``step``); one without ``run`` belongs to the default run. Commits made
-    otherwise (``Store.commit``, imports) belong to no run.
+    holds an int ``step`` and its message is ``"step <step>"``, as every Checkpointer's has
+    been); one without ``run`` belongs to the default run. Commits made otherwise
+    (``Store.commit``, even with a ``step`` in their metadata, imports) belong to no run.
 
     Raises:
         NotAStoreError: there is no store at ``store``'s location.
@@ -95,7 +96,7 @@ def runs(store) -> list[RunInfo]:
         members: dict[str | None, list] = {}
         for info in commits:  # newest first
             step, run = info.metadata.get("step"), info.metadata.get("run")
-            if type(step) is int and (run is None or type(run) is str):
+            if type(step) is int and (run is None or type(run) is str) and (info.message == f"step {step}" or info.message.startswith(f"step {step}, ")):
                 members.setdefault(run, []).append(info)
         out = []
         for name, infos in members.items():
