@@ -17,9 +17,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/ckptstore demo --store runs/demo-store
 
+# Two workers, each test file on one of them (a file's fixtures and servers stay in one process).
 test: $(STAMP)
 	$(BIN)/lint-imports --no-cache
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 test-peers: $(STAMP)
 	$(BIN)/python -m pytest -q tests/peers

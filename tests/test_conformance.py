@@ -773,7 +773,10 @@ REFUSED = [
     _refused(lambda s, tmp: s.reflog("never"), RefNotFoundError, "tag 'never' never existed in {loc}"),
     _refused(lambda s, tmp: s.reflog("bad\x00"), InvalidNameError, "invalid ref name 'bad\\x00': 1 to 255 characters without NUL"),
     _refused(lambda s, tmp: s.gc(grace="soon"), InvalidArgumentError, "invalid duration 'soon': use a number with s, m, h, d or w (e.g. 30m, 1h, 7d)"),
-    _refused(lambda s, tmp: s.gc(keep_last=-1), InvalidArgumentError, "invalid keep-last -1: must be a whole number >= 0"),
+    _refused(lambda s, tmp: s.gc(keep_last=-1), InvalidArgumentError,
+             "invalid keep-last -1: must be a whole number >= 1 (a tag always keeps the commit it points to)"),
+    _refused(lambda s, tmp: s.gc(keep_last=0), InvalidArgumentError,  # it used to run as 1
+             "invalid keep-last 0: must be a whole number >= 1 (a tag always keeps the commit it points to)"),
     _refused(lambda s, tmp: s.fsck(sample=2.0), InvalidArgumentError, "invalid sample fraction 2.0: must be in (0, 1]"),
     _refused(lambda s, tmp: s.export("nope", tmp / "n.zip"), RefNotFoundError, "no tag or commit named 'nope' in {loc}"),
     _refused(lambda s, tmp: s.import_from(tmp / "none.zip"), ckptstore.errors.ContainerError, "{tmp}/none.zip: no such export archive or folder"),

@@ -32,7 +32,7 @@ from ckptstore.errors import GCLockedError, StoreWriteError
 from .conftest import assert_bit_equal
 
 SHARD = 16 << 10
-TRIALS = int(os.environ.get("CKPTSTORE_CRASH_TRIALS", "50"))
+TRIALS = int(os.environ.get("CKPTSTORE_CRASH_TRIALS", "30"))
 
 
 def fork(fn, *args) -> int:

@@ -27,9 +27,12 @@ def stress(tmp_path, **kwargs) -> dict:
 
 @pytest.mark.timeout(900)
 def test_stress_rounds(tmp_path):
-    """A few rounds of 3 workers (about 1.5 minutes on 2 cores): every tag checks out exactly, fsck is clean."""
-    seed = seed_from_env()
-    rounds = int(os.environ.get("CKPT_STRESS_ROUNDS", "8"))
+    """A few rounds of 3 workers (about 30 seconds on 2 cores): every tag checks out exactly, fsck is clean.
+
+    One fixed schedule by default, so that CI replays the same one (interleavings and kill
+    instants still vary); ``CKPT_STRESS_SEED`` picks another, and the slow test draws a new one each run."""
+    seed = int(os.environ.get("CKPT_STRESS_SEED", "20261204"))
+    rounds = int(os.environ.get("CKPT_STRESS_ROUNDS", "5"))
     stats = stress(tmp_path, seed=seed, rounds=rounds, workers=3, kill_rate=0.5,
                    replay=f"CKPT_STRESS_SEED={seed} CKPT_STRESS_ROUNDS={rounds} pytest tests/test_stress.py")
     assert stats["rounds"] == rounds and stats["losses"] == 0

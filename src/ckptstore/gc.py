@@ -189,8 +189,8 @@ class Collector:
 
     def __init__(self, store, keep_last: int, keep_tags: list[str], keep_within: float | None, grace: float, repack_below: float,
                  small_pack_bytes: int = SMALL_PACK_BYTES):
-        if type(keep_last) is not int or keep_last < 0:
-            raise InvalidArgumentError(f"invalid keep-last {keep_last!r}: must be a whole number >= 0")
+        if type(keep_last) is not int or keep_last < 1:
+            raise InvalidArgumentError(f"invalid keep-last {keep_last!r}: must be a whole number >= 1 (a tag always keeps the commit it points to)")
         if not 0 <= repack_below <= 1:
             raise InvalidArgumentError(f"invalid repack threshold {repack_below!r}: must be within [0, 1]")
         if type(small_pack_bytes) is not int or small_pack_bytes < 0:
@@ -200,7 +200,7 @@ class Collector:
         self.options = (keep_last, keep_tags, keep_within, repack_below, small_pack_bytes)
         # a merged pack of up to pack_bytes must not count as small again (or every run rewrites it)
         self.small_pack_bytes = min(small_pack_bytes, store.pack_bytes // 2)
-        self.keep_last = max(keep_last, 1)
+        self.keep_last = keep_last
         self.keep_tags = [check_glob(g) for g in keep_tags]
         self.keep_within = 0.0 if keep_within is None else parse_duration(keep_within)
         self.grace = parse_duration(grace)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from . import jsonvalue, records
 from .catalog import Catalog, CatalogMissing, damaged, reserve_path
 from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
-from .reuse import Reused, logical_bytes
+from .reuse import Reused, logical_bytes, per_component
 from .errors import (
     AmbiguousRefError,
     CatalogCorruptError,
@@ -395,12 +395,8 @@ class Home:
         between them encoded here."""
         if not any(type(c) is Reused for c in components):
             return [records.manifest_json([r.encoded[0] for r in leaves])]
-        parts, i = [], 0  # (a commit with Reused components lists its leaves component by component)
-        for c in components:
-            n = len(c.records) if type(c) is Reused else len(c.leaves)
-            parts.append(c.manifest_json if type(c) is Reused else records.manifest_json([r.encoded[0] for r in leaves[i : i + n]]))
-            i += n
-        return parts
+        return [c.manifest_json if type(c) is Reused else records.manifest_json([r.encoded[0] for r in recs])
+                for c, recs, _ in per_component(components, leaves)]
 
     def _shared_rows(self, components: list) -> dict[str, str]:
         """``{component path: commit id}`` of the :class:`~ckptstore.reuse.Reused` components
@@ -427,25 +423,15 @@ class Home:
             return leaves, self._keys_per_leaf(leaves, keys)
         own: list[LeafRecord] = []
         per_leaf: list[list] = []
-        i = k = 0  # (a commit with Reused components lists its leaves component by component)
-        for c in components:
-            if type(c) is Reused:
-                n, nk = len(c.records), len(c.keys)
-                if c.path not in shared:
-                    own += c.records
-                    per_leaf += self._keys_per_leaf(c.records, c.keys)
-            else:
-                n = len(c.leaves)
-                part = self._keys_per_leaf(leaves[i : i + n], keys, k)
-                nk = sum(map(len, part))
-                own += leaves[i : i + n]
-                per_leaf += part
-            i, k = i + n, k + nk
+        for c, recs, comp_keys in per_component(components, leaves, keys):
+            if type(c) is not Reused or c.path not in shared:
+                own += recs
+                per_leaf += self._keys_per_leaf(recs, comp_keys)
         return own, per_leaf
 
     @staticmethod
-    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]], i: int = 0) -> list[list[tuple[bytes, int]]]:
-        out = []
+    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
+        out, i = [], 0
         for r in leaves:
             n = max(1, -(-r.nbytes // r.shard_bytes)) if r.kind == "tensor" else 0  # ShardPlan.count
             out.append(keys[i : i + n])

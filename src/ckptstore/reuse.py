@@ -81,18 +81,32 @@ class Reused:
     confirmed: bool = False
 
 
+def shard_count(recs: list[LeafRecord]) -> int:
+    """The number of shards of the tensor leaves ``recs`` (:meth:`ckptstore.layout.ShardPlan.count` of each)."""
+    return sum(max(1, -(-r.nbytes // r.shard_bytes)) for r in recs if r.kind == "tensor")
+
+
+def per_component(components: list, leaves: list[LeafRecord], keys: list | None = None):
+    """Each of a commit's ``components`` with its part of the commit's flat ``leaves`` and
+    (if given) ``keys`` (shard addresses in leaf order): ``(component, its leaf records,
+    its keys or None)``; a :class:`Reused` component's are its own ``records`` and ``keys``."""
+    i = k = 0
+    for c in components:
+        if type(c) is Reused:
+            recs, comp_keys = c.records, c.keys
+        else:
+            recs = leaves[i : i + len(c.leaves)]
+            comp_keys = None if keys is None else keys[k : k + shard_count(recs)]
+        yield c, recs, comp_keys
+        i, k = i + len(recs), k + (0 if comp_keys is None else len(comp_keys))
+
+
 def logical_bytes(components: list, leaves: list[LeafRecord]) -> int:
     """Bytes of the tensor leaves of a commit's manifest (``leaves``, in the order of
     ``components``, whose :class:`Reused` ones know theirs)."""
-    reused = [c for c in components if type(c) is Reused]
-    if not reused:
+    if not any(type(c) is Reused for c in components):
         return sum(r.nbytes for r in leaves if r.kind == "tensor")
-    total, i = 0, 0
-    for c in components:
-        n = len(c.records) if type(c) is Reused else len(c.leaves)
-        total += c.nbytes if type(c) is Reused else sum(r.nbytes for r in leaves[i : i + n] if r.kind == "tensor")
-        i += n
-    return total
+    return sum(c.nbytes if type(c) is Reused else sum(r.nbytes for r in recs if r.kind == "tensor") for c, recs, _ in per_component(components, leaves))
 
 
 def as_reused(digests: DigestCache, comp: Captured, shard_bytes: int) -> Reused | None:
@@ -154,20 +168,13 @@ def keep_components(digests: DigestCache, components: list, leaves: list[LeafRec
     from .digests import Kept
 
     cache = digests.components
-    i = k = 0  # the component's first leaf and key
-    for c in components:
+    for c, recs, comp_keys in per_component(components, leaves, keys):
         key = (c.path, shard_bytes)
         if type(c) is Reused:
-            i, k = i + len(c.records), k + len(c.keys)
             kept = cache.get(key)
             if kept is not None:
                 kept.owner, kept.last = (c.owner if c.confirmed else cid), cid
             continue
-        n = len(c.leaves)
-        recs = leaves[i : i + n]
-        nk = sum(max(1, -(-r.nbytes // r.shard_bytes)) for r in recs if r.kind == "tensor")  # ShardPlan.count
-        comp_keys = keys[k : k + nk]
-        i, k = i + n, k + nk
         cache.pop(key, None)
         fingerprints = c.fingerprints
         tensors = [r for r in recs if r.kind == "tensor"]

@@ -266,7 +266,8 @@ class Store(CommitEngine, Queries):
         """Drop commits outside the roots, then free unreferenced blobs and packs.
 
         Every tag is kept. Of each tag's lineage the ``keep_last`` newest commits
-        are kept (the whole lineage for tags matching a ``keep_tags`` glob), and
+        are kept (at least 1: the tagged commit counts; the whole lineage for tags
+        matching a ``keep_tags`` glob), and
         commits younger than ``keep_within`` or than the grace period. Blobs no
         kept commit references are deleted once older than ``grace`` (seconds or
         ``"30m"``, ``"1h"``, ``"7d"``; default 1 hour, 24 hours on object storage),
@@ -278,7 +279,8 @@ class Store(CommitEngine, Queries):
 
         Raises:
             GCLockedError: another GC is running on this (local) store.
-            InvalidArgumentError: a duration, glob, count or size that does not parse.
+            InvalidArgumentError: a duration, glob, count or size that does not parse
+                (``keep_last`` below 1 among them).
             BackendError: object storage failed (what was deleted stays deleted; run again).
         """
         if not dry_run and release_reserve(self.root / CATALOG) and not self.catalog.writable:
