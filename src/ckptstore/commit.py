@@ -370,7 +370,7 @@ class CommitEngine:
         checked = all(type(c) is Reused and c.last == self._last_paths[0] for c in components) and paths == self._last_paths[1]
         try:
             info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior,
-                                             paths_checked=checked)
+                                             paths_checked=checked, prior_complete=not slow)
         except _Redo:
             self._digests.components.clear()
             captured = [self._unshared(c) if type(c) is Reused else c for c in captured]  # (an asynchronous commit's snapshot)
@@ -405,7 +405,7 @@ class CommitEngine:
 
     def commit_manifest(
         self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None,
-        paths_checked=False,
+        paths_checked=False, prior_complete=False,
     ):
         """Steps 3 and 4 of the commit protocol for a manifest already built (commits and
         importers): ``leaves`` are :class:`LeafRecord` s, ``keys`` every tensor shard's
@@ -422,6 +422,8 @@ class CommitEngine:
         they are indexed in this commit's transaction and not written again (an
         address the catalog already holds keeps its row; that copy is left for GC).
         ``paths_checked``: the leaves' paths are those of a commit this store checked them for.
+        ``prior_complete``: ``prior`` holds every address of ``keys`` (a commit of
+        :class:`Reused` components only), so none is looked up.
         Returns the CommitInfo and every address's blob id.
         """
         self.home.before_commit()
@@ -443,7 +445,7 @@ class CommitEngine:
             except ValueError as exc:
                 raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
         known = dict(prior or {})
-        unknown = [k for k in dict.fromkeys(keys) if k not in known]
+        unknown = [] if prior_complete else [k for k in dict.fromkeys(keys) if k not in known]
         known.update(self._lookup(unknown))
         given, given_packs = written or ({}, [])
         with self.pack_writer() as writer:

@@ -288,7 +288,9 @@ class Home:
         store = self.store
         with self.write() as batch:
             shared = self._shared_rows(components)
-            if shared:  # their blob ids are those of rows that exist: not checked again
+            if len(shared) == len(components) and not written:  # every blob id is one of those rows' (below): none to check
+                check = {}
+            elif shared:  # their blob ids are those of rows that exist: not checked again
                 confirmed: dict[tuple[bytes, int], int] = {}
                 for c in components:
                     if c.path in shared:
