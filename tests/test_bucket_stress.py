@@ -32,7 +32,7 @@ def bstress(tmp_path, s3_server, **kwargs) -> dict:
 
 @pytest.mark.timeout(600)
 def test_bucket_stress_rounds(tmp_path, s3_server):
-    """A few rounds (about 45 seconds on 2 cores): kills, skewed GCs, a slow commit, damage and repair.
+    """A few rounds (about a minute on 2 cores): kills, skewed GCs, a slow commit, damage and repair.
     One fixed schedule by default, so that CI replays the same one (interleavings still vary);
     ``CKPT_BSTRESS_SEED`` picks another, and the slow test draws a new one each run."""
     seed = int(os.environ.get("CKPT_BSTRESS_SEED", "20261201"))
