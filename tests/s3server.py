@@ -33,10 +33,13 @@ of the request path; the first ``count`` matching requests are hit), with ``acti
 - ``"500-after"``: do it (the write lands), then answer HTTP 500;
 - ``"drop-after"``: do it, then close the connection without an answer (a lost response).
 
-**Bytes served.** The server counts the body bytes of the GET responses it sends:
-``MotoServer.served()`` returns ``{"gets", "bytes", "blob_gets", "blob_bytes"}`` (``blob_*``:
-requests for objects under ``blobs/``, that is packs and their ``.idx``) since the last
-``reset_served()`` (control path ``/__served__``: GET reads, POST resets).
+**Bytes served.** The server counts the body bytes of the GET responses it sends, per
+store (the first segment of the key under the bucket, or of a listing's ``prefix``):
+``MotoServer.served(url)`` returns ``{"gets", "bytes", "blob_gets", "blob_bytes"}`` (``blob_*``:
+requests for objects under ``blobs/``, that is packs and their ``.idx``) of the store at
+``url`` since the last ``reset_served()`` (control path ``/__served__``: GET reads, POST
+resets). One server serves a whole test session, so a test counts its own store only:
+another test's Checkpointer still alive renews its lease with a listing now and then.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -141,7 +145,7 @@ class _Served:
     def __init__(self, app):
         self.app = app
         self.lock = threading.Lock()
-        self.counts = dict.fromkeys(self.FIELDS, 0)
+        self.counts: dict[str, dict[str, int]] = {}  # store (bucket/first segment) -> counts
 
     def __call__(self, environ, start_response) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -149,7 +153,7 @@ class _Served:
             with self.lock:
                 body = json.dumps(self.counts).encode()
                 if environ["REQUEST_METHOD"] == "POST":
-                    self.counts = dict.fromkeys(self.FIELDS, 0)
+                    self.counts = {}
             start_response("200 OK", [("Content-Type", "application/json")])
             return [body]
         result = self.app(environ, start_response)
@@ -162,11 +166,15 @@ class _Served:
             if close is not None:
                 close()
         blob = "/blobs/" in path
+        bucket, _, key = path.lstrip("/").partition("/")
+        listed = urllib.parse.parse_qs(environ.get("QUERY_STRING", "")).get("prefix", [""])[0]
+        store = f"{bucket}/{(key or listed).split('/', 1)[0]}"
         with self.lock:
-            self.counts["gets"] += 1
-            self.counts["bytes"] += len(body)
-            self.counts["blob_gets"] += blob
-            self.counts["blob_bytes"] += len(body) if blob else 0
+            counts = self.counts.setdefault(store, dict.fromkeys(self.FIELDS, 0))
+            counts["gets"] += 1
+            counts["bytes"] += len(body)
+            counts["blob_gets"] += blob
+            counts["blob_bytes"] += len(body) if blob else 0
         return [body]
 
 
@@ -261,16 +269,19 @@ class MotoServer:
         with urllib.request.urlopen(self.endpoint + FAULTS_PATH, timeout=10) as resp:
             return json.loads(resp.read())
 
-    def served(self) -> dict[str, int]:
-        """GET requests and their body bytes since the last :meth:`reset_served` (see the module docstring)."""
+    def served(self, url: str) -> dict[str, int]:
+        """The GET requests for the store at ``url`` (``s3://bucket/name``: keys under
+        ``name/``) and their body bytes since the last :meth:`reset_served` (see the module
+        docstring)."""
         with urllib.request.urlopen(self.endpoint + SERVED_PATH, timeout=10) as resp:
-            return json.loads(resp.read())
+            counts = json.loads(resp.read())
+        return counts.get(url.removeprefix("s3://").rstrip("/"), dict.fromkeys(_Served.FIELDS, 0))
 
-    def reset_served(self) -> dict[str, int]:
-        """Zero the counts of :meth:`served`; returns them as they were."""
+    def reset_served(self) -> None:
+        """Zero the counts of :meth:`served`, for every store."""
         req = urllib.request.Request(self.endpoint + SERVED_PATH, data=b"", method="POST")
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
+        with urllib.request.urlopen(req, timeout=10):
+            pass
 
     def __enter__(self) -> MotoServer:
         return self.start()

@@ -536,3 +536,22 @@ def test_client_benchmark_smoke(tmp_path):
     out = objstore_client.main(["--mib", "2", "--pack-mib", "1", "--ranges", "8", "--range-kib", "16", "-r", "1", "--json", str(tmp_path / "r.json")])
     assert len(out["medians"]) == 9 and all(v > 0 for v in out["ratios"].values())
     assert json.loads((tmp_path / "r.json").read_text())["ratios"] == out["ratios"]
+
+
+def test_the_test_server_counts_what_it_serves_per_store(s3_server):
+    """tests/s3server.py's counts, which the restore-once tests assert on: each store's GETs
+    (objects and listings) apart, so a request for another store (a lease another test
+    left renewing) never counts against this one."""
+    a, b = (f"s3://ckpt/served-{uuid.uuid4().hex[:12]}" for _ in range(2))
+    with open_backend(a, create=True) as one, open_backend(b, create=True) as other:
+        one.put_new("blobs/ab/p.pack", b"x" * 1000)
+        other.put_new("commits/00/c", b"y" * 10)
+        s3_server.reset_served()
+        assert one.get("blobs/ab/p.pack") == b"x" * 1000
+        assert [o.key for o in one.list("blobs")] == ["blobs/ab/p.pack"]
+        assert other.get("commits/00/c") == b"y" * 10
+        mine, theirs = s3_server.served(a), s3_server.served(b)
+    assert mine["gets"] == 2 and mine["blob_gets"] == 1 and mine["blob_bytes"] == 1000 and mine["bytes"] > 1000, mine
+    assert theirs == {"gets": 1, "bytes": 10, "blob_gets": 0, "blob_bytes": 0}, theirs
+    s3_server.reset_served()
+    assert s3_server.served(a) == dict.fromkeys(("gets", "bytes", "blob_gets", "blob_bytes"), 0)

@@ -394,15 +394,16 @@ def test_checkpointer_saves_and_resumes(home):
     torch.manual_seed(3)
     policy = torch.nn.Linear(4, 2)
     opt = torch.optim.Adam(policy.parameters())
-    ck = ckptstore.Checkpointer(home.location, {"policy": policy, "optim": opt}, every_n_steps=2, keep_last=2)
-    for _ in range(6):
-        ck.step()
+    with ckptstore.Checkpointer(home.location, {"policy": policy, "optim": opt}, every_n_steps=2, keep_last=2) as ck:
+        for _ in range(6):
+            ck.step()
     ck.store.close()
     s = home.open(fresh_cache=True)
     assert sorted(s.tags()) == ["latest", "step-4", "step-6"]
     policy2 = torch.nn.Linear(4, 2)
     opt2 = torch.optim.Adam(policy2.parameters())
-    assert ckptstore.Checkpointer(home.location, {"policy": policy2, "optim": opt2}).resume() == 6
+    with ckptstore.Checkpointer(home.location, {"policy": policy2, "optim": opt2}) as again:  # (its lease: released, not renewed for the session)
+        assert again.resume() == 6
     assert_bit_equal(policy2.weight.detach(), policy.weight.detach())
 
 

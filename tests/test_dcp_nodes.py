@@ -60,13 +60,13 @@ def test_a_load_reads_each_blob_from_the_bucket_once_whatever_the_world_size(s3_
     unique = packed_bytes(url)  # every blob of the one commit, as stored
     s3_server.reset_served()
     reads = on_bucket(world, _load, url, True)
-    served = s3_server.served()
+    served = s3_server.served(url)
     # w: 4 shards, m: 2, b: 1 are read by one rank each (balanced by bytes), every rank reads its own counter
     assert sum(r[0] for r in reads) == 7 + world and all(r[0] + r[1] == 7 + 1 for r in reads)
     assert served["bytes"] <= 1.1 * unique, (served, unique)  # packs, their .idx per rank's cache, records, refs
     s3_server.reset_served()
     on_bucket(world, _load, url, False)  # every rank fetches all it needs: world times the replicated bytes
-    assert s3_server.served()["blob_bytes"] > 0.9 * world * unique
+    assert s3_server.served(url)["blob_bytes"] > 0.9 * world * unique
 
 
 def _load_catching(rank: int, world: int, store: str) -> dict:
@@ -167,7 +167,7 @@ def test_a_local_tier_per_node_and_one_bucket_resume_on_surviving_new_and_fewer_
             assert sorted(disk.tags()) == ["latest", "step-4", "step-6"]
     s3_server.reset_served()
     assert on_nodes(2, 2, nodes, _resume, url) == [[6, "local", 6000 + r] for r in range(4)]
-    assert s3_server.served()["gets"] == 0  # surviving nodes: nothing read from the bucket
+    assert s3_server.served(url)["gets"] == 0  # surviving nodes: nothing read from the bucket
     import shutil
 
     shutil.copytree(nodes, tmp_path / "copy")
