@@ -33,7 +33,7 @@ from . import jsonvalue, progress, records
 from .collector import paused_gc
 from .digests import DigestCache, Entry, Same, reusable
 from .errors import AdapterError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
-from .layout import address, check_shape, digest, itemsize, sample_unchanged
+from .layout import address, check_shape, digest, itemsize, sample_unchanged, shard_count
 from .packs import BLOB_HEADER, BlobLoc, PackWriter
 from .records import CommitInfo, LeafRecord, check_message, check_tag
 from .reuse import Prehashed as _Prehashed
@@ -397,7 +397,7 @@ class CommitEngine:
             if r.kind != "tensor":
                 leaves[r.path] = jsonvalue.loads(r.value)
                 continue
-            m = max(1, -(-r.nbytes // r.shard_bytes))
+            m = shard_count(r.nbytes, r.shard_bytes)
             mine = [(d, c.blobs[(d, n)]) for d, n in c.keys[k : k + m]]
             k += m
             leaves[r.path] = self._prehash(c.path, r.path, src.leaves[r.path], mine, dict(enumerate(mine)))

@@ -48,7 +48,7 @@ from .errors import (
     RefNotFoundError,
     StoreWriteError,
 )
-from .layout import address
+from .layout import address, shard_count
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, PackWriter
 from .records import LeafRecord
 from .refs import ANY, CatalogRefs, Refs
@@ -435,7 +435,7 @@ class Home:
     def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
         out, i = [], 0
         for r in leaves:
-            n = max(1, -(-r.nbytes // r.shard_bytes)) if r.kind == "tensor" else 0  # ShardPlan.count
+            n = shard_count(r.nbytes, r.shard_bytes) if r.kind == "tensor" else 0
             out.append(keys[i : i + n])
             i += n
         return out

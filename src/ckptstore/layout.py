@@ -103,6 +103,12 @@ def dense_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int] | 
     return order
 
 
+def shard_count(nbytes: int, shard_bytes: int) -> int:
+    """Number of shards of a tensor of ``nbytes`` bytes cut every ``shard_bytes`` (one,
+    empty, for a zero-byte tensor)."""
+    return max(1, -(-nbytes // shard_bytes))
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Where one tensor is cut: ``nbytes`` total, ``shard_bytes`` per shard."""
@@ -112,8 +118,8 @@ class ShardPlan:
 
     @property
     def count(self) -> int:
-        """Number of shards (one, empty, for a zero-byte tensor)."""
-        return max(1, -(-self.nbytes // self.shard_bytes))
+        """Number of shards (:func:`shard_count`)."""
+        return shard_count(self.nbytes, self.shard_bytes)
 
     def bounds(self, i: int) -> tuple[int, int]:
         """Byte range ``[start, stop)`` of shard ``i``."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
 from .digests import DigestCache
-from .layout import ShardPlan, changed_parts, sample_unchanged
+from .layout import ShardPlan, changed_parts, sample_unchanged, shard_count
 from .records import LeafRecord
 
 if TYPE_CHECKING:
@@ -81,11 +81,6 @@ class Reused:
     confirmed: bool = False
 
 
-def shard_count(recs: list[LeafRecord]) -> int:
-    """The number of shards of the tensor leaves ``recs`` (:meth:`ckptstore.layout.ShardPlan.count` of each)."""
-    return sum(max(1, -(-r.nbytes // r.shard_bytes)) for r in recs if r.kind == "tensor")
-
-
 def per_component(components: list, leaves: list[LeafRecord], keys: list | None = None):
     """Each of a commit's ``components`` with its part of the commit's flat ``leaves`` and
     (if given) ``keys`` (shard addresses in leaf order): ``(component, its leaf records,
@@ -96,7 +91,7 @@ def per_component(components: list, leaves: list[LeafRecord], keys: list | None 
             recs, comp_keys = c.records, c.keys
         else:
             recs = leaves[i : i + len(c.leaves)]
-            comp_keys = None if keys is None else keys[k : k + shard_count(recs)]
+            comp_keys = None if keys is None else keys[k : k + sum(shard_count(r.nbytes, r.shard_bytes) for r in recs if r.kind == "tensor")]
         yield c, recs, comp_keys
         i, k = i + len(recs), k + (0 if comp_keys is None else len(comp_keys))
 
@@ -189,7 +184,7 @@ def keep_components(digests: DigestCache, components: list, leaves: list[LeafRec
         small: dict[str, tuple[list, list, list]] = {}  # dtype -> (paths, hashes, ends)
         for r in recs:
             if r.kind == "tensor":
-                m = max(1, -(-r.nbytes // r.shard_bytes))
+                m = shard_count(r.nbytes, r.shard_bytes)
                 if m == 1 and r.stride is None and 0 < r.nbytes <= _SMALL:
                     group = small.setdefault(r.dtype, ([], [], []))
                     group[0].append(r.path)
