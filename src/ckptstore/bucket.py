@@ -83,7 +83,7 @@ from .errors import (
 from .layout import RANDOM
 from .packindex import pack_key
 from .packs import BLOB_HEADER
-from .refs import CAS_SECONDS, BucketRefs
+from .refs import CAS_SECONDS, BucketRefs, guarded
 from .remote import resolve as resolve_remote
 from .commit import CommitInfo, ReusedBlobsGone
 from .home import Home, weakly
@@ -334,16 +334,19 @@ class BucketHome(BucketCache, Home):
             self._check_packs(known, written)
             packs = self._packs_of(cid)
             lost = False
-            for t in tags:
-                old, version = current[t]
-                if old == cid:
-                    continue
-                try:
-                    self.store.refs.swap(t, old, version, cid, "commit", packs)  # dated when sent, not the commit's time
-                except RefConflictError:
-                    lost = True
-                    break
-                before.setdefault(t, old)
+            todo = [{"tag": t, "old": current[t][0], "version": current[t][1], "new": cid, "action": "commit", "packs": packs}
+                    for t in tags if current[t][0] != cid]
+            with guarded(todo):  # a fenced holder: these moves are recorded in the run's token cell first (docs/design.md)
+                for t in tags:
+                    old, version = current[t]
+                    if old == cid:
+                        continue
+                    try:
+                        self.store.refs.swap(t, old, version, cid, "commit", packs)  # dated when sent, not the commit's time
+                    except RefConflictError:
+                        lost = True
+                        break
+                    before.setdefault(t, old)
             if not lost:
                 break
             if time.monotonic() > deadline:

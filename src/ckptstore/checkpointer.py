@@ -30,6 +30,7 @@ from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
 from .adapters.base import capture
 from .adapters.training import Progress  # noqa: F401 (re-exported: ckptstore.checkpointer.Progress)
 from .errors import CkptStoreError, DefaultRunResumedWarning, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
+from .refs import fenced
 from .store import CommitInfo, Store
 
 
@@ -254,6 +255,8 @@ class Checkpointer:
         Raises:
             RunBusyError: this Checkpointer no longer holds its run (closed, superseded by a
                 newer one in this process, or its lease on object storage taken over).
+            RunTakenOverError: (a RunBusyError) a newer holder of the run was issued a newer
+                fencing token: no tag moved; the commit's objects stay untagged, for GC.
         """
         tags = ([self.tag_format.format(step=self.steps)] if self.tag_format else []) + [self.latest_tag]
         if self.dcp:
@@ -262,8 +265,9 @@ class Checkpointer:
             raise RunBusyError(f"this Checkpointer of {describe(self.run)} was closed: it commits no more")
         self._hold(create=True)
         self._lease.check()
-        info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata=self._metadata(metadata))
-        self._prune(self.store)
+        with fenced(self._lease):  # every tag move passes the run's fencing token (docs/design.md, "Fenced writers")
+            info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata=self._metadata(metadata))
+            self._prune(self.store)
         if self._pusher is not None:
             self._pusher.request()
         return info

@@ -46,6 +46,18 @@ class RunBusyError(CkptStoreError):
     this one lost it to a newer one; nothing was committed."""
 
 
+class RunTakenOverError(RunBusyError):
+    """This holder of a run was taken over (paused or cut off past its lease, or replaced by
+    a newer Checkpointer in this process): a newer fencing token (:attr:`generation`) was
+    issued for the run, so none of this holder's tag moves may happen (docs/design.md,
+    "Fenced writers"). What it wrote stays in the store untagged, for GC to collect."""
+
+    def __init__(self, message: str, generation: int | None = None):
+        super().__init__(message)
+        #: The run's fencing token now (the generation that took it over); ``None``: unknown.
+        self.generation = generation
+
+
 class InvalidArgumentError(CkptStoreError):
     """An argument that does not parse: a duration, a glob, a fraction."""
 

@@ -15,6 +15,12 @@ and a commit's tag move are written once against it); two homes implement it:
   ``refs.json`` in the cache folder keeps each ref's ETag so that listing reads only the
   refs that changed.
 
+Moves can be **fenced** (docs/design.md, "Fenced writers"): inside :func:`fenced`, every
+move of a tag first passes the :class:`Fence` of the run's holder (its fencing token,
+kept by :mod:`ckptstore.run`), in the same atomic step where the home allows one (locally
+inside the catalog transaction that moves the tags; on object storage as a conditional
+write of the run's token cell that records the moves before they are made).
+
 This module knows the catalog, the backend and the remote ref formats
 (:mod:`ckptstore.bucketformat`'s payload and reflog helpers); never the store.
 """
@@ -29,7 +35,8 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +69,43 @@ _UPSERT = ("INSERT INTO tags(name, commit_id, updated_at) VALUES (?, ?, ?) "
 #: ``{tag: (expected commit or None or ANY, new commit or None)}``: a set of moves (``None``
 #: expected: no such tag yet; ``None`` new: delete).
 Moves = Mapping[str, tuple[Any, "str | None"]]
+
+
+class Fence(ABC):
+    """What a fenced tag move passes: the fencing token of one holder of a run
+    (:mod:`ckptstore.run` makes them: one per home). ``token`` only grows over the run's
+    whole life; a holder whose token is no longer the run's newest is taken over."""
+
+    token: int
+
+    @abstractmethod
+    def guard(self, moves: list[dict]) -> AbstractContextManager[None]:
+        """The scope of one atomic step of tag moves ``moves`` (``{"tag", "old", "version",
+        "new", "action", "packs"}`` each; ``version`` only on object storage). Entering it
+        raises :class:`~ckptstore.errors.RunTakenOverError` when a newer token was issued
+        (locally: read inside the catalog transaction that moves the tags; on object
+        storage: a conditional write of the run's token cell recording ``moves``, so a
+        newer holder completes them before it reads anything, or this write fails)."""
+
+
+_FENCE: ContextVar[Fence | None] = ContextVar("ckptstore_fence", default=None)
+
+
+@contextmanager
+def fenced(fence: Fence | None) -> Iterator[None]:
+    """Every tag move this thread (context) makes inside the scope passes ``fence``
+    (``None``: unfenced)."""
+    token = _FENCE.set(fence)
+    try:
+        yield
+    finally:
+        _FENCE.reset(token)
+
+
+def guarded(moves: list[dict]) -> AbstractContextManager[None]:
+    """The current fence's :meth:`Fence.guard` of ``moves`` (none: a scope that checks nothing)."""
+    fence = _FENCE.get()
+    return nullcontext() if fence is None or not moves else fence.guard(moves)
 
 
 class Refs(ABC):
@@ -160,6 +204,8 @@ class CatalogRefs(Refs):
         at = time.time() if at is None else at
         conn = self._catalog().conn
         olds: dict[str, str | None] = {}
+        with guarded([{"tag": n, "new": c, "action": action} for n, (_, c) in moves.items()]):  # (in this transaction)
+            pass
         for name, (expect, cid) in moves.items():
             row = conn.execute("SELECT commit_id FROM tags WHERE name = ?", (name,)).fetchone()
             old = row[0] if row else None
@@ -352,7 +398,8 @@ class BucketRefs(Refs):
                 if cid is None and old is None:
                     raise RefNotFoundError(f"no tag named {name!r} {self.where}")
                 try:
-                    self.swap(name, old, version, cid, action, packs)
+                    with guarded([{"tag": name, "old": old, "version": version, "new": cid, "action": action, "packs": packs}]):
+                        self.swap(name, old, version, cid, action, packs)
                     break
                 except RefConflictError:
                     if time.monotonic() > deadline:
@@ -404,4 +451,4 @@ class BucketRefs(Refs):
         return sorted(out, key=lambda m: (m["at"], keys[id(m)]), reverse=True)
 
 
-__all__ = ["ANY", "BucketRefs", "CAS_SECONDS", "CatalogRefs", "Refs"]
+__all__ = ["ANY", "BucketRefs", "CAS_SECONDS", "CatalogRefs", "Fence", "Refs", "fenced", "guarded"]

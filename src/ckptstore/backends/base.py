@@ -143,6 +143,29 @@ class Backend(ABC):
                 land later, only on ``expected``, as a normal CAS would).
         """
 
+    def read_cell(self, key: str) -> tuple[bytes, str, float] | None:
+        """A **cell**: a small mutable object at plain key ``key`` (not a ref: never listed
+        as one), moved only by :meth:`cas_cell`. Returns ``(payload, version, mtime)`` read
+        together (``mtime``: seconds since the epoch, the storage's clock), or ``None`` if
+        absent. Run leases keep their fencing token in one (:mod:`ckptstore.run`).
+
+        Raises:
+            BackendError: this storage has no cells (only object storage has them).
+        """
+        raise BackendError(f"{self.url}: this storage keeps no cells (conditional objects outside refs)")
+
+    def cas_cell(self, key: str, data: bytes, expected: str | None) -> str:
+        """Set cell ``key`` to payload ``data`` if its version is still ``expected``
+        (``None``: only if absent), in one conditional write; returns the new version.
+        Versions never repeat (each write carries a fresh write id).
+
+        Raises:
+            RefConflictError: the cell changed (or was created) since ``expected`` was read.
+            BackendError: the storage failed and the cell still shows ``expected``, or
+                this storage has no cells.
+        """
+        raise BackendError(f"{self.url}: this storage keeps no cells (conditional objects outside refs)")
+
     @abstractmethod
     def list_refs(self) -> list[str]:
         """Every ref name, sorted."""

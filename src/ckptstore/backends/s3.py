@@ -245,33 +245,40 @@ class S3Backend(Backend):
 
     # --- refs ---------------------------------------------------------------------------------------
 
-    def _read_ref_object(self, name: str | None, segment: str):
-        """``(parsed ref object, etag)`` of key ``refs/<segment>``, or ``None`` if absent."""
-        key = f"refs/{segment}"
+    def _read_ref_object(self, name: str | None, segment: str, key: str | None = None):
+        """``(parsed ref object, etag, mtime)`` of key ``refs/<segment>`` (or ``key``: a cell), or ``None`` if absent."""
+        key = key or f"refs/{segment}"
         try:
             got = self._obs.get(self._store, key)
-            raw, etag = bytes(got.bytes()), got.meta["e_tag"]
+            raw, etag, mtime = bytes(got.bytes()), got.meta["e_tag"], got.meta["last_modified"].timestamp()
         except FileNotFoundError:
             return None
         except self._failures as exc:
             raise self._error(exc, f"reading ref {name!r}" if name else f"reading {key}") from None
         if not etag:
             raise BackendError(f"{self.url}: the server returned no ETag for {key}; a ref cannot be moved safely without one")
-        return decode_ref(raw, f"{self.url}: {key}", name), etag
+        return decode_ref(raw, f"{self.url}: {key}", name), etag, mtime
 
     def read_ref(self, name: str) -> Ref | None:
         got = self._read_ref_object(name, ref_segment(name))
         return None if got is None else Ref(got[0].data, got[1])
 
-    def cas_ref(self, name: str, data: bytes, expected: str | None) -> str:
-        segment = ref_segment(name)
+    def read_cell(self, key: str) -> tuple[bytes, str, float] | None:
+        got = self._read_ref_object(check_key(key), "", key)
+        return None if got is None else (got[0].data, got[1], got[2])
+
+    def cas_cell(self, key: str, data: bytes, expected: str | None) -> str:
+        return self.cas_ref(check_key(key), data, expected, key)
+
+    def cas_ref(self, name: str, data: bytes, expected: str | None, _key: str | None = None) -> str:
+        segment = "" if _key else ref_segment(name)
         if expected is not None and (type(expected) is not str or not expected):
             raise InvalidArgumentError(f"invalid version {expected!r} for ref {name!r} at {self.url}: not one that read_ref returns")
         write = new_write_id()
         raw = encode_ref(name, write, data)
         mode = "create" if expected is None else {"e_tag": expected}
         try:
-            result = self._obs.put(self._store, f"refs/{segment}", raw, mode=mode)
+            result = self._obs.put(self._store, _key or f"refs/{segment}", raw, mode=mode)
         except (FileNotFoundError, *self._exists_errors):
             lost = True
             failure: BaseException | None = None
@@ -283,7 +290,7 @@ class S3Backend(Backend):
             lost, failure = False, None  # no ETag in the response: read it back
         # Settle the outcome by reading the ref back: our write id there means our PUT landed.
         try:
-            now = self._read_ref_object(name, segment)
+            now = self._read_ref_object(name, segment, _key)
         except BackendError as exc:
             raise BackendError(f"{self.url}: moving ref {name!r}: the outcome is unknown ({exc})") from None
         if now is not None and now[0].write == write:
