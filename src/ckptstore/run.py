@@ -269,11 +269,9 @@ class FileLease(Lease):
             cat = self.store.catalog
         except NotAStoreError:
             cat = None
-        try:
-            scope = cat.write() if cat is not None else nullcontext()
-        except StoreWriteError:
-            scope = nullcontext()
-        with scope:
+        if cat is not None and not cat.writable:
+            raise PermissionError("the store is read-only here")  # (as a lock file that cannot be written: no lease)
+        with cat.write() if cat is not None else nullcontext():
             token = self._read_token()[0] + 1
             tmp = self.folder / f"{self.token_path.name}.{uuid.uuid4().hex}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -497,13 +495,18 @@ class BucketLease(Lease):
         gen = self.gen
         if gen is None:
             raise self._taken_over(self.newer, None) if self.newer is not None else RunBusyError(f"{self.where}: this lease was released")
-        try:
-            self.version = self.backend.cas_cell(self.key, self._payload(gen, holder, intent), self.version)
-        except RefConflictError:
-            got = self._read()
-            data = got[0] if got is not None else {}
-            self._stop.set()
-            raise self._taken_over(data.get("token"), data.get("holder")) from None
+        for attempt in range(2):
+            try:
+                self.version = self.backend.cas_cell(self.key, self._payload(gen, holder, intent), self.version)
+                return
+            except RefConflictError:
+                got = self._read()
+                data = got[0] if got is not None else {}
+                if attempt == 0 and data.get("token") == gen:  # (only the holder of token gen writes it)
+                    self.version = got[1]  # our own write whose outcome was unknown (a BackendError) landed: go on from it
+                    continue
+                self._stop.set()
+                raise self._taken_over(data.get("token"), data.get("holder")) from None
 
     def _renew(self) -> None:
         while not self._stop.wait(self.seconds / 3):
