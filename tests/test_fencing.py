@@ -327,6 +327,51 @@ def test_a_holder_taken_over_in_flight_is_completed_by_the_new_one(s3_url):
         assert store.resolve("y/latest") == target
 
 
+def test_the_token_only_grows_over_releases_and_fences_an_older_checkpointer_of_this_process(tmp_path, s3_url):
+    """Both homes: each holder of a run gets the next token, a release never resets it, and
+    in one process the older Checkpointer (taken over by a newer one) moves no tag even when
+    its lease check is skipped (a commit of it in flight in a thread)."""
+    for loc in (str(tmp_path / "s"), s3_url):
+        tokens = []
+        for k in range(3):
+            with _ckpt(loc, torch.zeros(4), "g") as c:
+                tokens.append(c._lease.token)
+                c.commit()
+        assert tokens == [tokens[0], tokens[0] + 1, tokens[0] + 2] and tokens[0] >= 1, (loc, tokens)
+        old = _ckpt(loc, torch.full((4,), 5.0), "g")
+        new = _ckpt(loc, torch.full((4,), 6.0), "g")
+        assert new._lease.token == old._lease.token + 1
+        old._lease.check = lambda: None  # its check skipped: the fence at the tag move must stop it
+        old.steps = 9
+        with pytest.raises(errors.RunTakenOverError, match="a newer Checkpointer on the same run was made in this process") as exc:
+            old.commit()
+        assert exc.value.generation == new._lease.token
+        new.steps = 10
+        assert new.commit().tags == ("g/step-10", "g/latest")
+        new.close()
+        with ckptstore.Store(loc) as s:
+            assert s.info("g/latest").metadata["step"] == 10
+            assert "g/step-9" not in s.tags()
+
+
+def test_a_bucket_written_by_the_numbered_leases_of_older_versions_gets_a_token_above_them(s3_url):
+    """Lease objects ``leases/<run>/<gen>`` of an older ckptstore: the first claimant waits for
+    them to expire, takes a token above the newest, and deletes them."""
+    with ckptstore.Store(s3_url, create=True) as store:
+        store.commit({"w": torch.ones(2)}, tag="z/latest")
+        for key in ("leases/run-z/000000000006", "leases/run-z/000000000007", "leases/run-z/000000000007.00000003"):
+            store.backend.put_new(key, b"{}")
+        from ckptstore.run import BucketLease
+
+        lease = BucketLease(store, "z", 1.0)
+        lease.acquire()
+        try:
+            assert lease.token == 8
+            assert [o.key for o in store.backend.list("leases/run-z")] == ["leases/run-z/fence"]
+        finally:
+            lease.release()
+
+
 def _tag_reader(loc: str, stop: threading.Event, seen: list, bucket: bool) -> None:
     with ckptstore.Store(loc) as s:
         while not stop.is_set():

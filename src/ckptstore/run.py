@@ -410,8 +410,8 @@ class BucketLease(Lease):
             except RefConflictError:
                 raise self._busy(self._read()) from None  # another process took it first
             self.gen = self.token = token
-            for obj in legacy.values():
-                self.backend.delete(obj)
+            for key in (k for keys in legacy.values() for k in keys):
+                self.backend.delete(key)
             return
         data, version, _ = got
         if data.get("holder") is not None and data["token"] != own:
@@ -459,8 +459,8 @@ class BucketLease(Lease):
                 raise self._busy(now)  # it renewed (or was taken) while this one waited
             data, version, mtime = now
 
-    def _wait_legacy(self) -> dict[int, str]:
-        """(Buckets written before token cells) ``{generation: key}`` of the numbered lease
+    def _wait_legacy(self) -> dict[int, list[str]]:
+        """(Buckets written before token cells) ``{generation: [keys]}`` of the numbered lease
         objects ``leases/<run>/<gen>[.<beat>]``, once the newest has expired."""
         seen = None
         while True:
@@ -478,7 +478,7 @@ class BucketLease(Lease):
             seen = state
             age = self.backend.now() - max(o.mtime for o in gens[newest])
             if age >= self.seconds:
-                return {g: o.key for g, objs in gens.items() for o in objs}
+                return {g: [o.key for o in objs] for g, objs in gens.items()}
             time.sleep(min(self.seconds / 6, self.seconds - age + 0.1))
 
     def _busy(self, got) -> RunBusyError:
