@@ -119,21 +119,22 @@ def _ckpt(loc, w, run, **kw) -> ckptstore.Checkpointer:
     return ckptstore.Checkpointer(loc, {"w": w}, run=run, every_n_steps=1, keep_last=None, on_signal=(), lease_seconds=SECONDS, **kw)
 
 
-def _scenarios(folder: Path, url: str, round_: int) -> list[dict]:
-    """One run per scenario: home x how B ends x whether A skips its lease check."""
+def _scenarios(folder: Path, url: str, round_: int, full: bool) -> list[dict]:
+    """One run per scenario: home x how B ends x whether A skips its lease check (not
+    ``full``: on a folder, where the three ends of B are one code path, only ``closed``)."""
     out = []
     for home, loc in (("folder", str(folder)), ("bucket", url)):
-        for end in ("closed", "alive", "killed"):
+        for end in ("closed", "alive", "killed") if full or home == "bucket" else ("closed",):
             for bypass in (False, True):
                 out.append({"loc": loc, "home": home, "end": end, "bypass": bypass, "run": f"r{round_}-{home[0]}-{end}-{int(bypass)}"})
     out.append({"loc": str(folder), "home": "folder", "end": "paused-kept", "bypass": False, "run": f"r{round_}-kept"})
     return out
 
 
-def _round(folder: Path, url: str, round_: int) -> list[dict]:
+def _round(folder: Path, url: str, round_: int, full: bool = True) -> list[dict]:
     """One round of every scenario (module docstring); returns one outcome per scenario:
     ``{"home", "end", "bypass", "a" (A's result), "generation", "latest_by", "exact", "a_tagged", "third"}``."""
-    plan = _scenarios(folder, url, round_)
+    plan = _scenarios(folder, url, round_, full)
     ckptstore.Store(folder, create=True).close()
     a = _python(_A, json.dumps([{k: p[k] for k in ("loc", "run", "bypass")} for p in plan]), str(SECONDS))
     killed = [p for p in plan if p["end"] == "killed"]
@@ -241,8 +242,10 @@ def s3_url(s3_server, request):
 
 
 def test_a_paused_holder_that_was_taken_over_never_moves_a_tag(tmp_path, s3_url):
-    """Every scenario once, both homes (13 runs, two child processes)."""
-    outcomes = _round(tmp_path / "s", s3_url, 0)
+    """Every scenario once (on a folder, B closed only: the slow test runs all 13), three child processes."""
+    t0 = time.monotonic()
+    outcomes = _round(tmp_path / "s", s3_url, 0, full=False)
+    print(f"{len(outcomes)} scenarios in {time.monotonic() - t0:.0f} s")
     for o in outcomes:
         print(o["home"], o["end"], "bypass" if o["bypass"] else "checked", o["a"], o["latest_by"], o["third"])
     for o in outcomes:
