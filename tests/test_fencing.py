@@ -383,7 +383,7 @@ def _tag_reader(loc: str, stop: threading.Event, seen: list, bucket: bool) -> No
                 if latest is None:
                     continue
                 step = s.info(latest).metadata["step"]
-                seen.append((step, latest, s.refs.read(f"t/step-{step}")))
+                seen.append((step, latest, s.refs.read(f"t/step-{step}"), s.refs.read(f"t/step-{step + 1}") is not None))
             else:  # one snapshot of every tag (one catalog read)
                 tags = s.tags()
                 steps = sorted(int(t.rsplit("-", 1)[1]) for t in tags if t.startswith("t/step-"))
@@ -416,11 +416,13 @@ def test_every_tag_of_one_commit_as_each_home_promises(home, tmp_path, request):
             reader.join()
     assert len(seen) > 0
     if home == "bucket":
-        assert all(step_id == latest for _, latest, step_id in seen), [s for s in seen if s[1] != s[2]][:3]
-        assert all(ids[step] == latest for step, latest, _ in seen)
+        assert all(step_id == latest for _, latest, step_id, _ in seen), [s for s in seen if s[1] != s[2]][:3]
+        assert all(ids[step] == latest for step, latest, _, _ in seen)
+        # (allowed there, and timing-dependent: step-(k+1) already moved while latest still named step k)
+        print(home, len(seen), "observations,", sum(ahead for *_, ahead in seen), "with the next step tag moved before latest")
     else:
         assert all(latest == step_id for _, step_id, latest in seen), [s for s in seen if s[1] != s[2]][:3]
-    print(home, len(seen), "observations")
+        print(home, len(seen), "observations")
 
 
 if __name__ == "__main__":  # counts over many rounds: python -m tests.test_fencing --trials N
