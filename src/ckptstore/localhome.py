@@ -21,7 +21,7 @@ from .catalog import drop_commit_rows, rebuild_record
 from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, InvalidArgumentError, ResourceLimitError
 from .fsck import FsckReport, FsckSide
 from .gc import GCReport, GCSide, PackStat, gc_lock, packed, unlocked
-from .home import Home
+from .home import Home, tmp_files
 from .layout import ShardPlan, itemsize
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, fsync_dir, pack_path
 from .records import KIND_COMMIT, KIND_REF
@@ -220,7 +220,7 @@ class LocalFsck(FsckSide):
                     rows += cat.rows(f"SELECT * FROM records WHERE kind = {records.KIND_REF}")
         if whole:
             report.orphan_packs = sorted(f.stem for f in (self.root / "blobs").glob("*/*.pack") if f.stem not in packs)
-            report.tmp_files = sum(1 for f in (self.root / "tmp").iterdir() if f.is_file())
+            report.tmp_files = len(tmp_files(self.root))
         if not deep:
             return
         reader = PackReader(self.root, locate=self.store.relocate)
@@ -467,7 +467,7 @@ class LocalGC(GCSide):
         known = {r[0] for r in self.cat.rows("SELECT id FROM packs", raw=True)}
         root = self.store.root
         candidates = [(f, "orphan") for f in (root / "blobs").glob("*/*.pack") if f.stem not in known]
-        candidates += [(f, "tmp") for f in (root / "tmp").iterdir() if f.is_file()]
+        candidates += [(f, "tmp") for f in tmp_files(root)]
         for path, kind in candidates:
             try:
                 st = path.stat()
