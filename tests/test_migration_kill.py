@@ -288,7 +288,9 @@ def test_a_read_only_old_store_reads_or_asks_for_one_writable_open(tmp_path):
     """Read-only bind mounts (root runs the tests: chmod would not stop it) of old stores
     with -wal/-shm beside the catalog and no tmp/ (git keeps no empty folder): schema 3 reads
     (API and CLI: tags, show, checkout, fsck, du, gc --dry-run), schema 1 says in one line
-    that it needs one writable open; neither says "damaged"; nothing is written."""
+    that it needs one writable open; neither says "damaged"; one whose upgrade was killed
+    before its records reached the packs reads, and fsck says one writable open finishes
+    it; nothing is written."""
     from .test_hardening import read_only_view
 
     src = tmp_path / "src"
@@ -298,6 +300,8 @@ def test_a_read_only_old_store_reads_or_asks_for_one_writable_open(tmp_path):
     with ckptstore.Store(src / "current") as s:  # the current schema, its tmp/ dropped by a copy tool
         s.commit({"x": torch.arange(5)}, tag="t")
     (src / "current" / "tmp").rmdir()
+    shutil.copytree(FIXTURES / "schema_v1_many", src / "pending")  # migrated, its records not yet in packs (as a kill leaves it)
+    ckptstore.catalog.Catalog(src / "pending" / "catalog.sqlite", create=False).close()
     before = sorted(str(p.relative_to(src)) for p in src.rglob("*"))
     with read_only_view(src, tmp_path / "ro") as ro:
         tags, _ = fixture_state("schema_v3")
@@ -312,6 +316,10 @@ def test_a_read_only_old_store_reads_or_asks_for_one_writable_open(tmp_path):
             report = s.fsck(deep=True)
             assert report.ok and report.tmp_files == 0 and s.du()["commits"] == 1
             assert s.gc(grace=0, dry_run=True).dry_run
+        with ckptstore.Store(ro / "pending", create=False) as s:  # read as it is; fsck says what one writable open finishes
+            assert not s.catalog.writable and s.catalog.backfill_pending and s.tags() == fixture_state("schema_v1_many")[0]
+            problems = s.fsck().problems
+            assert len(problems) == 60 and all("the store's upgrade is unfinished: one writable open" in p for p in problems)
         for store in ("schema_v3", "current"):
             for args in (["fsck"], ["du"], ["gc", "--dry-run", "--grace", "0"]):
                 proc = _cli(*args, "--store", str(ro / store))

@@ -431,7 +431,9 @@ class Catalog:
         CatalogMissing: no initialised catalog and ``create`` is false.
         CatalogCorruptError: the file is not SQLite, or not a ckptstore catalog.
         SchemaVersionError: the catalog is newer than ``migrations`` know, or
-            predates schema versioning (version 0 with tables).
+            predates schema versioning (version 0 with tables), or needs a migration
+            that cannot be read around and cannot be written here (one line asking for
+            one writable open).
     """
 
     def __init__(self, path: Path, create: bool = True, migrations: list[Migration] = MIGRATIONS):

@@ -99,6 +99,7 @@ class LocalFsck(FsckSide):
         ids = [r[0] for r in cat.rows("SELECT id FROM commits", raw=True)] if ids is None else ids
         texts = dict(cat.chunked("SELECT id, record FROM commits WHERE id IN ({})", ids, raw=True))
         copies = {r[0] for r in cat.chunked(f"SELECT name FROM records WHERE kind = {records.KIND_COMMIT} AND name IN ({{}})", ids, raw=True)}
+        unfinished = "; the store's upgrade is unfinished: one writable open writes it" if cat.backfill_pending else ""
         out: dict[str, Any] = {}
         for cid in ids:
             try:
@@ -112,7 +113,7 @@ class LocalFsck(FsckSide):
                 report.problems.append(f"commit {cid}: the catalog's rows (leaves, shards, components, parents or message) disagree with its record")
                 report.damaged_commits.append(cid)
             if cid not in copies:
-                report.problems.append(f"commit {cid}: no copy of its record in a pack (recover could not rebuild it)")
+                report.problems.append(f"commit {cid}: no copy of its record in a pack (recover could not rebuild it){unfinished}")
         where, params = ("WHERE l.commit_id = ?", (ids[0],)) if len(ids) == 1 else ("", ())
         shards: dict[tuple[str, str], list[int]] = {}
         for cid, path, raw_len in cat.rows(
