@@ -346,6 +346,15 @@ def test_the_demo_without_its_extra_names_it_in_one_line(tmp_path):
     assert not (tmp_path / "demo").exists()
 
 
+def test_the_demo_function_without_its_extra_raises_before_writing(tmp_path, monkeypatch):
+    from ckptstore.demo import run
+
+    monkeypatch.setitem(sys.modules, "gymnasium", None)  # (what Python does for a module it must not import)
+    with pytest.raises(ckptstore.errors.MissingExtraError, match=r"pip install 'ckptstore\[demo\]'"):
+        run(tmp_path / "demo")
+    assert not (tmp_path / "demo").exists()
+
+
 if __name__ == "__main__":
     import argparse
     import tempfile
