@@ -11,7 +11,15 @@ bounded number of times before :class:`~ckptstore.errors.CatalogBusyError`.
 The schema version is ``PRAGMA user_version``. Opening an older catalog copies
 it to ``catalog.sqlite.v<N>.bak`` and runs the ordered migrations N -> N+1 in one
 transaction; a newer one is refused, never downgraded. Tables are created
-through sqlite-utils.
+through sqlite-utils. That transaction also sets the ``records_backfill`` setting
+(:data:`BACKFILL`): the records of the commits and tags in packs
+(:func:`backfill_records`) are still to be written. Every writable open that finds it
+writes them, and the transaction that indexes their pack deletes it, so a migration
+killed at any instant is finished by the next writable open (invariant 16). A catalog
+that cannot be written here is read at its older version where that reads the same
+(:attr:`Migration.index_only`, :attr:`Migration.read_as`); otherwise it is refused
+with a one-line :class:`~ckptstore.errors.SchemaVersionError` asking for one writable
+open (docs/operations.md, "Upgrading a store").
 
 Room for the journal: a writable catalog keeps ``catalog.sqlite-reserve``
 (:data:`RESERVE_BYTES`, allocated, never read) beside it. A GC releases it first,
@@ -36,7 +44,8 @@ from urllib.parse import quote
 from . import jsonvalue
 from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, SchemaVersionError, StoreWriteError
 from .layout import address
-from .records import commit_id, commit_text
+from .packs import PackWriter
+from .records import KIND_COMMIT, KIND_REF, commit_id, commit_text, ref_text
 
 if TYPE_CHECKING:
     import sqlite_utils
@@ -45,6 +54,8 @@ RESERVE_BYTES = 4 << 20  # 4 MiB: a GC's WAL frames (about 1000 changed 4 KiB pa
 BUSY_TIMEOUT_MS = 10_000
 BUSY_RETRIES = 6
 _CHUNK = 4000  # bound on SQL variables per statement (SQLite allows 32766)
+#: The setting (``settings`` table) that says a migration's record backfill is not done yet.
+BACKFILL = "records_backfill"
 
 
 @dataclass(frozen=True)
@@ -173,9 +184,13 @@ def _v4(db: sqlite_utils.Database) -> None:
 
 
 #: What a catalog of version 3 (no shared rows) reads as schema 4 through, where it cannot be migrated.
+#: (A temporary ``components`` view, which shadows the table for unqualified names, adds the
+#: column, NULL: own rows; its ``rowid`` column keeps the table's order.)
 _V4_READ_AS = (
     "CREATE TEMP VIEW IF NOT EXISTS commit_leaves AS SELECT id, commit_id, path, component, kind, dtype, shape, stride, nbytes, "
-    "shard_bytes, value, NULL AS rows_of FROM leaves"
+    "shard_bytes, value, NULL AS rows_of FROM leaves; "
+    "CREATE TEMP VIEW IF NOT EXISTS components AS SELECT rowid AS rowid, commit_id, path, adapter, version, meta, NULL AS rows_of "
+    "FROM main.components"
 )
 
 
@@ -258,6 +273,48 @@ MIGRATIONS: list[Migration] = [
     Migration(4, "rows shared between commits: components.rows_of, the commit_leaves view", _v4, read_as=_V4_READ_AS),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1].version
+
+
+def backfill_records(cat: Catalog, root: Path, pack_bytes: int) -> int:
+    """Finish a migration: write the records a catalog migrated from schema 1 lacks in packs
+    (each commit's record, each tag's newest move) into a new pack under ``root``, made
+    durable, then in one write transaction index the pack and its records and delete the
+    :data:`BACKFILL` setting. Idempotent: what already has a copy is not written again, so
+    a backfill killed at any instant is redone whole by the next call (the pack it may have
+    left durable but unindexed is an orphan, which holds only copies). Returns the records
+    written.
+
+    Raises:
+        StoreWriteError: the pack or the catalog cannot be written.
+        CatalogBusyError: another process held the write lock throughout.
+    """
+    with PackWriter(root, 0, pack_bytes) as writer:
+        try:
+            with cat.write():
+                batch = [
+                    (KIND_COMMIT, cid, None, text) for cid, text in cat.rows(
+                        "SELECT id, record FROM commits WHERE record IS NOT NULL "
+                        f"AND id NOT IN (SELECT name FROM records WHERE kind = {KIND_COMMIT})", raw=True)
+                ]
+                batch += [
+                    (KIND_REF, tag, seq, ref_text(seq, tag, old, new, at, action)) for seq, tag, old, new, at, action in cat.rows(
+                        "SELECT id, tag, old_commit, new_commit, at, action FROM reflog WHERE id IN (SELECT MAX(id) FROM reflog GROUP BY tag) "
+                        f"AND tag NOT IN (SELECT name FROM records WHERE kind = {KIND_REF})", raw=True)
+                ]
+                if batch:
+                    locs = [writer.append_record(kind, text.encode()) for kind, _, _, text in batch]
+                    writer.finish()  # durable under its final name before any row points at it
+                    now = time.time()
+                    cat.conn.executemany("INSERT INTO packs (id, size, created_at) VALUES (?, ?, ?)", [(pid, size, now) for pid, size in writer.pack_ids])
+                    cat.conn.executemany(
+                        "INSERT INTO records (kind, name, seq, digest, pack, offset, raw_len, stored_len) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        [(k, n, q, loc.digest, loc.pack, loc.offset, loc.raw_len, loc.stored_len) for (k, n, q, _), loc in zip(batch, locs)],
+                    )
+                cat.conn.execute("DELETE FROM settings WHERE key = ?", (BACKFILL,))
+        except BaseException:
+            writer.discard()
+            raise
+    return len(batch)
 
 
 def is_busy(exc: BaseException) -> bool:
@@ -374,7 +431,9 @@ class Catalog:
         CatalogMissing: no initialised catalog and ``create`` is false.
         CatalogCorruptError: the file is not SQLite, or not a ckptstore catalog.
         SchemaVersionError: the catalog is newer than ``migrations`` know, or
-            predates schema versioning (version 0 with tables).
+            predates schema versioning (version 0 with tables), or needs a migration
+            that cannot be read around and cannot be written here (one line asking for
+            one writable open).
     """
 
     def __init__(self, path: Path, create: bool = True, migrations: list[Migration] = MIGRATIONS):
@@ -425,6 +484,11 @@ class Catalog:
                         raise
                     time.sleep(0.05 * (attempt + 1))
             if mode.lower() != "wal":
+                raise sqlite3.OperationalError("attempt to write a readonly database")
+            if not os.access(self.path, os.W_OK):
+                # SQLite opened a file it cannot write (a read-only mount, even for root) read-only
+                # without a word; a WAL catalog whose -wal and -shm exist then seems writable
+                # until the first write. (access() opens nothing: no lock of SQLite's is dropped.)
                 raise sqlite3.OperationalError("attempt to write a readonly database")
             conn.execute("PRAGMA synchronous=FULL")
             conn.execute("PRAGMA foreign_keys=ON")
@@ -479,9 +543,12 @@ class Catalog:
             if version > 0 and all(m.index_only or m.read_as for m in later):
                 for m in later:  # readable as it is, without the newer indexes, through temporary views
                     if m.read_as:
-                        self.conn.execute(m.read_as)
+                        self.conn.executescript(m.read_as)
                 return
-            raise SchemaVersionError(f"{self.path}: schema version {version} must be migrated to {latest}, and the catalog cannot be written here")
+            raise SchemaVersionError(
+                f"{self.path}: this store (schema version {version}) needs a one-time upgrade to version {latest}, and its catalog "
+                f"cannot be written here (read-only mount or permissions); open it writable once (any command), then it reads anywhere"
+            )
         if version > 0:
             self.migrated_from = version
             backup = self.path.with_name(f"{self.path.name}.v{version}.bak")
@@ -497,6 +564,18 @@ class Catalog:
                     m.apply(self.db)
                     self.db["migrations"].insert({"version": m.version, "description": m.description, "applied_at": time.time()}, replace=True)
                     self.conn.execute(f"PRAGMA user_version={int(m.version)}")
+            if version > 0:  # an existing catalog was migrated: its records are written next, by backfill_records
+                self.conn.execute("INSERT OR REPLACE INTO settings (key, value) VALUES (?, '1')", (BACKFILL,))
+
+    @property
+    def backfill_pending(self) -> bool:
+        """Whether a migration's record backfill (:func:`backfill_records`) is not done yet:
+        the :data:`BACKFILL` setting, set in the migration's transaction, deleted in the
+        backfill's."""
+        try:
+            return bool(self.rows("SELECT 1 FROM settings WHERE key = ?", (BACKFILL,)))
+        except CkptStoreError:
+            return False  # (no settings table: a catalog of a test's own migrations)
 
     def _tables(self) -> set[str]:
         return {r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}

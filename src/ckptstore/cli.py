@@ -28,7 +28,7 @@ from rich.text import Text
 
 from . import layout, progress
 from .units import counted, dedup, fmt_bytes, ratio
-from .errors import CkptStoreError, GCLockedError
+from .errors import CkptStoreError, GCLockedError, MissingExtraError
 from .store import CommitInfo, Store
 
 app = typer.Typer(
@@ -678,6 +678,10 @@ def demo(
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
     """The main job: collect CartPole with TorchRL, train DQN, commit every N frames, restore and check."""
+    try:  # the [demo] extra, checked before the demo's own imports (torch, TorchRL: seconds)
+        import gymnasium  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtraError(f"the demo needs Gymnasium ({exc}): pip install 'ckptstore[demo]'") from None
     from .demo import PER_BATCH, run
 
     if frames % PER_BATCH or every % PER_BATCH:

@@ -24,7 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import RNGState, Store
-from .errors import NotAStoreError
+from .errors import MissingExtraError, NotAStoreError
 from .units import counted, dedup, fmt_bytes, ratio
 
 CAPACITY = 10_000
@@ -65,11 +65,25 @@ def _progress(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console, transient=True)
 
 
+def require_extra() -> None:
+    """Check that the ``[demo]`` extra (Gymnasium, for CartPole) is installed.
+
+    Raises:
+        MissingExtraError: it is not, naming ``pip install 'ckptstore[demo]'``.
+    """
+    try:
+        import gymnasium  # noqa: F401
+    except ImportError as exc:
+        raise MissingExtraError(f"the demo needs Gymnasium ({exc}): pip install 'ckptstore[demo]'") from None
+
+
 def run(store_path: Path, frames: int = 3000, every: int = 500, seed: int = 0, console: Console | None = None) -> dict:
     """Run the demo; returns the figures it printed (used by the tests).
 
-    Raises AssertionError if a restore does not reproduce the original state.
+    Raises AssertionError if a restore does not reproduce the original state;
+    MissingExtraError (before anything is written) without the ``[demo]`` extra.
     """
+    require_extra()
     from torchrl.collectors import Collector
 
     console = console or Console()

@@ -41,6 +41,11 @@ class ResourceLimitError(CkptStoreError):
     nothing stored is at fault, so it is never reported as damage."""
 
 
+class MissingExtraError(CkptStoreError):
+    """An optional feature needs a package that is not installed; the message names the
+    extra to install (``pip install 'ckptstore[demo]'``)."""
+
+
 class RunBusyError(CkptStoreError):
     """Another live Checkpointer (named by pid and host) holds the lease of the run, or
     this one lost it to a newer one; nothing was committed."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import jsonvalue, records
-from .catalog import Catalog, CatalogMissing, damaged, reserve_path
+from .catalog import Catalog, CatalogMissing, backfill_records, damaged, reserve_path
 from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
 from .reuse import Reused, logical_bytes, per_component
 from .errors import (
@@ -60,6 +60,15 @@ if TYPE_CHECKING:
 CATALOG = "catalog.sqlite"
 # The only names in a store's folder: one with others and no catalog is not a store (leases: ckptstore.run).
 _STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|-reserve|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")
+
+
+def tmp_files(root: Path) -> list[Path]:
+    """The files in ``root/tmp/`` (none where the folder is missing: a copy tool may drop an
+    empty folder, and a read-only store cannot make it again)."""
+    try:
+        return [f for f in (root / "tmp").iterdir() if f.is_file()]
+    except FileNotFoundError:
+        return []
 
 
 def _setting(name: str, value: Any, low: int, high: int) -> Any:
@@ -218,18 +227,12 @@ class Home:
         return f"is not a ckptstore store (no {CATALOG})"
 
     def backfill_records(self) -> None:
-        """Write the records a store migrated from schema 1 lacks: each commit's, and each tag's last move."""
-        store = self.store
-        with self.write() as batch:
-            for cid, text in store.catalog.rows(
-                f"SELECT id, record FROM commits WHERE record IS NOT NULL AND id NOT IN (SELECT name FROM records WHERE kind = {records.KIND_COMMIT})"
-            ):
-                batch.append((records.KIND_COMMIT, cid, None, text))
-            for seq, tag, old, new, at, action in store.catalog.rows(
-                "SELECT id, tag, old_commit, new_commit, at, action FROM reflog WHERE id IN (SELECT MAX(id) FROM reflog GROUP BY tag) "
-                f"AND tag NOT IN (SELECT name FROM records WHERE kind = {records.KIND_REF})"
-            ):
-                batch.append((records.KIND_REF, tag, seq, records.ref_text(seq, tag, old, new, at, action)))
+        """Finish the migration of an older catalog: write the records a store migrated from
+        schema 1 lacks in packs (each commit's, each tag's last move) and clear the pending
+        mark, in one transaction (:func:`ckptstore.catalog.backfill_records`); run by every
+        writable open that finds the mark, so a migration killed at any instant is finished
+        by the next one."""
+        backfill_records(self.store.catalog, self.root, self.store.pack_bytes)
 
     @contextmanager
     def write(self):
@@ -575,7 +578,7 @@ class Home:
         files = {f.name: f.stat().st_size for f in self.store.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak")}
         reserve = files.pop(reserve_path(self.store.root / CATALOG).name, 0)
         catalog = sum(files.values())
-        tmp = sum(f.stat().st_size for f in (self.store.root / "tmp").iterdir() if f.is_file())
+        tmp = sum(f.stat().st_size for f in tmp_files(self.store.root))
         return {
             "commits": c["n"], "tags": len(self.store.tags()), "blobs": b["n"], "packs": p["n"],
             "logical_bytes": c["logical"], "unique_bytes": b["raw"], "stored_bytes": b["stored"],
@@ -585,4 +588,4 @@ class Home:
         }
 
 
-__all__ = ["CATALOG", "Home", "weakly"]
+__all__ = ["CATALOG", "Home", "tmp_files", "weakly"]

@@ -21,7 +21,7 @@ from .catalog import drop_commit_rows, rebuild_record
 from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, InvalidArgumentError, ResourceLimitError
 from .fsck import FsckReport, FsckSide
 from .gc import GCReport, GCSide, PackStat, gc_lock, packed, unlocked
-from .home import Home
+from .home import Home, tmp_files
 from .layout import ShardPlan, itemsize
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, fsync_dir, pack_path
 from .records import KIND_COMMIT, KIND_REF
@@ -99,6 +99,7 @@ class LocalFsck(FsckSide):
         ids = [r[0] for r in cat.rows("SELECT id FROM commits", raw=True)] if ids is None else ids
         texts = dict(cat.chunked("SELECT id, record FROM commits WHERE id IN ({})", ids, raw=True))
         copies = {r[0] for r in cat.chunked(f"SELECT name FROM records WHERE kind = {records.KIND_COMMIT} AND name IN ({{}})", ids, raw=True)}
+        unfinished = "; the store's upgrade is unfinished: one writable open writes it" if cat.backfill_pending else ""
         out: dict[str, Any] = {}
         for cid in ids:
             try:
@@ -112,7 +113,7 @@ class LocalFsck(FsckSide):
                 report.problems.append(f"commit {cid}: the catalog's rows (leaves, shards, components, parents or message) disagree with its record")
                 report.damaged_commits.append(cid)
             if cid not in copies:
-                report.problems.append(f"commit {cid}: no copy of its record in a pack (recover could not rebuild it)")
+                report.problems.append(f"commit {cid}: no copy of its record in a pack (recover could not rebuild it){unfinished}")
         where, params = ("WHERE l.commit_id = ?", (ids[0],)) if len(ids) == 1 else ("", ())
         shards: dict[tuple[str, str], list[int]] = {}
         for cid, path, raw_len in cat.rows(
@@ -220,7 +221,7 @@ class LocalFsck(FsckSide):
                     rows += cat.rows(f"SELECT * FROM records WHERE kind = {records.KIND_REF}")
         if whole:
             report.orphan_packs = sorted(f.stem for f in (self.root / "blobs").glob("*/*.pack") if f.stem not in packs)
-            report.tmp_files = sum(1 for f in (self.root / "tmp").iterdir() if f.is_file())
+            report.tmp_files = len(tmp_files(self.root))
         if not deep:
             return
         reader = PackReader(self.root, locate=self.store.relocate)
@@ -467,7 +468,7 @@ class LocalGC(GCSide):
         known = {r[0] for r in self.cat.rows("SELECT id FROM packs", raw=True)}
         root = self.store.root
         candidates = [(f, "orphan") for f in (root / "blobs").glob("*/*.pack") if f.stem not in known]
-        candidates += [(f, "tmp") for f in (root / "tmp").iterdir() if f.is_file()]
+        candidates += [(f, "tmp") for f in tmp_files(root)]
         for path, kind in candidates:
             try:
                 st = path.stat()

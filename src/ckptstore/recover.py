@@ -29,6 +29,10 @@ SQLite repairs, the packs still say everything a checkout needs:
    ckptstore renames catalog files, which is why recovery must run while no
    other process has the store open.
 
+A catalog whose migration was killed before the records of its commits and tags
+reached the packs (:func:`ckptstore.catalog.backfill_records`) has them written
+first, while it can still be read, so the rebuild keeps every commit and tag.
+
 Recovered commits keep their ids, parents, messages, metadata and manifests;
 their ``new_bytes``, ``stored_bytes``, ``shards_new`` and ``seconds`` are not
 in the records and read 0. Store settings (shard size, compression level) go
@@ -48,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import jsonvalue
-from .catalog import Catalog, CatalogMissing
+from .catalog import Catalog, CatalogMissing, backfill_records
 from .errors import (
     CatalogBusyError,
     CatalogCorruptError,
@@ -62,7 +66,7 @@ from .errors import (
 from .gc import gc_lock
 from .layout import address
 from .packindex import index_key
-from .packs import CODEC_RAW, RECORD_MAGIC, PackReader, scan
+from .packs import CODEC_RAW, DEFAULT_PACK_BYTES, RECORD_MAGIC, PackReader, scan
 from .records import KIND_COMMIT, KIND_REF, CommitRecord, commit_id, parse_commit, parse_ref
 from .bucketformat import fetch_record, parse_reflog, read_tag, repair_index
 
@@ -184,6 +188,11 @@ def _inspect(path: Path) -> tuple[str, set[str]]:
     except CkptStoreError:
         return "damaged", set()
     try:
+        if cat.writable and cat.backfill_pending:  # a migration killed before its records reached the packs: finish it first
+            try:
+                backfill_records(cat, path.parent, DEFAULT_PACK_BYTES)
+            except CkptStoreError:
+                pass  # (a damaged catalog: the rebuild keeps what the packs hold)
         healthy = [r[0] for r in cat.rows("PRAGMA quick_check")] == ["ok"]
         # only rows whose record hashes to their id: a damaged row names no commit
         ids = {cid for cid, text in cat.rows("SELECT id, record FROM commits", raw=True) if type(text) is str and commit_id(text) == cid}

@@ -159,7 +159,7 @@ class Store(CommitEngine, Queries):
             self._catalog = cat
         if cat.writable:
             keep_reserve(self.root / CATALOG)  # room for the journal when the disk fills up
-        if cat.migrated_from is not None and cat.writable:
+        if cat.writable and cat.backfill_pending:  # a migration (this open's, or one killed before) to finish
             self.home.backfill_records()
         return cat
 
