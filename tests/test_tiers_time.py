@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.errors import BackendError, BucketNotConsultedWarning, CkptStoreError, OlderStepError, PushFailedWarning
+from ckptstore.errors import BackendError, CkptStoreError, PushFailedWarning
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -244,7 +244,7 @@ def test_wait_pushed_after_an_outage_that_recovered_reports_the_superseded_failu
             assert [(f.step, type(f.error).__name__) for f in ckpt.push_superseded] == [(4, "BackendError")]
             assert (ckpt.durable_steps, ckpt.not_durable_steps) == ([2, 6], [4])
             texts = [str(w.message) for w in caught if w.category is PushFailedWarning]
-            assert len(texts) == 2 and "step 4" in texts[0] and "superseded: step 6 is durable" in texts[1], texts
+            assert len(texts) == 2 and "step 4" in texts[0] and "superseded: the save of step 6 is durable there" in texts[1], texts
         view = bucket_view(url)
         assert view["step"] == 6 and view["history"] == [2, 6] and sorted(view["steps"]) == ["step-2", "step-6"]
     finally:
@@ -319,6 +319,30 @@ def test_the_local_tier_keeps_only_what_retention_needs(s3_server, url, tmp_path
     view = bucket_view(url)
     assert view["step"] == 22 and view["history"][-1] == 22
     assert_monotone(view["history"])
+
+
+def test_an_explicit_rewind_moves_the_buckets_latest_lower_once(s3_server, url, tmp_path):
+    """resume(ref="step-4") then saves: the one way the run's latest goes back, on purpose."""
+    state = empty()
+    ckpt = tiered(str(tmp_path / "x"), url, state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(1, 9):
+            state.update(trained(step))
+            if ckpt.step() is not None:
+                ckpt.wait_pushed()
+        eighth = bucket_view(url)["steps"]["step-8"]
+        again = empty()
+        rewound = tiered(str(tmp_path / "x2"), url, again)
+        assert rewound.resume("step-4") == 4 and rewound.resumed_from == "remote" and exact(rewound.objects["state"], 4)
+        again = rewound.objects["state"]
+        for step in range(5, 9):
+            again.update(trained(step))
+            if rewound.step() is not None:
+                rewound.wait_pushed()  # step 6 lowers the bucket's latest (asked for), step 8 moves it up from there
+    view = bucket_view(url)
+    assert view["history"] == [2, 4, 6, 8, 6, 8] and view["step"] == 8 and rewound.durable_steps == [6, 8], view
+    assert view["steps"]["step-8"] != eighth  # the rewound run's own step 8
 
 
 if __name__ == "__main__":

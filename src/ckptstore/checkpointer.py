@@ -78,10 +78,13 @@ class Checkpointer:
             the newest request wins (a push started after several commits pushes the
             newest). A failed push is retried ``push_attempts`` times (waits of
             ``push_backoff`` seconds, doubling), then reported with a
-            :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_error`;
-            the local commit is never affected, and the next commit pushes again.
-            :meth:`wait_pushed` blocks until the pushes requested so far are done (with
-            ``local``/``remote``: this node's pushes, returning ``None``).
+            :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_failures`
+            (:attr:`push_error` while it is the newest save's); the local commit is never
+            affected, and the next commit pushes again. :meth:`wait_pushed` blocks until the
+            pushes requested so far are done and raises only if the newest save is not
+            durable (a superseded failure is in :attr:`push_superseded`; with
+            ``local``/``remote``: this node's pushes). One worker,
+            :class:`ckptstore.pusher.Pusher`, serves both.
             With ``dcp``, the coordinator (rank 0) pushes after each of its commits; on
             the other ranks nothing is pushed and :meth:`wait_pushed` returns ``None``.
         local, remote: the two tiers of a multi-node job (with ``dcp``, instead of
@@ -157,7 +160,7 @@ class Checkpointer:
         self._layout = self._tier_pusher = None
         self.resumed_from: str | None = None  # "local" or "remote" after a tiered resume
         self.bucket_step: int | None = None  # the bucket's newest step a tiered resume read (None: not reached)
-        self._remote_config, self._bucket_error = remote_config, None
+        self._remote_config, self._bucket_error, self._bucket_parts = remote_config, None, None
         if local is not None or remote is not None:
             if not dcp or local is None or remote is None or store is not None or push_to is not None or tag_format is None:
                 raise InvalidArgumentError("local= and remote= go together, with dcp=True and a tag_format, instead of store and push_to")
@@ -488,12 +491,10 @@ class Checkpointer:
 
     def _same_save(self, step: int) -> bool:
         """Every rank: is the bucket's save of ``step`` the one every node's local store holds
-        (the ``"parts"`` of its commit name each node's local commit of that step)? Read by
-        rank 0 (the step tag and its record); a commit without parts counts as the same."""
+        (the ``"parts"`` of its commit, read by rank 0 with the step, name each node's local
+        commit of that step)? A commit without parts counts as the same."""
         import torch
         import torch.distributed as dist
-
-        from .tiers import bucket_parts
 
         lay = self._layout
         on = lay.group is not None
@@ -508,10 +509,7 @@ class Checkpointer:
             dist.all_gather(every, mine)
         same = torch.tensor([1], dtype=torch.int32)
         if not on or dist.get_rank() == 0:
-            try:
-                parts = bucket_parts(self._remote, tag, self._remote_config)
-            except CkptStoreError:
-                parts = None  # (it could not be read: the step's listing said it is there; the local save stands)
+            parts = self._bucket_parts  # (read with the step)
             per = lay.world // lay.nodes
             if parts is not None:
                 held = [bytes(every[r].tolist()).hex() for r in range(0, lay.world, per)]
@@ -548,18 +546,18 @@ class Checkpointer:
     def _bucket_step(self) -> int:
         """Every rank: the newest step of the bucket's step tags (-1: none, or no bucket; -2:
         the bucket could not be reached, its error in ``_bucket_error``), read by rank 0 with
-        one listing of the bucket's refs."""
+        one listing of the bucket's refs (and that step's parts, for :meth:`_same_save`)."""
         import torch
         import torch.distributed as dist
 
-        from .tiers import bucket_steps
+        from .tiers import bucket_newest
 
         on = self._layout.group is not None
         found = torch.tensor([-1], dtype=torch.int64)
-        self._bucket_error = None
+        self._bucket_error = self._bucket_parts = None
         if not on or dist.get_rank() == 0:
             try:
-                found[0] = (bucket_steps(self._remote, self._tag_re, self._remote_config) or [-1])[-1]
+                found[0], self._bucket_parts = bucket_newest(self._remote, self._tag_re, self.tag_format, self._remote_config)
             except NotAStoreError:
                 pass
             except BackendError as exc:
@@ -685,7 +683,7 @@ def _push_latest(root, remote, tag: str, attempts: int, backoff: float) -> Pushe
             held.append(Store(root))
         return held[0].push(str(remote), tag)
 
-    return Pusher(str(remote), job, attempts, backoff)
+    return Pusher(str(remote), job, attempts, backoff, label=lambda step: repr(tag))
 
 
 def _script() -> str | None:

@@ -193,6 +193,11 @@ class BucketNotConsultedWarning(UserWarning):
     step (they fail with :class:`OlderStepError` instead)."""
 
 
+class LocalTierGCWarning(UserWarning):
+    """The GC a tiered Checkpointer runs on a node's local store after a durable push failed
+    (another GC held the store, say); the push stands, and the next durable push runs it again."""
+
+
 class ReflogWarning(UserWarning):
     """A tag moved on object storage but its reflog record could not be written after the
     client's retries: the move stands (the commit is returned), only its history entry is missing."""

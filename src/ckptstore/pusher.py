@@ -56,6 +56,7 @@ class Pusher:
             doubling after each.
         skipped: ``skipped(step, item)`` for each request a newer one replaced before its job ran.
         retry: ``retry(exc)``: is this CkptStoreError worth another attempt (default: every one).
+        label: ``label(step)``: how messages name a save (default ``"step <n>"``).
 
     Raises:
         InvalidArgumentError: ``attempts`` < 1 or ``backoff`` < 0.
@@ -63,11 +64,12 @@ class Pusher:
 
     def __init__(self, remote: str, job: Callable[[int | None, Any], Any], attempts: int, backoff: float, *,
                  name: str = "ckptstore-push", skipped: Callable[[int | None, Any], None] | None = None,
-                 retry: Callable[[Exception], bool] | None = None):
+                 retry: Callable[[Exception], bool] | None = None, label: Callable[[int | None], str] | None = None):
         if type(attempts) is not int or attempts < 1 or not isinstance(backoff, (int, float)) or backoff < 0:
             raise InvalidArgumentError(f"push_attempts must be an int >= 1 and push_backoff seconds >= 0, got {attempts!r}, {backoff!r}")
         self.remote, self.job, self.attempts, self.backoff = str(remote), job, attempts, backoff
         self.name, self.skipped, self.retry = name, skipped, retry
+        self.label = label or (lambda step: "a save" if step is None else f"step {step}")
         #: the last successful job's return value (``None`` before one)
         self.report: Any = None
         #: every job that failed after its retries, oldest first (superseded ones included)
@@ -135,7 +137,7 @@ class Pusher:
                             time.sleep(self.backoff * 2**attempt)
             except Exception as exc:  # noqa: BLE001 - reported below, the thread must keep serving
                 error = exc
-            what = f"step {step}" if step is not None else "the latest commit"
+            what = self.label(step)
             superseded: list[PushFailure] = []
             with self._cond:
                 if error is not None:
@@ -150,8 +152,8 @@ class Pusher:
                 warnings.warn(f"pushing {what} to {self.remote} failed after {self.attempts} attempt(s): {error} "
                               "(the local commit is intact; it is not durable there)", PushFailedWarning, stacklevel=1)
             for f in superseded:
-                warnings.warn(f"the failed push of {'step ' + str(f.step) if f.step is not None else 'an older commit'} to {self.remote} "
-                              f"({type(f.error).__name__}: {f.error}) is superseded: {what} is durable there", PushFailedWarning, stacklevel=1)
+                warnings.warn(f"the failed push of {self.label(f.step)} to {self.remote} ({type(f.error).__name__}: {f.error}) "
+                              f"is superseded: the save of step {step} is durable there", PushFailedWarning, stacklevel=1)
             with self._cond:
                 self._busy = False
                 self._cond.notify_all()

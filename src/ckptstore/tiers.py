@@ -16,17 +16,18 @@ from __future__ import annotations
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 
 from . import jsonvalue
 from .adapters.base import Captured
 from .dcp_layout import ADAPTER, FORMAT_VERSION, DCPAdapter
-from .errors import IntegrityError, NotAStoreError, OlderStepError, RefConflictError, RefNotFoundError, StoreWriteError
+from .errors import CkptStoreError, LocalTierGCWarning, IntegrityError, NotAStoreError, OlderStepError, RefConflictError, RefNotFoundError, StoreWriteError
 from .pusher import Pusher
 from .records import ESCAPED, LeafRecord
 from .store import CommitInfo, Store
 
-__all__ = ["Layout", "TierPusher", "bucket_parts", "bucket_steps", "compose", "node_layout", "open_bucket", "part_tag"]
+__all__ = ["Layout", "TierPusher", "bucket_newest", "compose", "node_layout", "open_bucket", "part_tag"]
 
 
 def part_tag(tag: str, node: int) -> str:
@@ -213,8 +214,12 @@ class TierPusher:
                 self._remote.close()
                 self._remote = None
             raise
-        if done and self.local_gc is not None:
-            self.gc_reports.append(self._local.gc(keep_last=1, grace=self.local_gc))
+        if done and self.local_gc is not None:  # the save is durable: a failed GC of the disk does not undo that
+            try:
+                self.gc_reports.append(self._local.gc(keep_last=1, grace=self.local_gc))
+            except CkptStoreError as exc:
+                warnings.warn(f"the GC of the local tier {self.local} after step {step} failed: {exc} (the next durable push runs it again)",
+                              LocalTierGCWarning, stacklevel=1)
         return done
 
     def _push(self, local: Store, remote: Store, tag: str) -> bool:
@@ -321,33 +326,32 @@ def _backend(url: str, config: dict | None):
     return open_backend(url)
 
 
-def bucket_steps(url: str, tag_re: re.Pattern, config: dict | None = None) -> list[int]:
-    """The steps of the bucket's step tags (``tag_re`` group 1), sorted: one listing of its
-    refs, no object read.
+def bucket_newest(url: str, tag_re: re.Pattern, tag_format: str, config: dict | None = None) -> tuple[int, list[str] | None]:
+    """``(step, parts)``: the newest step of the bucket's step tags (``tag_re`` group 1; -1:
+    none), from one listing of its refs, and the part commit ids (node 0 first) of the save
+    that step's tag (``tag_format``) names (its ``"parts"`` metadata, :func:`compose`;
+    ``None``: a commit without them), from one read of the tag and one of its record. No
+    blob is read.
 
     Raises:
-        NotAStoreError: no bucket. BackendError: it could not be reached (after the client's retries).
-    """
-    with _backend(url, config) as backend:
-        return sorted(int(m.group(1)) for name in backend.list_refs() if (m := tag_re.match(name)))
-
-
-def bucket_parts(url: str, tag: str, config: dict | None = None) -> list[str] | None:
-    """The part commit ids (node 0 first) of the save the bucket's tag ``tag`` names (its
-    ``"parts"`` metadata, :func:`compose`; ``None``: no such tag, or a commit without them):
-    one read of the tag and one of its commit record.
-
-    Raises:
-        BackendError: the bucket could not be reached. IntegrityError: a damaged record.
+        NotAStoreError: no bucket. BackendError: it could not be reached (after the client's
+        retries).
     """
     from .bucketformat import fetch_record, read_tag
 
     with _backend(url, config) as backend:
+        steps = [int(m.group(1)) for name in backend.list_refs() if (m := tag_re.match(name))]
+        if not steps:
+            return -1, None
+        tag = tag_format.format(step=max(steps))
         cid, _ = read_tag(backend, tag)
-        if cid is None:
-            return None
-        parts = fetch_record(backend, cid, f" (named by tag {tag!r})").metadata.get("parts")
-    return parts if isinstance(parts, list) and all(isinstance(p, str) for p in parts) else None
+        if cid is None:  # (deleted since the listing)
+            return max(steps), None
+        try:
+            parts = fetch_record(backend, cid, f" (named by tag {tag!r})").metadata.get("parts")
+        except IntegrityError:  # a damaged record: not this one's to judge (loading it from the bucket would fail)
+            parts = None
+    return max(steps), parts if isinstance(parts, list) and all(isinstance(p, str) for p in parts) else None
 
 
 def _same(leaf: LeafRecord) -> tuple:
