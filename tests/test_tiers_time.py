@@ -334,7 +334,7 @@ def test_an_explicit_rewind_moves_the_buckets_latest_lower_once(s3_server, url, 
         eighth = bucket_view(url)["steps"]["step-8"]
         again = empty()
         rewound = tiered(str(tmp_path / "x2"), url, again)
-        assert rewound.resume("step-4") == 4 and rewound.resumed_from == "remote" and exact(rewound.objects["state"], 4)
+        assert rewound.resume(step=4) == 4 and rewound.resumed_from == "remote" and exact(rewound.objects["state"], 4)
         again = rewound.objects["state"]
         for step in range(5, 9):
             again.update(trained(step))
@@ -343,6 +343,31 @@ def test_an_explicit_rewind_moves_the_buckets_latest_lower_once(s3_server, url, 
     view = bucket_view(url)
     assert view["history"] == [2, 4, 6, 8, 6, 8] and view["step"] == 8 and rewound.durable_steps == [6, 8], view
     assert view["steps"]["step-8"] != eighth  # the rewound run's own step 8
+
+
+def test_push_to_raises_only_for_the_newest_save_and_reports_the_superseded_failure(tmp_path):
+    """The same worker and error model serve Checkpointer(push_to=...): a remote folder that
+    cannot be written (a file is in its place), then can."""
+    remote = tmp_path / "remote"
+    remote.write_text("not a store")
+    w = {"w": torch.arange(8.0)}
+    ckpt = ckptstore.Checkpointer(tmp_path / "local", {"sd": w}, every_n_steps=1, on_signal=(), push_to=remote, push_attempts=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = ckpt.step()
+        with pytest.raises(CkptStoreError) as failed:
+            ckpt.wait_pushed()  # step 1 is the newest save, and not durable
+        assert ckpt.push_error is failed.value and [f.step for f in ckpt.push_failures] == [1]
+        remote.unlink()
+        w["w"] += 1
+        second = ckpt.step()
+        report = ckpt.wait_pushed()  # step 2 is durable: step 1's failure is superseded, not raised
+    assert ckpt.push_error is None and [(f.step, f.error) for f in ckpt.push_superseded] == [(1, failed.value)]
+    assert report.commit == second.id and first.id in report.commits_copied
+    assert [w.category for w in caught] == [PushFailedWarning, PushFailedWarning]
+    assert "is superseded: the save of step 2 is durable there" in str(caught[1].message)
+    with ckptstore.Store(remote) as there:
+        assert there.resolve("latest") == second.id and torch.equal(there.checkout("latest")["sd"]["w"], torch.arange(8.0) + 1)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ class Checkpointer:
             move once every node's part is there, and ``latest_tag`` only ever to a higher
             step (a push that would lower it is refused with
             :class:`~ckptstore.errors.OlderStepError`). :meth:`resume` first reads the
-            bucket's newest step (one listing of its refs), then loads the newest step every
+            bucket's newest step (a listing of its refs, that step's tag and record), then loads the newest step every
             node holds locally if it is no older than that, else the bucket's ``latest_tag``;
             a bucket it cannot reach is not consulted (local resume, with a
             :class:`~ckptstore.errors.BucketNotConsultedWarning`; :attr:`bucket_step` is then
@@ -576,8 +576,12 @@ class Checkpointer:
         self.resumed_from = where
         return self.steps
 
-    def resume(self, ref: str | None = None) -> int | None:
-        """Restore every selected object in place from ``ref`` (default: the latest tag).
+    def resume(self, ref: str | None = None, *, step: int | None = None) -> int | None:
+        """Restore every selected object in place from ``ref`` (default: the latest tag), or
+        from the step tag of ``step`` (``resume(step=4000)`` is ``resume("step-4000")``, with
+        this run's ``tag_format``). An explicit ``ref`` or ``step`` older than the latest,
+        followed by a commit, is an explicit rewind: that commit moves the latest tag back
+        (docs/training.md, "Never backwards"); nothing else does.
 
         Returns the restored step count, or ``None`` when there is no latest tag
         yet (a fresh run). Plain values in ``objects`` (ints, dicts of numbers)
@@ -595,7 +599,12 @@ class Checkpointer:
                 state does not fit ``objects`` (the message names the run and how to
                 start a separate one); nothing was restored.
             IntegrityError, ...: as :meth:`Store.checkout`.
+            InvalidArgumentError: both ``ref`` and ``step``, ``step`` not an int >= 0, or ``step`` without a ``tag_format``.
         """
+        if step is not None:
+            if ref is not None or type(step) is not int or step < 0 or self.tag_format is None:
+                raise InvalidArgumentError(f"resume(step=...) takes an int >= 0 instead of a ref, with a tag_format; got ref={ref!r}, step={step!r}")
+            ref = self.tag_format.format(step=step)
         if self._layout is not None:
             return self._resume_tiers(ref)
         if self.dcp:
