@@ -254,6 +254,7 @@ class TierPusher:
             self._prune(remote)
         _forget(local, part)
         self.durable.append(step)
+        self.rewind = False  # (other nodes: their part of the rewound step is there)
         return True
 
     def _latest_step(self, remote: Store) -> tuple[str | None, int]:
