@@ -20,7 +20,6 @@ import re
 import signal
 import sys
 import threading
-import time
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -29,7 +28,8 @@ from typing import Any
 from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
 from .adapters.base import capture
 from .adapters.training import Progress  # noqa: F401 (re-exported: ckptstore.checkpointer.Progress)
-from .errors import CkptStoreError, DefaultRunResumedWarning, InvalidArgumentError, NotAStoreError, PushFailedWarning, RefNotFoundError, RunBusyError, TargetMismatchError
+from .errors import BackendError, BucketNotConsultedWarning, CkptStoreError, DefaultRunResumedWarning, InvalidArgumentError, NotAStoreError, RefNotFoundError, RunBusyError, TargetMismatchError
+from .pusher import Pusher
 from .refs import fenced
 from .store import CommitInfo, Store
 
@@ -79,10 +79,13 @@ class Checkpointer:
             the newest request wins (a push started after several commits pushes the
             newest). A failed push is retried ``push_attempts`` times (waits of
             ``push_backoff`` seconds, doubling), then reported with a
-            :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_error`;
-            the local commit is never affected, and the next commit pushes again.
-            :meth:`wait_pushed` blocks until the pushes requested so far are done (with
-            ``local``/``remote``: this node's pushes, returning ``None``).
+            :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_failures`
+            (:attr:`push_error` while it is the newest save's); the local commit is never
+            affected, and the next commit pushes again. :meth:`wait_pushed` blocks until the
+            pushes requested so far are done and raises only if the newest save is not
+            durable (a superseded failure is in :attr:`push_superseded`; with
+            ``local``/``remote``: this node's pushes). One worker,
+            :class:`ckptstore.pusher.Pusher`, serves both.
             With ``dcp``, the coordinator (rank 0) pushes after each of its commits; on
             the other ranks nothing is pushed and :meth:`wait_pushed` returns ``None``.
         local, remote: the two tiers of a multi-node job (with ``dcp``, instead of
@@ -91,13 +94,27 @@ class Checkpointer:
             (``"s3://bucket/run"``). Each save commits this node's ranks' part to ``local``
             (the step waits only for that), then a background thread pushes it to the
             bucket (only the blobs it lacks); the bucket's step tag and ``latest_tag``
-            move once every node's part is there. :meth:`resume` loads the newest step
-            every node holds locally (no bucket read), else the bucket's ``latest_tag``.
+            move once every node's part is there, and ``latest_tag`` only ever to a higher
+            step (a push that would lower it is refused with
+            :class:`~ckptstore.errors.OlderStepError`). :meth:`resume` first reads the
+            bucket's newest step (a listing of its refs, that step's tag and record), then loads the newest step every
+            node holds locally if it is no older than that, else the bucket's ``latest_tag``;
+            a bucket it cannot reach is not consulted (local resume, with a
+            :class:`~ckptstore.errors.BucketNotConsultedWarning`; :attr:`bucket_step` is then
+            ``None``). A resumed local save that never reached the bucket is pushed again.
             ``keep_last`` applies to ``local``; ``remote_keep_last`` (``None``: keep all)
             and ``remote_keep_every`` (steps that are a multiple of it stay) to the bucket.
             ``ranks_per_node`` defaults to ``LOCAL_WORLD_SIZE``; node 0 waits up to
             ``part_timeout`` seconds for the other nodes' parts. :attr:`durable_steps` /
             :attr:`not_durable_steps` report which saves reached the bucket, as seen by this node.
+        remote_config: keyword arguments of the bucket's client
+            (:class:`~ckptstore.backends.s3.S3Backend`: ``config``, ``client_options``,
+            ``retry_config``), e.g. ``{"retry_config": {"max_retries": 2}}`` to give up on an
+            unreachable bucket sooner than the default three minutes.
+        local_gc: after each save that became durable on the bucket, the push thread runs a
+            GC of ``local`` with this grace period (seconds or ``"30m"``; ``None``: never):
+            every tag stays, and ``keep_last=1`` of each lineage, so the node's disk holds
+            what retention and the saves not yet pushed need.
 
         lease_seconds: on object storage, how long the run's lease lasts without renewal
             (it is renewed every third of it): a killed holder blocks the run that long.
@@ -136,11 +153,15 @@ class Checkpointer:
         remote_keep_every: int | None = None,
         ranks_per_node: int | None = None,
         part_timeout: float = 60.0,
+        remote_config: dict | None = None,
+        local_gc: str | float | None = "1h",
     ):
         self.run = check_run(run)
         self.dcp = dcp
         self._layout = self._tier_pusher = None
         self.resumed_from: str | None = None  # "local" or "remote" after a tiered resume
+        self.bucket_step: int | None = None  # the bucket's newest step a tiered resume read (None: not reached)
+        self._remote_config, self._bucket_error, self._bucket_parts = remote_config, None, None
         if local is not None or remote is not None:
             if not dcp or local is None or remote is None or store is not None or push_to is not None or tag_format is None:
                 raise InvalidArgumentError("local= and remote= go together, with dcp=True and a tag_format, instead of store and push_to")
@@ -176,7 +197,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.steps = 0
         self.stop_requested: int | None = None  # the signal received, until the next step commits
-        self._pusher = None if push_to is None else _Pusher(store.location, push_to, self.latest_tag, push_attempts, push_backoff)
+        self._pusher = None if push_to is None else _push_latest(store.location, push_to, self.latest_tag, push_attempts, push_backoff)
         if not dcp:
             capture(self._state(), store.registry)  # every object must be committable now, not after 1000 steps
         self._tag_re = None if tag_format is None else re.compile(
@@ -190,7 +211,8 @@ class Checkpointer:
             from .tiers import TierPusher
 
             self._tier_pusher = TierPusher(self.store.location, self._remote, self._layout, self._tag_re, self.latest_tag,
-                                           remote_keep_last, remote_keep_every, push_attempts, push_backoff, part_timeout)
+                                           remote_keep_last, remote_keep_every, push_attempts, push_backoff, part_timeout,
+                                           remote_config, local_gc)
         if on_signal and _in_main_thread():
             for signum in on_signal:
                 signal.signal(signum, self._request_stop)
@@ -269,14 +291,30 @@ class Checkpointer:
             info = self.store.commit(self._state(), tag=tags, message=f"step {self.steps}", metadata=self._metadata(metadata))
             self._prune(self.store)
         if self._pusher is not None:
-            self._pusher.request()
+            self._pusher.request(self.steps)
         return info
 
     @property
     def push_error(self) -> Exception | None:
-        """The error of the last background push if it failed after its retries, else ``None``."""
+        """The error of the newest save's background push if it failed after its retries (that
+        save is not durable on the remote), else ``None``: a failure that a later durable save
+        superseded is not an error any more (it is in :attr:`push_superseded`)."""
         pusher = self._tier_pusher or self._pusher
         return None if pusher is None else pusher.error
+
+    @property
+    def push_failures(self) -> list:
+        """Every background push that failed after its retries, oldest first: a
+        :class:`~ckptstore.pusher.PushFailure` ``(step, error, seq)`` each (superseded ones included)."""
+        pusher = self._tier_pusher or self._pusher
+        return [] if pusher is None else list(pusher.failures)
+
+    @property
+    def push_superseded(self) -> list:
+        """The failed pushes (:class:`~ckptstore.pusher.PushFailure`) that a later save, durable
+        on the remote, superseded: each was warned once and is never raised by :meth:`wait_pushed`."""
+        pusher = self._tier_pusher or self._pusher
+        return [] if pusher is None else list(pusher.superseded)
 
     @property
     def durable_steps(self) -> list[int]:
@@ -294,22 +332,29 @@ class Checkpointer:
 
     def wait_pushed(self, timeout: float | None = None):
         """Block until every push requested so far has finished (``timeout`` in seconds,
-        ``None``: no limit); returns the last push's TransferReport (``None`` if none ran).
+        ``None``: no limit); returns the last successful push's TransferReport (``None`` if
+        none ran; with ``local``/``remote``: ``True`` or ``None``).
+
+        It raises only when the newest save is not durable on the remote: older failed pushes
+        that a later durable save superseded are warned and listed in :attr:`push_superseded`,
+        not raised (docs/training.md, "Background pushes and their errors").
 
         Raises:
-            InvalidArgumentError: no ``push_to`` was given.
+            InvalidArgumentError: no ``push_to`` (or ``local``/``remote``) was given.
             TimeoutError: pushes still running after ``timeout`` seconds.
-            CkptStoreError: the last push failed after its retries (its error; a
-                BackendError, NotAStoreError, RefConflictError...).
+            CkptStoreError: the newest save's push failed after its retries (its error; a
+                BackendError, NotAStoreError, RefConflictError; with tiers an
+                :class:`~ckptstore.errors.OlderStepError` when the bucket holds a newer step).
         """
         pusher = self._tier_pusher or self._pusher
         if pusher is None:
             raise InvalidArgumentError("this Checkpointer has no push_to")
         if not pusher.wait(timeout):
             raise TimeoutError(f"pushes to {pusher.remote} still running after {timeout} s")
-        if pusher.error is not None:
-            raise pusher.error
-        return getattr(pusher, "report", None)
+        error = pusher.error
+        if error is not None:
+            raise error
+        return pusher.pusher.report if pusher is self._tier_pusher else pusher.report
 
     def _commit_dcp(self, tags: list[str], metadata: dict | None) -> CommitInfo | None:
         import torch.distributed.checkpoint as dcp
@@ -330,7 +375,7 @@ class Checkpointer:
         if info is not None:  # the coordinator (with tiers: each node's first rank) prunes and pushes
             self._prune(self.store.opened())
             if self._pusher is not None:
-                self._pusher.request()
+                self._pusher.request(self.steps)
             if self._tier_pusher is not None:
                 self._tier_pusher.request(tags[0])
         return info
@@ -373,20 +418,28 @@ class Checkpointer:
         return sorted(out)
 
     def _resume_tiers(self, ref: str | None) -> int | None:
-        """Every rank: the newest step every node holds locally, loaded from the local stores
-        (each node over its own group), else (none, or one failed to verify) the bucket's."""
+        """Every rank: the newest step every node holds locally, if it is as new as the
+        bucket's newest step (read first: one listing of the bucket's refs), loaded from the
+        local stores (each node over its own group); else (none, older than the bucket, or
+        one failed to verify) the bucket's. A bucket that cannot be reached is not
+        consulted: the local step is resumed with a :class:`~ckptstore.errors.BucketNotConsultedWarning`.
+        After a local resume, a save of that step that never reached the bucket is pushed
+        again. An explicit ``ref`` reads the bucket and allows the next push to rewind it."""
         import torch
         import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.api import CheckpointException
 
         from .dcp import StoreReader
+        from .tiers import open_bucket
 
         lay, remote = self._layout, self._remote
         on = lay.group is not None
         state = self._state()
         state["checkpointer"] = {"step": -1}
         steps = self._local_steps()[-64:] if ref is None else []
+        bucket = self._bucket_step() if ref is None else -1
+        self.bucket_step = None if bucket == -2 else bucket
         if on:
             mine = torch.full((64,), -1, dtype=torch.int64)
             mine[: len(steps)] = torch.tensor(steps, dtype=torch.int64)
@@ -394,10 +447,11 @@ class Checkpointer:
             dist.all_gather(every, mine)
             held = [{int(x) for x in t if x >= 0} for t in every]
             common = set.intersection(*held)
-            if common and any(max(h) != max(common) for h in held) and self._bucket_step() > max(common):
-                common = set()  # a node holds a newer step than the others: the bucket may too, and has it
         else:
             common = set(steps)
+        common = {s for s in common if s >= bucket}  # never older than the bucket's newest step (-2: not reached)
+        if common and max(common) == bucket and not self._same_save(bucket):
+            common = set()  # the bucket's save of that step is not these nodes' (a stale node saved it again): the bucket's
         failure = None
         if common:
             tag = self.tag_format.format(step=max(common))
@@ -410,12 +464,19 @@ class Checkpointer:
             if on:
                 dist.all_reduce(failed, op=dist.ReduceOp.MAX)
             if not failed.item():
+                if bucket == -2:
+                    warnings.warn(
+                        f"resumed step {max(common)} from the local tier {self.store.location} without consulting the bucket "
+                        f"{remote}: it could not be reached ({self._bucket_error}). A newer step may be there; this node's "
+                        "pushes never move the bucket's latest to a lower step than it holds (they are refused instead)",
+                        BucketNotConsultedWarning, stacklevel=2)
+                self._push_again(tag, bucket)
                 return self._restored(state, "local")
         found = torch.zeros(17, dtype=torch.uint8)
         if not on or dist.get_rank() == 0:
             try:
-                with Store(remote) as bucket:
-                    found[1:] = torch.frombuffer(bytearray.fromhex(bucket.resolve(ref or self.latest_tag)), dtype=torch.uint8)
+                with open_bucket(remote, self._remote_config) as bucket_store:
+                    found[1:] = torch.frombuffer(bytearray.fromhex(bucket_store.resolve(ref or self.latest_tag)), dtype=torch.uint8)
                     found[0] = 1
             except (NotAStoreError, RefNotFoundError):
                 if ref is not None:
@@ -426,23 +487,90 @@ class Checkpointer:
             if failure is not None:
                 raise failure
             return None
-        with Store(remote) as bucket:
-            dcp.load(state, storage_reader=StoreReader(bucket, bytes(found[1:].tolist()).hex()))
+        with open_bucket(remote, self._remote_config) as bucket_store:
+            dcp.load(state, storage_reader=StoreReader(bucket_store, bytes(found[1:].tolist()).hex()))
+        if ref is not None and self._tier_pusher is not None:
+            self._tier_pusher.rewind = True  # an explicit rewind: the next save may move the bucket's latest lower
         return self._restored(state, "remote")
 
-    def _bucket_step(self) -> int:
-        """Every rank: the step of the bucket's ``latest_tag`` (-1: none), read by rank 0."""
+    def _same_save(self, step: int) -> bool:
+        """Every rank: is the bucket's save of ``step`` the one every node's local store holds
+        (the ``"parts"`` of its commit, read by rank 0 with the step, name each node's local
+        commit of that step)? A commit without parts counts as the same."""
         import torch
         import torch.distributed as dist
 
-        found = torch.tensor([-1], dtype=torch.int64)
-        if dist.get_rank() == 0:
+        lay = self._layout
+        on = lay.group is not None
+        tag = self.tag_format.format(step=step)
+        store = self.store.opened(must_exist=False)
+        mine = torch.zeros(16, dtype=torch.uint8)
+        if store is not None and tag in store.tags():
+            mine[:] = torch.frombuffer(bytearray.fromhex(store.resolve(tag)), dtype=torch.uint8)
+        every = [mine]
+        if on:
+            every = [torch.empty_like(mine) for _ in range(lay.world)]
+            dist.all_gather(every, mine)
+        same = torch.tensor([1], dtype=torch.int32)
+        if not on or dist.get_rank() == 0:
+            parts = self._bucket_parts  # (read with the step)
+            per = lay.world // lay.nodes
+            if parts is not None:
+                held = [bytes(every[r].tolist()).hex() for r in range(0, lay.world, per)]
+                same[0] = int(len(parts) == lay.nodes and parts == held)
+        if on:
+            dist.broadcast(same, src=0)
+        return bool(same.item())
+
+    def _push_again(self, tag: str, bucket: int) -> None:
+        """After a local resume of ``tag``: on each node's first rank, if this node's part of
+        it never reached the bucket (its part tag is still in the local store) and the bucket
+        holds an older step (or could not be reached), push it again; a part of a step the
+        bucket already holds or passed is dropped (its tag only: GC decides about its data)."""
+        import torch.distributed as dist
+
+        from .tiers import part_tag
+
+        lay = self._layout
+        if lay.group is not None and dist.get_rank() % (lay.world // lay.nodes):
+            return
+        local = self.store.opened(must_exist=False)
+        part = part_tag(tag, lay.node)
+        if local is None or part not in local.tags():
+            return
+        step = int(self._tag_re.match(tag).group(1))
+        if bucket == -2 or bucket < step:
+            self._tier_pusher.request(tag)
+        else:
             try:
-                with Store(self._remote) as bucket:
-                    found[0] = int(bucket.info(self.latest_tag).metadata.get("step", -1))
-            except (NotAStoreError, RefNotFoundError):
+                local.delete_tag(part)
+            except RefNotFoundError:
                 pass
-        dist.broadcast(found, src=0)
+
+    def _bucket_step(self) -> int:
+        """Every rank: the newest step of the bucket's step tags (-1: none, or no bucket; -2:
+        the bucket could not be reached, its error in ``_bucket_error``), read by rank 0 with
+        one listing of the bucket's refs (and that step's parts, for :meth:`_same_save`)."""
+        import torch
+        import torch.distributed as dist
+
+        from .tiers import bucket_newest
+
+        on = self._layout.group is not None
+        found = torch.tensor([-1], dtype=torch.int64)
+        self._bucket_error = self._bucket_parts = None
+        if not on or dist.get_rank() == 0:
+            try:
+                found[0], self._bucket_parts = bucket_newest(self._remote, self._tag_re, self.tag_format, self._remote_config)
+            except NotAStoreError:
+                pass
+            except BackendError as exc:
+                found[0] = -2
+                self._bucket_error = exc
+        if on:
+            dist.broadcast(found, src=0)
+        if found[0] == -2 and self._bucket_error is None:
+            self._bucket_error = "as rank 0 found"
         return int(found[0])
 
     def _restored(self, state: dict, where: str) -> int:
@@ -452,8 +580,12 @@ class Checkpointer:
         self.resumed_from = where
         return self.steps
 
-    def resume(self, ref: str | None = None) -> int | None:
-        """Restore every selected object in place from ``ref`` (default: the latest tag).
+    def resume(self, ref: str | None = None, *, step: int | None = None) -> int | None:
+        """Restore every selected object in place from ``ref`` (default: the latest tag), or
+        from the step tag of ``step`` (``resume(step=4000)`` is ``resume("step-4000")``, with
+        this run's ``tag_format``). An explicit ``ref`` or ``step`` older than the latest,
+        followed by a commit, is an explicit rewind: that commit moves the latest tag back
+        (docs/training.md, "Never backwards"); nothing else does.
 
         Returns the restored step count, or ``None`` when there is no latest tag
         yet (a fresh run). Plain values in ``objects`` (ints, dicts of numbers)
@@ -471,7 +603,12 @@ class Checkpointer:
                 state does not fit ``objects`` (the message names the run and how to
                 start a separate one); nothing was restored.
             IntegrityError, ...: as :meth:`Store.checkout`.
+            InvalidArgumentError: both ``ref`` and ``step``, ``step`` not an int >= 0, or ``step`` without a ``tag_format``.
         """
+        if step is not None:
+            if ref is not None or type(step) is not int or step < 0 or self.tag_format is None:
+                raise InvalidArgumentError(f"resume(step=...) takes an int >= 0 instead of a ref, with a tag_format; got ref={ref!r}, step={step!r}")
+            ref = self.tag_format.format(step=step)
         if self._layout is not None:
             return self._resume_tiers(ref)
         if self.dcp:
@@ -548,60 +685,18 @@ class _DCPStore:
         return self._store
 
 
-class _Pusher:
-    """Pushes tag ``tag`` of the store at ``root`` to ``remote`` from a daemon thread,
-    with its own Store (the catalog connection is not shared across threads)."""
+def _push_latest(root, remote, tag: str, attempts: int, backoff: float) -> Pusher:
+    """The :class:`~ckptstore.pusher.Pusher` of ``push_to``: each job pushes ``tag`` of the
+    store at ``root`` to ``remote``, with its own Store (the catalog connection is not shared
+    across threads)."""
+    held: list[Store] = []
 
-    def __init__(self, root, remote, tag: str, attempts: int, backoff: float):
-        if type(attempts) is not int or attempts < 1 or not isinstance(backoff, (int, float)) or backoff < 0:
-            raise InvalidArgumentError(f"push_attempts must be an int >= 1 and push_backoff seconds >= 0, got {attempts!r}, {backoff!r}")
-        self.root, self.remote, self.tag = root, str(remote), tag
-        self.attempts, self.backoff = attempts, backoff
-        self.error: Exception | None = None
-        self.report = None
-        self._cond = threading.Condition()
-        self._requested = 0  # pushes asked for, and the count already served
-        self._served = 0
-        self._thread: threading.Thread | None = None
+    def job(step, item):
+        if not held:
+            held.append(Store(root))
+        return held[0].push(str(remote), tag)
 
-    def request(self) -> None:
-        with self._cond:
-            self._requested += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ckptstore-push", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
-
-    def wait(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._served >= self._requested, timeout)
-
-    def _run(self) -> None:
-        store = None
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._served < self._requested)
-                target = self._requested
-            try:
-                store = store or Store(self.root)
-                for attempt in range(self.attempts):
-                    try:
-                        self.report, self.error = store.push(self.remote, self.tag), None
-                        break
-                    except CkptStoreError as exc:
-                        self.error = exc
-                        if attempt + 1 < self.attempts:
-                            time.sleep(self.backoff * 2**attempt)
-            except Exception as exc:  # noqa: BLE001 - reported below, the thread must keep serving
-                self.error = exc
-            if self.error is not None:
-                warnings.warn(
-                    f"pushing {self.tag!r} to {self.remote} failed after {self.attempts} attempt(s): {self.error} "
-                    "(the local commit is intact; the next commit pushes again)", PushFailedWarning, stacklevel=1,
-                )
-            with self._cond:
-                self._served = target
-                self._cond.notify_all()
+    return Pusher(str(remote), job, attempts, backoff, label=lambda step: repr(tag))
 
 
 def _script() -> str | None:

@@ -191,9 +191,28 @@ class StaleFingerprintWarning(UserWarning):
     The commit rehashed it in full, so the checkpoint is right; see ``reuse_hashes``."""
 
 
+class OlderStepError(RefConflictError):
+    """A push would move a run's ``latest`` on the bucket to a step no higher than the one it
+    holds (a node resumed from a stale disk, or without reaching the bucket): refused, the
+    bucket unchanged. Resume again to continue from the bucket, or rewind explicitly with
+    ``Checkpointer.resume(ref=...)``."""
+
+
 class PushFailedWarning(UserWarning):
     """A background push (``Checkpointer(push_to=...)``) failed after its retries; the
     local commit is intact and the next commit's push tries again."""
+
+
+class BucketNotConsultedWarning(UserWarning):
+    """A tiered ``Checkpointer.resume()`` (``local=``, ``remote=``) could not reach the bucket
+    and resumed from the node's local tier without knowing the bucket's newest step: a newer
+    save may exist there. The node's pushes never move the bucket's ``latest`` to a lower
+    step (they fail with :class:`OlderStepError` instead)."""
+
+
+class LocalTierGCWarning(UserWarning):
+    """The GC a tiered Checkpointer runs on a node's local store after a durable push failed
+    (another GC held the store, say); the push stands, and the next durable push runs it again."""
 
 
 class ReflogWarning(UserWarning):

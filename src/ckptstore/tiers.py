@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -23,11 +22,12 @@ from dataclasses import dataclass
 from . import jsonvalue
 from .adapters.base import Captured
 from .dcp_layout import ADAPTER, FORMAT_VERSION, DCPAdapter
-from .errors import CkptStoreError, IntegrityError, PushFailedWarning, RefNotFoundError, StoreWriteError
+from .errors import CkptStoreError, LocalTierGCWarning, IntegrityError, NotAStoreError, OlderStepError, RefConflictError, RefNotFoundError, StoreWriteError
+from .pusher import Pusher
 from .records import ESCAPED, LeafRecord
 from .store import CommitInfo, Store
 
-__all__ = ["Layout", "TierPusher", "compose", "node_layout", "part_tag"]
+__all__ = ["Layout", "TierPusher", "bucket_newest", "compose", "node_layout", "open_bucket", "part_tag"]
 
 
 def part_tag(tag: str, node: int) -> str:
@@ -75,7 +75,9 @@ def node_layout(ranks_per_node: int | None = None) -> Layout:
 
 def compose(remote: Store, tag: str, nodes: int, tags: list[str], message: str, metadata: dict) -> CommitInfo:
     """Commit on ``remote`` one DCP commit made of the ``nodes`` parts of the save ``tag``
-    (tags :func:`part_tag`), every blob already there, and move ``tags``.
+    (tags :func:`part_tag`), every blob already there, and move ``tags``. Its metadata is
+    ``metadata`` plus ``"parts"``: the parts' commit ids, node 0 first (each is the commit
+    that node's local store holds for that save).
 
     A tensor every node saved (replicated) is taken once: its leaf must be the same in
     every part; chunks of sharded tensors are joined; ``dcp.load`` then reads the commit on
@@ -127,114 +129,169 @@ def compose(remote: Store, tag: str, nodes: int, tags: list[str], message: str, 
     def write(writer, key):
         raise StoreWriteError(f"a blob of the parts of {tag} is no longer on {remote.location} (a GC removed it?); save again")
 
+    metadata = {**metadata, "parts": cids}  # which saves of the nodes this step is (a resume on a node compares its own)
     info, _ = remote.commit_manifest([component], leaf_list, keys, write, tags, message, metadata, None, t0, prior=prior)
     return info
 
 
 class TierPusher:
     """Node ``layout.node``'s background pushes from its local store to the bucket (run on
-    the node's first rank). :meth:`request` a save's step tag; the thread pushes the newest
-    requested part tag, and on node 0 then waits up to ``part_timeout`` seconds (or until a
-    newer save is requested) for every node's part, composes them and moves the bucket's step tag and ``latest_tag``, then
-    deletes the bucket's part tags of that step and older and prunes the bucket's step tags
-    (``keep_last`` newest, plus every step that is a multiple of ``keep_every``).
+    the node's first rank, by a :class:`~ckptstore.pusher.Pusher`: one at a time, the newest
+    request winning, its error model). :meth:`request` a save's step tag; the job pushes the
+    part tag, and on node 0 then waits up to ``part_timeout`` seconds (or until a newer save
+    is requested) for every node's part, composes them and **publishes** the step
+    (:meth:`_publish`: the bucket's ``latest_tag`` moves by a compare-and-swap only to a higher
+    step, then the step tag), then deletes the bucket's part tags of that step and older and
+    prunes the bucket's step tags (``keep_last`` newest, plus every step that is a multiple of
+    ``keep_every``). After each durable push, ``local_gc`` (a grace period, ``None``: never)
+    runs a GC of the local store (every tag kept, ``keep_last=1`` of each lineage) from the
+    push thread, so the node's disk holds what its tags and the unpushed parts need.
 
     :attr:`durable` lists the steps this node saw reach the bucket (node 0: composed;
     other nodes: its part pushed), :attr:`not_durable` those that did not (skipped for a
-    newer one, failed after ``attempts``, or parts missing), each failure also warned as a
-    :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`error`.
+    newer one, failed after ``attempts``, refused as older than the bucket, or parts
+    missing); failures are warned as :class:`~ckptstore.errors.PushFailedWarning` and kept
+    in :attr:`error` / :attr:`failures` / :attr:`superseded` (the Pusher's error model).
+    :attr:`rewind`: the next publish may move ``latest_tag`` to a lower step (set by an
+    explicit ``Checkpointer.resume(ref)``).
     """
 
     def __init__(self, local: str, remote: str, layout: Layout, tag_re: re.Pattern, latest_tag: str,
-                 keep_last: int | None, keep_every: int | None, attempts: int, backoff: float, part_timeout: float):
+                 keep_last: int | None, keep_every: int | None, attempts: int, backoff: float, part_timeout: float,
+                 remote_config: dict | None = None, local_gc: str | float | None = None):
         self.local, self.remote, self.layout, self.tag_re, self.latest_tag = local, remote, layout, tag_re, latest_tag
         self.keep_last, self.keep_every = keep_last, keep_every
-        self.attempts, self.backoff, self.part_timeout = attempts, backoff, part_timeout
+        self.part_timeout, self.remote_config, self.local_gc = part_timeout, remote_config, local_gc
         self.durable: list[int] = []
-        self.not_durable: list[int] = []
-        self.error: Exception | None = None
-        self._cond = threading.Condition()
-        self._queue: list[str] = []
-        self._busy = False
-        self._thread: threading.Thread | None = None
+        self._dropped: list[int] = []  # skipped for a newer save, or given up waiting for parts
+        self.rewind = False
+        self.gc_reports: list = []
+        self._local: Store | None = None
+        self._remote: Store | None = None
+        self.pusher = Pusher(remote, self._job, attempts, backoff, name="ckptstore-tier-push", skipped=self._skipped,
+                             retry=lambda exc: not isinstance(exc, OlderStepError))
+
+    @property
+    def not_durable(self) -> list[int]:
+        """The steps that did not reach the bucket from this node: skipped or given up for a
+        newer save, then those whose push failed (and no later retry of that step succeeded)."""
+        failed = [f.step for f in self.pusher.failures if f.step not in self.durable]
+        return self._dropped + [s for s in dict.fromkeys(failed) if s not in self._dropped]
+
+    @property
+    def error(self) -> Exception | None:
+        return self.pusher.error
+
+    @property
+    def failures(self) -> list:
+        return self.pusher.failures
+
+    @property
+    def superseded(self) -> list:
+        return self.pusher.superseded
 
     def request(self, tag: str) -> None:
-        with self._cond:
-            self._queue.append(tag)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ckptstore-tier-push", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+        self.pusher.request(self._step(tag), tag)
 
     def wait(self, timeout: float | None = None) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._busy, timeout)
+        return self.pusher.wait(timeout)
 
     def _step(self, tag: str) -> int:
         return int(self.tag_re.match(tag).group(1))
 
-    def _run(self) -> None:
-        local = remote = None
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: bool(self._queue))
-                *skipped, tag = self._queue
-                self._queue.clear()
-                self._busy = True
-            try:
-                local = local or Store(self.local)
-                for old in skipped:  # the newest request wins
-                    self.not_durable.append(self._step(old))
-                    _forget(local, part_tag(old, self.layout.node))
-                error = None
-                for attempt in range(self.attempts):
-                    try:
-                        remote = remote or Store(self.remote, create=True)
-                        self._push(local, remote, tag)
-                        error = None
-                        break
-                    except CkptStoreError as exc:
-                        error = exc
-                        if attempt + 1 < self.attempts:
-                            time.sleep(self.backoff * 2**attempt)
-            except Exception as exc:  # noqa: BLE001 - reported below, the thread must keep serving
-                error = exc
-            if error is not None:
-                self.error = error
-                self.not_durable.append(self._step(tag))
-                warnings.warn(f"{tag} did not reach {self.remote}: {error} (the local commit is intact; it is not durable on the bucket)",
-                              PushFailedWarning, stacklevel=1)
-            with self._cond:
-                self._busy = False
-                self._cond.notify_all()
+    def _skipped(self, step: int, tag: str) -> None:
+        self._dropped.append(step)
+        self._local = self._local or Store(self.local)
+        _forget(self._local, part_tag(tag, self.layout.node))
 
-    def _push(self, local: Store, remote: Store, tag: str) -> None:
+    def _job(self, step: int, tag: str):
+        try:
+            self._local = self._local or Store(self.local)
+            self._remote = self._remote or open_bucket(self.remote, self.remote_config, create=True)
+            done = self._push(self._local, self._remote, tag)
+        except BaseException:
+            if self._remote is not None:  # a failed request may leave the client unusable: a fresh one next time
+                self._remote.close()
+                self._remote = None
+            raise
+        if done and self.local_gc is not None:  # the save is durable: a failed GC of the disk does not undo that
+            try:
+                self.gc_reports.append(self._local.gc(keep_last=1, grace=self.local_gc))
+            except CkptStoreError as exc:
+                warnings.warn(f"the GC of the local tier {self.local} after step {step} failed: {exc} (the next durable push runs it again)",
+                              LocalTierGCWarning, stacklevel=1)
+        return done
+
+    def _push(self, local: Store, remote: Store, tag: str) -> bool:
         part = part_tag(tag, self.layout.node)
+        step = self._step(tag)
+        held = self._latest_step(remote)[1]
+        if held >= step and not self.rewind:  # a stale node writes nothing of that step, not even its part
+            raise self._older(step, held)
         if part in local.tags():  # only the blobs the bucket lacks; forced: a part left by a killed run is replaced
             local.push(remote.location, part, force=True)
         if self.layout.node == 0:
             deadline = time.monotonic() + self.part_timeout
             want = {part_tag(tag, k) for k in range(self.layout.nodes)}
             while not want <= set(remote.tags()):
-                with self._cond:
-                    newer = bool(self._queue)
-                if newer:  # a newer save is waiting: the other nodes may push it instead of this one
-                    self.not_durable.append(self._step(tag))
+                if self.pusher.pending():  # a newer save is waiting: the other nodes may push it instead of this one
+                    self._dropped.append(step)
                     _forget(local, part)
-                    return
+                    return False
                 if time.monotonic() > deadline:
                     raise StoreWriteError(f"the parts {sorted(want - set(remote.tags()))} of {tag} did not reach the bucket within {self.part_timeout:g} s")
                 time.sleep(0.2)
-            step = self._step(tag)
-            compose(remote, tag, self.layout.nodes, [tag, self.latest_tag], f"step {step} from {self.layout.nodes} node(s)",
-                    {"step": step, "world": self.layout.world, "nodes": self.layout.nodes})
+            held = self._latest_step(remote)[1]
+            if held >= step and not self.rewind:  # before composing: a stale node writes nothing of that step
+                raise self._older(step, held)
+            info = compose(remote, tag, self.layout.nodes, [], f"step {step} from {self.layout.nodes} node(s)",
+                           {"step": step, "world": self.layout.world, "nodes": self.layout.nodes})
+            self._publish(remote, info.id, tag, step)
             for name in list(remote.tags()):  # the parts of this step and older ones are no longer needed
                 m = re.fullmatch(r"parts/(.+)/node-\d+", name)
                 if m and self.tag_re.match(m.group(1)) and self._step(m.group(1)) <= step:
                     _forget(remote, name)
             self._prune(remote)
         _forget(local, part)
-        self.durable.append(self._step(tag))
+        self.durable.append(step)
+        self.rewind = False  # (other nodes: their part of the rewound step is there)
+        return True
+
+    def _latest_step(self, remote: Store) -> tuple[str | None, int]:
+        """``(commit, step)`` of the bucket's ``latest_tag`` now (``(None, -1)``: none yet)."""
+        try:
+            cid = remote.resolve(self.latest_tag)
+        except (RefNotFoundError, NotAStoreError):  # (a bucket the first push makes a store)
+            return None, -1
+        step = remote.info(cid).metadata.get("step")
+        return cid, step if type(step) is int else -1
+
+    def _older(self, step: int, held: int) -> OlderStepError:
+        return OlderStepError(
+            f"{self.remote}: {self.latest_tag!r} holds step {held}, newer than or as new as this save's step {step}: this node "
+            "resumed from an older save (its disk was stale, or the bucket was not consulted) and its push would move the "
+            "run backwards, so it was refused (the local commit is intact). Resume again to continue from the bucket's "
+            "newest step, or resume(ref=...) explicitly to rewind the run")
+
+    def _publish(self, remote: Store, cid: str, tag: str, step: int) -> None:
+        """Move ``latest_tag`` to ``cid`` by a compare-and-swap from the commit whose step was
+        read (a lost race reads and compares again), only to a higher step (unless
+        :attr:`rewind`), then the step tag ``tag``.
+
+        Raises:
+            OlderStepError: the bucket's ``latest_tag`` holds ``step`` or a higher one.
+        """
+        while True:
+            old, held = self._latest_step(remote)
+            if held >= step and not self.rewind:
+                raise self._older(step, held)
+            try:
+                remote.tag(self.latest_tag, cid, expect=old)
+                break
+            except RefConflictError:
+                continue  # it moved since: read and compare again
+        self.rewind = False
+        remote.tag(tag, cid)
 
     def _prune(self, remote: Store) -> None:
         if self.keep_last is None:
@@ -243,6 +300,59 @@ class TierPusher:
         for step, name in mine[: max(0, len(mine) - self.keep_last)]:
             if not (self.keep_every and step % self.keep_every == 0):
                 _forget(remote, name)
+
+
+def open_bucket(url: str, config: dict | None = None, create: bool = False) -> Store:
+    """The store at ``url``; on ``s3://`` with ``config`` (keyword arguments of
+    :class:`~ckptstore.backends.s3.S3Backend`: ``config``, ``client_options``,
+    ``retry_config``) its client is made with them.
+
+    Raises:
+        NotAStoreError, BackendError: as :class:`Store`.
+    """
+    if config and url.startswith("s3://"):
+        from .backends.s3 import S3Backend
+
+        return Store(url, create=create, backend=S3Backend(url, **config))
+    return Store(url, create=create)
+
+
+def _backend(url: str, config: dict | None):
+    from .backends import open_backend
+
+    if config and url.startswith("s3://"):
+        from .backends.s3 import S3Backend
+
+        return S3Backend(url, **config)
+    return open_backend(url)
+
+
+def bucket_newest(url: str, tag_re: re.Pattern, tag_format: str, config: dict | None = None) -> tuple[int, list[str] | None]:
+    """``(step, parts)``: the newest step of the bucket's step tags (``tag_re`` group 1; -1:
+    none), from one listing of its refs, and the part commit ids (node 0 first) of the save
+    that step's tag (``tag_format``) names (its ``"parts"`` metadata, :func:`compose`;
+    ``None``: a commit without them), from one read of the tag and one of its record. No
+    blob is read.
+
+    Raises:
+        NotAStoreError: no bucket. BackendError: it could not be reached (after the client's
+        retries).
+    """
+    from .bucketformat import fetch_record, read_tag
+
+    with _backend(url, config) as backend:
+        steps = [int(m.group(1)) for name in backend.list_refs() if (m := tag_re.match(name))]
+        if not steps:
+            return -1, None
+        tag = tag_format.format(step=max(steps))
+        cid, _ = read_tag(backend, tag)
+        if cid is None:  # (deleted since the listing)
+            return max(steps), None
+        try:
+            parts = fetch_record(backend, cid, f" (named by tag {tag!r})").metadata.get("parts")
+        except IntegrityError:  # a damaged record: not this one's to judge (loading it from the bucket would fail)
+            parts = None
+    return max(steps), parts if isinstance(parts, list) and all(isinstance(p, str) for p in parts) else None
 
 
 def _same(leaf: LeafRecord) -> tuple:
