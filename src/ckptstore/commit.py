@@ -643,9 +643,12 @@ class CommitEngine:
         return [y for f in futures for y in f.result()]
 
     def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
-        """Blob ids of the addresses the catalog already holds."""
+        """Blob ids of the addresses the catalog already holds, less those marked bad
+        (``bad_blobs``: a read or fsck found the copy damaged): dedup never reuses a bad blob;
+        the commit writes the address again and its index step points the row at the new copy."""
         wanted = set(keys)
-        rows = self.catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
+        rows = self.catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({}) AND id NOT IN (SELECT blob_id FROM bad_blobs)",
+                                    list({d for d, _ in keys}), raw=True)
         return {(h, n): i for h, n, i in rows if (h, n) in wanted}
 
 

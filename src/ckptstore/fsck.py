@@ -61,6 +61,8 @@ class FsckReport:
     damaged_reflog: list[str] = field(default_factory=list)  # object storage: reflog objects that are not ref-move records
     damaged_marker: bool = False  # object storage: ckptstore.json fails its check
     repaired: list[str] = field(default_factory=list)  # what ``repair`` rebuilt (object keys)
+    marked_bad: int = 0  # blobs newly marked bad in the index (dedup never reuses them; the next commit of their bytes writes a good copy)
+    replaced_blobs: list[str] = field(default_factory=list)  # addresses whose bad copy ``repair`` replaced by a good one found in a pack
     unreferenced_blobs: int = 0
     tmp_files: int = 0
     commits: int = 0  # commits checked, damaged ones included
@@ -119,6 +121,12 @@ class FsckSide:
     def extra(self, report: FsckReport, ids: list[str], whole: bool, deep: bool, repair: bool) -> None:
         """The checks only this home has (``whole``: of the whole store; ``ids``: the commits checked)."""
         raise NotImplementedError
+
+    def replace_bad(self, report: FsckReport, locs: list):
+        """With ``repair``: for each bad copy of ``locs`` (BlobLocs that failed), look for another
+        copy of the same address in the home's packs, verify it and point the index at it; yield
+        ``(loc, good loc)`` for each one replaced. Here: none (a home without it)."""
+        return iter(())
 
 
 def check_sample(sample: float) -> float:
@@ -204,9 +212,12 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         if k not in where:
             rep.missing_blobs.append(address(*k))
             bad[k] = f"blob {address(*k)} is in no pack of {side.location}"
+    failed: list = []  # (location, why) of the copies that failed: marked bad, so that dedup never reuses them
     with progress.task("fsck --deep", sum(n for _, n in reread)) as advance:
         for loc, err in side.read([loc for k, loc in where.items() if k in users], reread):  # in the side's order (locally: as written)
             k = (loc.digest, loc.raw_len)
+            if err is not None:
+                failed.append((loc, str(err)))
             if isinstance(err, BlobMissingError):
                 rep.missing_blobs.append(loc.address)
             else:
@@ -217,6 +228,16 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
                     rep.corrupt_blobs.append(loc.address)
             if err is not None:
                 bad[k] = str(err)
+    if failed:
+        rep.marked_bad = store.home.mark_bad(failed)  # (not on a store that cannot be written here)
+        if repair:  # another good copy of the address in the store's packs replaces the bad one
+            for loc, why in side.replace_bad(rep, [loc for loc, _ in failed]):
+                k = (loc.digest, loc.raw_len)
+                rep.replaced_blobs.append(loc.address)
+                for lst in (rep.corrupt_blobs, rep.missing_blobs):
+                    if loc.address in lst:
+                        lst.remove(loc.address)
+                bad.pop(k, None)
     rep.problems += bad.values()
 
     damaged = set(rep.damaged_commits) | {c for k in bad for c in users[k]}
