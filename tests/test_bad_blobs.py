@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import uuid
 from contextlib import closing
 from pathlib import Path
 
@@ -346,3 +347,67 @@ def test_migration_adds_the_table_and_an_old_read_only_store_reads(tmp_path):
             s.checkout("a")
         assert s.commit({"w": t.clone()}, tag="b").new_bytes == SHARD
         assert_bit_equal(s.checkout("a")["w"], t)
+
+
+# --- object storage: the cache marks, a new copy (a newer pack) is preferred ---------------------------
+
+
+@pytest.fixture
+def url(s3_server) -> str:
+    return f"s3://ckpt/t-{uuid.uuid4().hex[:12]}"
+
+
+def _bucket_flip(url: str, loc) -> None:
+    """Flip one payload byte of the blob at ``loc`` in its pack object, behind ckptstore's back."""
+    from ckptstore.backends import open_backend
+    from ckptstore.packindex import pack_key
+
+    from .test_bucket_store import _raw_put
+
+    with open_backend(url) as b:
+        data = bytearray(b.get(pack_key(loc.pack)))
+    data[loc.offset + BLOB_HEADER.size + 7] ^= 0x5A
+    _raw_put(url, pack_key(loc.pack), bytes(data))
+
+
+def test_bucket_a_failed_read_marks_and_the_next_commit_replaces(tmp_path, url):
+    t = _tensor(21)
+    key = _key(t, 2)
+    cache = lambda name: tmp_path / f"cache-{name}"  # noqa: E731 (one cache folder per machine)
+    with ckptstore.Store(url, cache=cache("writer"), shard_bytes=SHARD, compression_level=0) as s:
+        info = s.commit({"w": t}, tag="a")
+        assert (info.shards_new, info.new_bytes) == (4, 4 * SHARD)
+        loc = s.locate([key])[key]
+    _bucket_flip(url, loc)
+    with ckptstore.Store(url, cache=cache("reader")) as s:  # a machine that never saw the store
+        with pytest.raises(BlobCorruptError, match=f"leaf w, shard 2, blob {address(*key)}"):
+            s.checkout("a")
+        assert s.catalog.rows("SELECT COUNT(*) FROM bad_blobs", raw=True) == [(1,)]
+        info = s.commit({"w": t.clone()}, tag="b")  # the same machine: a good copy, in a new pack
+        assert (info.shards_total, info.shards_new, info.new_bytes) == (4, 1, SHARD)
+        assert s.catalog.rows("SELECT COUNT(*) FROM bad_blobs", raw=True) == [(0,)]
+        assert_bit_equal(s.checkout("a")["w"], t)
+        assert_bit_equal(s.checkout("b")["w"], t)
+    # Another machine's cache, and a new one, first read the copy the tag's pack hint names (the bad
+    # one): that read fails and marks it; the cache, brought up to date, finds the newer copy.
+    with ckptstore.Store(url, cache=cache("fresh")) as s:
+        with pytest.raises(BlobCorruptError, match=f"shard 2, blob {address(*key)}"):
+            s.checkout("a")
+        assert_bit_equal(s.checkout("a")["w"], t)
+        assert s.catalog.rows("SELECT COUNT(*) FROM bad_blobs", raw=True) == [(0,)]
+    # The writer's cache has read every pack (the newer one too) and points at the bad copy:
+    # its failed reads mark it, and fsck --repair points it at the good copy the bucket holds.
+    with ckptstore.Store(url, cache=cache("writer")) as s:
+        s.refresh_index()
+        for _ in range(2):
+            with pytest.raises(BlobCorruptError, match=f"shard 2, blob {address(*key)}"):
+                s.checkout("a")
+        assert s.catalog.rows("SELECT COUNT(*) FROM bad_blobs", raw=True) == [(1,)]
+        rep = s.fsck(repair=True)
+        assert rep.ok and rep.replaced_blobs == [address(*key)] and rep.blobs_checked == 4, rep
+        assert s.catalog.rows("SELECT COUNT(*) FROM bad_blobs", raw=True) == [(0,)]
+        assert_bit_equal(s.checkout("a")["w"], t)
+    with ckptstore.Store(url, cache=cache("deep")) as s:
+        rep = s.fsck(deep=True)
+        assert rep.ok, rep.problems
+        assert rep.blobs_checked == 4

@@ -121,6 +121,7 @@ class BucketFsck(FsckSide):
             return {k: loc for k, loc in self.store.locate(keys).items() if loc.pack in packs}
         needed = set(keys)
         where: dict = {}
+        packs = dict(sorted(packs.items(), key=lambda po: po[1].mtime, reverse=True))  # of several copies, the newest (as a new cache)
         found = zip(packs, self.requests.map(lambda p: pack_entries(self.backend, p, packs[p].size, index_key(p) in listed), list(packs)))
         for pid, f in found:
             if f.entries is None:

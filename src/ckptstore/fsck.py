@@ -228,6 +228,13 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
                     rep.corrupt_blobs.append(loc.address)
             if err is not None:
                 bad[k] = str(err)
+    if repair:  # the index's rows marked bad whose address this run reread intact elsewhere (a newer pack on a bucket) point there
+        for loc in store.home.marked():
+            k = (loc.digest, loc.raw_len)
+            good = where.get(k)
+            if k in reread and k not in bad and good is not None and (good.pack, good.offset) != (loc.pack, loc.offset):
+                if store.home.replace_copy(loc, good):
+                    rep.replaced_blobs.append(loc.address)
     if failed:
         rep.marked_bad = store.home.mark_bad(failed)  # (not on a store that cannot be written here)
         if repair:  # another good copy of the address in the store's packs replaces the bad one

@@ -451,11 +451,22 @@ class Home:
         except CkptStoreError:  # (busy, disk full, damaged): the read's own error is what the caller reports
             return 0
 
+    def marked(self) -> list[BlobLoc]:
+        """Where the index's rows marked bad point now (few: each one is replaced by the next
+        commit of its bytes)."""
+        return [BlobLoc(bytes(h), n, p, o, sl, c) for h, n, p, o, sl, c in self.store.catalog.rows(
+            "SELECT b.hash, b.raw_len, b.pack, b.offset, b.stored_len, b.codec FROM bad_blobs x JOIN blobs b ON b.id = x.blob_id", raw=True)]
+
     def replace_copy(self, loc: BlobLoc, good: BlobLoc) -> bool:
         """Point the blob row of the bad copy ``loc`` at ``good`` (another copy of the same
         address, verified by the caller, in a pack the index knows and a GC has not retired)
-        and delete its mark: fsck's repair. False when the row no longer points at ``loc`` or
-        that pack is retired or gone (a GC deletes a pack only while no row points into it)."""
+        and delete its mark: fsck's repair. True when the row points at ``good`` afterwards;
+        False when it points elsewhere or that pack is retired or gone (a GC deletes a pack
+        only while no row points into it).
+
+        Raises:
+            StoreWriteError: the catalog cannot be written here.
+            CatalogBusyError: it stayed locked."""
         cat = self.store.catalog
         with cat.write():
             if not cat.rows("SELECT 1 FROM packs WHERE id = ? AND retired_at IS NULL", (good.pack,), raw=True):
@@ -463,7 +474,11 @@ class Home:
             n = cat.conn.execute(
                 "UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE hash = ? AND raw_len = ? AND pack = ? AND offset = ?",
                 (good.pack, good.offset, good.stored_len, good.codec, loc.digest, loc.raw_len, loc.pack, loc.offset)).rowcount
-            cat.conn.execute("DELETE FROM bad_blobs WHERE blob_id IN (SELECT id FROM blobs WHERE hash = ? AND raw_len = ?)", (loc.digest, loc.raw_len))
+            if not n:  # (moved there meanwhile: a cache's refresh)
+                n = len(cat.rows("SELECT 1 FROM blobs WHERE hash = ? AND raw_len = ? AND pack = ? AND offset = ?",
+                                 (loc.digest, loc.raw_len, good.pack, good.offset), raw=True))
+            if n:
+                cat.conn.execute("DELETE FROM bad_blobs WHERE blob_id IN (SELECT id FROM blobs WHERE hash = ? AND raw_len = ?)", (loc.digest, loc.raw_len))
         return n > 0
 
     @staticmethod
