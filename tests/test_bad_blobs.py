@@ -295,10 +295,28 @@ def test_gc_keeps_the_good_copy_and_frees_the_bad_one(tmp_path):
         s.commit({"w": t.clone()}, tag="b")
         bad = _row(root, key)
         rep = s.gc(grace=0)
-        print(rep)
+        assert (rep.packs_consolidated, rep.packs_deleted, rep.blobs_deleted) == (4, 4, 0)
         assert s.fsck(deep=True).ok
         for tag in ("a", "b"):
             assert_bit_equal(s.checkout(tag)["w"], t)
+        assert _row(root, key)[0] == bad[0] and _row(root, key)[1] != bad[1]  # the good copy, moved by the repack
+
+
+def test_gc_drops_the_mark_with_the_blob(tmp_path):
+    """A marked blob that no kept commit needs any more: GC deletes its row, and its mark with it."""
+    root = tmp_path / "s"
+    t = _tensor(13)
+    key = _damage(root, "flip", t, "a", 0)
+    with ckptstore.Store(root) as s:
+        with pytest.raises(BlobCorruptError):
+            s.checkout("a")
+        assert len(_marks(root)) == 1
+        s.commit({"v": _tensor(14)}, tag="other")
+        s.delete_tag("a")
+        rep = s.gc(grace=0)
+        assert rep.commits_dropped == 1 and rep.blobs_deleted == 4
+        assert _marks(root) == [] and _row(root, key) is None
+        assert s.fsck(deep=True).ok
 
 
 def test_a_read_only_store_is_never_written(tmp_path):

@@ -22,7 +22,12 @@ what it holds and checks it the same way on both homes:
    there and long enough), and, with ``deep``, reread and rehashed in bounded memory
    (each blob once, however many commits share it; ``sample`` < 1: that fraction of each
    commit's blobs, at least one);
-4. one mapping: a blob missing or corrupt damages every commit that needs it, and a
+4. a blob that is missing or corrupt is marked bad in the home's index (never reused by
+   dedup, invariant 14: :meth:`ckptstore.home.Home.mark_bad`; not where the index cannot
+   be written) and, with ``repair``, the index is pointed at a good copy of its address:
+   one this run reread intact (``where``), or one the side finds in its packs
+   (``replace_bad``);
+5. one mapping: a blob missing or corrupt damages every commit that needs it, and a
    damaged commit every tag that names it. A tag naming a commit the home does not hold
    is damaged too. On a home whose commit records exist before their ref moves
    (``attempts_leave_records``: a bucket), a record no tag's lineage reaches whose blobs
@@ -140,8 +145,8 @@ def run(store, deep: bool = False, sample: float = 1.0, repair: bool = False) ->
     """``fsck`` on either home: ``sample`` < 1 implies ``deep``, ``repair`` implies it too.
 
     Raises:
-        InvalidArgumentError: ``sample`` outside (0, 1]; ``repair`` on a home that has
-            nothing it can repair (``start``: a local store's index is its catalog).
+        InvalidArgumentError: ``sample`` outside (0, 1].
+        StoreWriteError: ``repair`` on a local store that cannot be written here.
         NotAStoreError: a bucket prefix that holds no store.
     """
     check_sample(sample)
@@ -169,7 +174,8 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         sample: with ``deep``, the fraction of each commit's blobs to reread (0 < sample <= 1).
         commit: restrict every check to one commit's record and blobs.
         seed: the sample's random seed.
-        repair: let the side rebuild what it can (a bucket's pack indexes and marker).
+        repair: let the side rebuild what it can (bad blob copies replaced by good ones
+            found in packs; a bucket's pack indexes and marker).
 
     Raises:
         InvalidArgumentError: ``sample`` outside (0, 1].
