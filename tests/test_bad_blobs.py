@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 import uuid
 from contextlib import closing
 from pathlib import Path
@@ -397,6 +398,7 @@ def test_bucket_a_failed_read_marks_and_the_next_commit_replaces(tmp_path, url):
         assert (info.shards_new, info.new_bytes) == (4, 4 * SHARD)
         loc = s.locate([key])[key]
     _bucket_flip(url, loc)
+    time.sleep(1.1)  # (object times are whole seconds: the good copy's pack is then strictly the newer)
     with ckptstore.Store(url, cache=cache("reader")) as s:  # a machine that never saw the store
         with pytest.raises(BlobCorruptError, match=f"leaf w, shard 2, blob {address(*key)}"):
             s.checkout("a")
@@ -429,3 +431,34 @@ def test_bucket_a_failed_read_marks_and_the_next_commit_replaces(tmp_path, url):
         rep = s.fsck(deep=True)
         assert rep.ok, rep.problems
         assert rep.blobs_checked == 4
+
+
+def test_bucket_repair_finds_an_older_good_copy(tmp_path, url):
+    """A newer pack holds a bad copy of an address an older pack holds intact (a rank's
+    detached writer that stored other bytes under it): a new cache takes the newer, bad
+    copy, its read fails and marks it; ``fsck --repair`` finds the older intact copy and
+    points the cache at it."""
+    from ckptstore.store import pack_writer_at
+
+    t = _tensor(22)
+    key = _key(t, 1)
+    with ckptstore.Store(url, cache=tmp_path / "c-writer", shard_bytes=SHARD, compression_level=0) as s:
+        assert s.commit({"w": t}, tag="a").new_bytes == 4 * SHARD
+    time.sleep(1.1)  # (whole-second object times: the bad copy's pack is the newer)
+    w = pack_writer_at(url, 0, 1 << 20)
+    try:
+        w.append_encoded(key[0], key[1], CODEC_RAW, bytes(SHARD))  # zeros under shard 1's address
+        w.finish()
+    finally:
+        w.close()
+    with ckptstore.Store(url, cache=tmp_path / "c-new") as s:
+        s.refresh_index()
+        for _ in range(2):  # (the cache has read every pack: no other copy to move to)
+            with pytest.raises(BlobCorruptError, match=f"shard 1, blob {address(*key)}"):
+                s.checkout("a")
+        rep = s.fsck(repair=True)
+        assert rep.ok and rep.replaced_blobs == [address(*key)] and rep.marked_bad == 0, rep
+        assert s.catalog.rows("SELECT COUNT(*) FROM bad_blobs", raw=True) == [(0,)]
+        assert_bit_equal(s.checkout("a")["w"], t)
+        info = s.commit({"w": t.clone()}, tag="b")
+        assert (info.shards_new, info.new_bytes) == (0, 0)
