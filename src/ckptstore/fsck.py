@@ -244,7 +244,7 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
     if failed:
         rep.marked_bad = store.home.mark_bad(failed)  # (not on a store that cannot be written here)
         if repair:  # another good copy of the address in the store's packs replaces the bad one
-            for loc, why in side.replace_bad(rep, [loc for loc, _ in failed]):
+            for loc, _good in side.replace_bad(rep, [loc for loc, _ in failed]):
                 k = (loc.digest, loc.raw_len)
                 rep.replaced_blobs.append(loc.address)
                 for lst in (rep.corrupt_blobs, rep.missing_blobs):
