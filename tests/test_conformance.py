@@ -327,15 +327,11 @@ def test_fsck_and_verify_map_a_bad_blob_to_the_same_commits_tags_and_counts(home
 
 
 def test_fsck_repair_rebuilds_derived_objects_or_is_refused_naming_recover(home):
-    """``fsck(repair=True)``: on object storage it rereads everything and rebuilds the
-    derived objects (pack indexes, the marker), here none damaged; a local store's index
-    is its catalog, and the refusal names ``recover`` (docs/design.md lists it)."""
+    """``fsck(repair=True)``: it rereads everything, replaces bad blob copies by good ones
+    found in packs (tests/test_bad_blobs.py) and, on object storage, rebuilds the derived
+    objects (pack indexes, the marker); here nothing is damaged."""
     s = home.open()
     s.commit(state(), tag="t")
-    if home.kind == "local":
-        with pytest.raises(InvalidArgumentError, match="its index is the catalog, rebuilt from the packs by `ckptstore recover`"):
-            s.fsck(repair=True)
-        return
     report = s.fsck(repair=True)
     assert report.ok and report.repaired == [] and (report.blobs_checked, report.bytes_checked) == (8, 2 * ROWS * 64 * 4)
 
@@ -872,8 +868,5 @@ def test_cli_commands_print_the_same_on_both_homes(home, tmp_path, monkeypatch, 
         assert run(*args) == (code, "", message + "\n"), args
     code, out, err = run("log", "--limit", "0")
     assert code == 2 and out == "" and err.startswith("error: Invalid value for '--limit'")
-    code, out, err = run("fsck", "--repair")  # the one refusal of docs/design.md's table
-    if home.kind == "local":
-        assert (code, out) == (1, "") and err == f"error: {loc}: a local store has no pack indexes to repair; its index is the catalog, rebuilt from the packs by `ckptstore recover`\n"
-    else:
-        assert (code, err) == (0, "") and out.splitlines()[-1].startswith("ok: 3 commits, ")
+    code, out, err = run("fsck", "--repair")  # (both homes: docs/design.md's table of refusals has none left)
+    assert (code, err) == (0, "") and out.splitlines()[-1].startswith("ok: 3 commits, ")

@@ -313,5 +313,5 @@ def test_a_read_only_schema_2_catalog_is_read_without_the_new_indexes(tmp_path):
         assert s.tags() == {"latest": s.resolve("latest"), "step-0": s.resolve("step-0")}
         assert torch.equal(s.checkout("latest")["x"], expected_x(2))
     with ckptstore.Store(src / "s") as s:
-        assert s.catalog.user_version == 4 and (src / "s" / "catalog.sqlite.v2.bak").exists()
+        assert s.catalog.user_version == 5 and (src / "s" / "catalog.sqlite.v2.bak").exists()
         assert {r[0] for r in s.catalog.rows("SELECT name FROM sqlite_master WHERE type = 'index'")} >= {"idx_tags_commit_id", "idx_records_kind_name_seq"}

@@ -185,7 +185,7 @@ def test_a_schema_3_store_migrates_and_then_shares(tmp_path):
     shutil.copytree(FIXTURE, tmp_path / "s")
     (tmp_path / "s" / "tmp").mkdir()  # (git keeps no empty folder)
     with ckptstore.Store(tmp_path / "s") as s:
-        assert s.catalog.migrated_from == 3 and s.catalog.user_version == SCHEMA_VERSION == 4
+        assert s.catalog.migrated_from == 3 and s.catalog.user_version == SCHEMA_VERSION == 5
         assert (tmp_path / "s" / "catalog.sqlite.v3.bak").exists()
         first, second = [c.id for c in reversed(s.log("t"))]
         expected = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.full((5,), 7, dtype=torch.int64)}

@@ -74,6 +74,7 @@ from .bucketformat import (
 from .bucketio import BucketReader
 from .bucketside import BucketFsck, BucketGC
 from .errors import (
+    CkptStoreError,
     IntegrityError,
     NotAStoreError,
     ObjectNotFoundError,
@@ -273,6 +274,23 @@ class BucketHome(BucketCache, Home):
         where = self.store.locate(list(keys))
         held = {o.key for o in self.backend.list("blobs")}  # a row may still name a pack gone from the bucket
         return self.store._lookup([k for k, loc in where.items() if loc.pack not in marked and pack_key(loc.pack) in held])
+
+    def mark_bad(self, bad: list) -> int:
+        """As :meth:`ckptstore.home.Home.mark_bad`, in this machine's cache; then the cache is
+        brought up to date, so that a copy of a marked address in a pack it has not read yet
+        (a newer commit's, written elsewhere) replaces the bad one for the next read."""
+        n = super().mark_bad(bad)
+        if n:
+            try:
+                self.refresh_index()
+            except CkptStoreError:  # (a failing server: the read's own error is what the caller reports)
+                pass
+        return n
+
+    def replace_copy(self, loc, good) -> bool:
+        """As :meth:`ckptstore.home.Home.replace_copy`, once the cache knows every pack (``good``'s among them)."""
+        self.refresh_index()
+        return super().replace_copy(loc, good)
 
     def marked_packs(self) -> set[str]:
         """Pack ids a GC mark (``gc/*.json``) names; every listed pack if a mark is unreadable."""

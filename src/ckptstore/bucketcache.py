@@ -97,8 +97,11 @@ class BucketCache:
                 cat.db["packs"].insert_all(
                     ({"id": pid, "size": packs[pid].size, "created_at": packs[pid].mtime} for pid in todo if pid not in seen), ignore=True
                 )
+                # Newest pack first: of an address in several packs, a new cache takes the newest copy (a good
+                # copy written after a bad one, invariant 14; a GC's repack copy rather than its marked source).
                 rows = [(e.loc.digest, e.loc.raw_len, pid, e.loc.offset, e.loc.stored_len, e.loc.codec, packs[pid].mtime)
-                        for pid, es in entries.items() if pid not in avoid for e in es if e.magic == BLOB_MAGIC]
+                        for pid, es in sorted(entries.items(), key=lambda pe: packs[pe[0]].mtime, reverse=True)
+                        if pid not in avoid for e in es if e.magic == BLOB_MAGIC]
                 conn = cat.conn
                 conn.execute("CREATE TEMP TABLE IF NOT EXISTS gone_packs (id TEXT PRIMARY KEY)")
                 conn.execute("DELETE FROM gone_packs")
@@ -110,6 +113,7 @@ class BucketCache:
                     "stored_len = excluded.stored_len, codec = excluded.codec WHERE blobs.pack IN (SELECT id FROM gone_packs)",
                     rows,
                 )
+                self._replace_marked(rows)
                 if gone:  # rows of blobs found nowhere go, unless a cached commit refers to them (its reads fail, clearly)
                     conn.execute("DELETE FROM gone_packs WHERE id NOT IN ({})".format(",".join("?" * len(gone))), list(gone))
                     conn.execute("DELETE FROM blobs WHERE pack IN (SELECT id FROM gone_packs) AND id NOT IN (SELECT blob_id FROM shards)")
@@ -117,6 +121,22 @@ class BucketCache:
         if todo:
             self._refigure()
         return len(todo)
+
+    def _replace_marked(self, rows: list[tuple]) -> None:
+        """In the refresh's transaction: a row marked bad (``bad_blobs``: a read here failed)
+        whose address ``rows`` (newest pack first) hold in another place moves to the newest
+        such copy, and its mark goes (a read of that copy marks it again if it is bad too)."""
+        conn = self.store.catalog.conn
+        marked = {(bytes(h), n): (i, p, o) for i, h, n, p, o in conn.execute(
+            "SELECT b.id, b.hash, b.raw_len, x.pack, x.offset FROM bad_blobs x JOIN blobs b ON b.id = x.blob_id").fetchall()}
+        if not marked:
+            return
+        for h, n, pid, offset, stored_len, codec, _ in rows:
+            bad = marked.get((h, n))
+            if bad is not None and (pid, offset) != bad[1:]:
+                conn.execute("UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE id = ?", (pid, offset, stored_len, codec, bad[0]))
+                conn.execute("DELETE FROM bad_blobs WHERE blob_id = ?", (bad[0],))
+                del marked[(h, n)]
 
     def _cache(self, cids: list[str], lineage: bool = False, packs: list[str] | None = None, limit: int | None = None) -> None:
         """Copy the records of ``cids`` (and, with ``lineage``, of their ancestors) from the

@@ -121,6 +121,7 @@ class BucketFsck(FsckSide):
             return {k: loc for k, loc in self.store.locate(keys).items() if loc.pack in packs}
         needed = set(keys)
         where: dict = {}
+        packs = dict(sorted(packs.items(), key=lambda po: po[1].mtime, reverse=True))  # of several copies, the newest (as a new cache)
         found = zip(packs, self.requests.map(lambda p: pack_entries(self.backend, p, packs[p].size, index_key(p) in listed), list(packs)))
         for pid, f in found:
             if f.entries is None:
@@ -183,6 +184,34 @@ class BucketFsck(FsckSide):
 
         for results in self.requests.map(read, batches):
             yield from results
+
+    def replace_bad(self, report, locs: list[BlobLoc]):
+        """For each bad copy of ``locs``, another copy of its address in a pack on the bucket
+        (newest pack first; each pack's entries from its ``.idx``, or the pack walked), read and
+        checked; the cache's row of the address is pointed at the first intact one and its mark
+        deleted. Yields ``(bad loc, good loc)`` for each one replaced. The bucket keeps the bad
+        copy (packs are immutable): a new cache takes the newest pack's copy, a failed read
+        marks the other and moves the row (docs/design.md, "What dedup trusts")."""
+        want = {(loc.digest, loc.raw_len): loc for loc in locs}
+        listed = {o.key: o for o in self.backend.list("blobs")}
+        packs = sorted(((k.rsplit("/", 1)[1][:-5], o) for k, o in listed.items() if k.endswith(".pack")), key=lambda po: po[1].mtime, reverse=True)
+        for pid, o in packs:
+            if not want:
+                break
+            found = pack_entries(self.backend, pid, o.size, index_key(pid) in listed)
+            for e in found.entries or []:
+                k = (e.loc.digest, e.loc.raw_len)
+                bad = want.get(k)
+                if bad is None or e.magic != BLOB_MAGIC or (e.loc.pack, e.loc.offset) == (bad.pack, bad.offset):
+                    continue
+                try:
+                    check_entry(self.backend.get_ranges(pack_key(pid), [e.loc.span])[0], e.loc, f"{self.url}: fsck --repair, pack {pid}")
+                except IntegrityError:
+                    continue  # a bad copy too (or gone since listed)
+                current = self.store.locate([k]).get(k)
+                if current is not None and self.home.replace_copy(current, e.loc):
+                    del want[k]
+                    yield bad, e.loc
 
     def extra(self, report, ids: list[str], whole: bool, deep: bool, repair: bool) -> None:
         """With ``whole`` and ``deep``: every reflog object is a ref-move record of the tag its

@@ -194,6 +194,24 @@ _V4_READ_AS = (
 )
 
 
+def _v5(db: sqlite_utils.Database) -> None:
+    # Blobs known to be bad (a read that failed verification, fsck): dedup never reuses them.
+    # One row per blob row (ON DELETE CASCADE: a GC that deletes the blob row deletes its mark);
+    # ``pack`` and ``offset`` name the copy that was found bad, ``reason`` the error's text. A
+    # commit that writes the address again points the blob row at its new copy and deletes
+    # the mark (docs/design.md, "What dedup trusts").
+    db.execute(
+        "CREATE TABLE IF NOT EXISTS bad_blobs (blob_id INTEGER PRIMARY KEY REFERENCES blobs(id) ON DELETE CASCADE, pack TEXT NOT NULL, "
+        "offset INTEGER NOT NULL, found_at REAL NOT NULL, reason TEXT NOT NULL)"
+    )
+
+
+#: What a catalog of version 4 reads as schema 5 through, where it cannot be migrated: no blob is known bad.
+_V5_READ_AS = (
+    "CREATE TEMP VIEW IF NOT EXISTS bad_blobs AS SELECT 0 AS blob_id, '' AS pack, 0 AS offset, 0.0 AS found_at, '' AS reason WHERE 0"
+)
+
+
 def drop_commit_rows(cat: Catalog, cids: list[str]) -> None:
     """Delete the rows of commits ``cids`` (shards, leaves, components, parents; not the
     commits rows, records or tags), inside the caller's write transaction. Rows a kept commit
@@ -271,6 +289,7 @@ MIGRATIONS: list[Migration] = [
     Migration(2, "commit records in the catalog and in packs (records table): manifests verifiable, catalog rebuildable", _v2),
     Migration(3, "indexes for large stores: tags by commit, ref-move records by tag and seq", _v3, index_only=True),
     Migration(4, "rows shared between commits: components.rows_of, the commit_leaves view", _v4, read_as=_V4_READ_AS),
+    Migration(5, "blobs known to be bad (bad_blobs): dedup never reuses them; a good copy replaces them", _v5, read_as=_V5_READ_AS),
 ]
 SCHEMA_VERSION = MIGRATIONS[-1].version
 

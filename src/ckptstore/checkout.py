@@ -19,7 +19,7 @@ from torch.autograd.graph import increment_version
 from . import jsonvalue, progress
 from .adapters import Adapter, ComponentState, LazyTensor, Registry, join, migrate
 from .adapters.base import Scope, check_key, escape, under
-from .errors import AdapterError, CkptStoreError, IntegrityError, PartialPathError, TargetMismatchError
+from .errors import AdapterError, BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, PartialPathError, TargetMismatchError
 from .layout import check_path, keypath, split
 from .packs import BLOB_HEADER, CODEC_RAW, RUN_BLOBS
 from .shards import DTYPES, ShardPlan, byte_view, dense_order
@@ -73,12 +73,17 @@ class BlobReader:
         total = sum(task[0].raw_len for task in tasks)
         self.packs.prefetch([task[0] for task in tasks])
         units = self._runs(tasks)
+        bad: list[tuple] = []  # (location, why) of the blobs whose read failed verification
         try:
             with progress.task(f"checkout {self.cid[:12]}", total) as advance:
                 def run(unit: list[tuple]) -> None:
                     if len(unit) == 1 or not self.packs.read_run([t[0] for t in unit], [t[1] for t in unit], self.verify):
                         for loc, dest, rec, i in unit:  # one by one: what is wrong is named, a moved blob found
-                            self.packs.read_into(loc, dest, f"commit {self.cid}, leaf {rec.path}, shard {i}", self.verify)
+                            try:
+                                self.packs.read_into(loc, dest, f"commit {self.cid}, leaf {rec.path}, shard {i}", self.verify)
+                            except (BlobCorruptError, BlobMissingError) as exc:
+                                bad.append((loc, str(exc)))  # marked below, in the calling thread
+                                raise
                     advance(sum(t[0].raw_len for t in unit))
 
                 if total > _INLINE_BYTES:
@@ -87,6 +92,8 @@ class BlobReader:
                     for unit in units:
                         run(unit)
         finally:
+            if bad:  # dedup must never reuse them: the next commit of their content writes a good copy (invariant 14)
+                self.store.home.mark_bad(bad)
             # The bytes went in through raw memory, which torch does not count: a live target
             # (a replay buffer's columns) must not keep the fingerprints of what it held
             # before, even when a bad blob stopped the read part-way.

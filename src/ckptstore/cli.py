@@ -539,6 +539,10 @@ def _print_fsck(report, as_json: bool) -> None:
                 say(f"damaged tags: {', '.join(report.damaged_tags)}")
             for key in report.repaired:
                 say(f"repaired: {key}")
+            for blob in report.replaced_blobs:
+                say(f"replaced: blob {blob} (the index points at a good copy found in a pack)")
+            if report.marked_bad:
+                say(f"marked bad: {counted(report.marked_bad, 'blob')} (never reused; the next commit of their bytes writes a good copy)")
             if report.missing_indexes:
                 say(f"packs without .idx (walked instead; GC rebuilds or removes them): {len(report.missing_indexes)}")
             say(
@@ -555,7 +559,7 @@ def fsck(
     store: StorePath = None,
     deep: Annotated[bool, typer.Option("--deep", metavar="", help="Reread blobs and check their hashes.")] = False,
     sample: Annotated[float, typer.Option(help="Reread this fraction of the blobs (implies --deep).")] = 1.0,
-    repair: Annotated[bool, typer.Option("--repair", metavar="", help="Object storage: rebuild damaged pack indexes and marker (implies --deep).")] = False,
+    repair: Annotated[bool, typer.Option("--repair", metavar="", help="Replace bad blob copies by good ones found in packs; object storage: also rebuild damaged pack indexes and marker (implies --deep).")] = False,
     as_json: AsJson = False,
 ) -> None:
     """Check the catalog and the blobs; exit 1 when anything is wrong (orphans are reported, not errors)."""

@@ -643,10 +643,17 @@ class CommitEngine:
         return [y for f in futures for y in f.result()]
 
     def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
-        """Blob ids of the addresses the catalog already holds."""
+        """Blob ids of the addresses the catalog already holds, less those marked bad
+        (``bad_blobs``: a read or fsck found the copy damaged): dedup never reuses a bad blob;
+        the commit writes the address again and its index step points the row at the new copy."""
         wanted = set(keys)
         rows = self.catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
-        return {(h, n): i for h, n, i in rows if (h, n) in wanted}
+        found = {(h, n): i for h, n, i in rows if (h, n) in wanted}
+        if found:  # (a few rows at most, almost always none: one probe; in the SQL above it cost 3x the lookup)
+            bad = {r[0] for r in self.catalog.rows("SELECT blob_id FROM bad_blobs", raw=True)}
+            if bad:
+                found = {k: i for k, i in found.items() if i not in bad}
+        return found
 
 
 __all__ = ["CommitEngine", "CommitInfo", "ReusedBlobsGone", "given_stored", "ints_json", "paused_gc"]

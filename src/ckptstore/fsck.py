@@ -22,7 +22,12 @@ what it holds and checks it the same way on both homes:
    there and long enough), and, with ``deep``, reread and rehashed in bounded memory
    (each blob once, however many commits share it; ``sample`` < 1: that fraction of each
    commit's blobs, at least one);
-4. one mapping: a blob missing or corrupt damages every commit that needs it, and a
+4. a blob that is missing or corrupt is marked bad in the home's index (never reused by
+   dedup, invariant 14: :meth:`ckptstore.home.Home.mark_bad`; not where the index cannot
+   be written) and, with ``repair``, the index is pointed at a good copy of its address:
+   one this run reread intact (``where``), or one the side finds in its packs
+   (``replace_bad``);
+5. one mapping: a blob missing or corrupt damages every commit that needs it, and a
    damaged commit every tag that names it. A tag naming a commit the home does not hold
    is damaged too. On a home whose commit records exist before their ref moves
    (``attempts_leave_records``: a bucket), a record no tag's lineage reaches whose blobs
@@ -61,6 +66,8 @@ class FsckReport:
     damaged_reflog: list[str] = field(default_factory=list)  # object storage: reflog objects that are not ref-move records
     damaged_marker: bool = False  # object storage: ckptstore.json fails its check
     repaired: list[str] = field(default_factory=list)  # what ``repair`` rebuilt (object keys)
+    marked_bad: int = 0  # blobs newly marked bad in the index (dedup never reuses them; the next commit of their bytes writes a good copy)
+    replaced_blobs: list[str] = field(default_factory=list)  # addresses whose bad copy ``repair`` replaced by a good one found in a pack
     unreferenced_blobs: int = 0
     tmp_files: int = 0
     commits: int = 0  # commits checked, damaged ones included
@@ -120,6 +127,12 @@ class FsckSide:
         """The checks only this home has (``whole``: of the whole store; ``ids``: the commits checked)."""
         raise NotImplementedError
 
+    def replace_bad(self, report: FsckReport, locs: list):
+        """With ``repair``: for each bad copy of ``locs`` (BlobLocs that failed), look for another
+        copy of the same address in the home's packs, verify it and point the index at it; yield
+        ``(loc, good loc)`` for each one replaced. Here: none (a home without it)."""
+        return iter(())
+
 
 def check_sample(sample: float) -> float:
     """Validate ``sample`` (0 < sample <= 1), before any read on either home. Raises InvalidArgumentError."""
@@ -132,8 +145,8 @@ def run(store, deep: bool = False, sample: float = 1.0, repair: bool = False) ->
     """``fsck`` on either home: ``sample`` < 1 implies ``deep``, ``repair`` implies it too.
 
     Raises:
-        InvalidArgumentError: ``sample`` outside (0, 1]; ``repair`` on a home that has
-            nothing it can repair (``start``: a local store's index is its catalog).
+        InvalidArgumentError: ``sample`` outside (0, 1].
+        StoreWriteError: ``repair`` on a local store that cannot be written here.
         NotAStoreError: a bucket prefix that holds no store.
     """
     check_sample(sample)
@@ -161,7 +174,8 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         sample: with ``deep``, the fraction of each commit's blobs to reread (0 < sample <= 1).
         commit: restrict every check to one commit's record and blobs.
         seed: the sample's random seed.
-        repair: let the side rebuild what it can (a bucket's pack indexes and marker).
+        repair: let the side rebuild what it can (bad blob copies replaced by good ones
+            found in packs; a bucket's pack indexes and marker).
 
     Raises:
         InvalidArgumentError: ``sample`` outside (0, 1].
@@ -204,9 +218,12 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
         if k not in where:
             rep.missing_blobs.append(address(*k))
             bad[k] = f"blob {address(*k)} is in no pack of {side.location}"
+    failed: list = []  # (location, why) of the copies that failed: marked bad, so that dedup never reuses them
     with progress.task("fsck --deep", sum(n for _, n in reread)) as advance:
         for loc, err in side.read([loc for k, loc in where.items() if k in users], reread):  # in the side's order (locally: as written)
             k = (loc.digest, loc.raw_len)
+            if err is not None:
+                failed.append((loc, str(err)))
             if isinstance(err, BlobMissingError):
                 rep.missing_blobs.append(loc.address)
             else:
@@ -217,6 +234,23 @@ def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = N
                     rep.corrupt_blobs.append(loc.address)
             if err is not None:
                 bad[k] = str(err)
+    if repair:  # the index's rows marked bad whose address this run reread intact elsewhere (a newer pack on a bucket) point there
+        for loc in store.home.marked():
+            k = (loc.digest, loc.raw_len)
+            good = where.get(k)
+            if k in reread and k not in bad and good is not None and (good.pack, good.offset) != (loc.pack, loc.offset):
+                if store.home.replace_copy(loc, good):
+                    rep.replaced_blobs.append(loc.address)
+    if failed:
+        rep.marked_bad = store.home.mark_bad(failed)  # (not on a store that cannot be written here)
+        if repair:  # another good copy of the address in the store's packs replaces the bad one
+            for loc, _good in side.replace_bad(rep, [loc for loc, _ in failed]):
+                k = (loc.digest, loc.raw_len)
+                rep.replaced_blobs.append(loc.address)
+                for lst in (rep.corrupt_blobs, rep.missing_blobs):
+                    if loc.address in lst:
+                        lst.remove(loc.address)
+                bad.pop(k, None)
     rep.problems += bad.values()
 
     damaged = set(rep.damaged_commits) | {c for k in bad for c in users[k]}

@@ -42,6 +42,7 @@ from .reuse import Reused, logical_bytes, per_component
 from .errors import (
     AmbiguousRefError,
     CatalogCorruptError,
+    CkptStoreError,
     IntegrityError,
     InvalidArgumentError,
     NotAStoreError,
@@ -49,7 +50,7 @@ from .errors import (
     StoreWriteError,
 )
 from .layout import address, shard_count
-from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, PackWriter
+from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
 from .records import LeafRecord
 from .refs import ANY, CatalogRefs, Refs
 
@@ -326,12 +327,17 @@ class Home:
                 gone = [reused[k][0] for (k,) in bad]
                 if gone:
                     raise ReusedBlobsGone(gone)
+            marked = [k for k in self.bad_blob_ids(list(known.items())) if k not in written] if known else []
+            if marked:  # known to be bad (a failed read, fsck): never reused; written again (invariant 14)
+                raise ReusedBlobsGone(marked)
             # Plain SQL, not sqlite-utils' tables: these look the schema up (several queries) on every call.
             run_many = store.catalog.conn.executemany
             run_many(
                 "INSERT OR IGNORE INTO packs (id, size, created_at) VALUES (?, ?, ?)",
                 [(pid, size, created_at) for pid, size in [*writer.pack_ids, *given_packs]],
             )
+            if written:
+                self._replace_bad(written)
             run_many(
                 "INSERT OR IGNORE INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                 [(loc.digest, loc.raw_len, loc.pack, loc.offset, loc.stored_len, loc.codec, created_at) for loc in written.values()],
@@ -392,6 +398,91 @@ class Home:
             if tags:  # in this transaction: the commit's rows and its tag moves are one
                 store.refs.move(dict.fromkeys(tags, (ANY, cid)), "commit", created_at, batch)
         return cid, parents, seconds, ids
+
+    # --- blobs known to be bad (invariant 14) -------------------------------------------------
+
+    def has_bad_blobs(self) -> bool:
+        """Whether the index holds any blob marked bad (one probe: the table is almost always empty)."""
+        return bool(self.store.catalog.rows("SELECT EXISTS (SELECT 1 FROM bad_blobs)", raw=True)[0][0])
+
+    def bad_blob_ids(self, pairs: list[tuple[tuple[bytes, int], int]]) -> list[tuple[bytes, int]]:
+        """The addresses of ``pairs`` (``(address, blob id)``) whose blob id is marked bad."""
+        if not pairs or not self.has_bad_blobs():
+            return []
+        rows = self.store.catalog.rows(
+            "SELECT j.key FROM json_each(?) j JOIN bad_blobs x ON x.blob_id = j.value", (json.dumps([i for _, i in pairs]),), raw=True)
+        return [pairs[k][0] for (k,) in rows]
+
+    def _replace_bad(self, written: dict) -> int:
+        """In the commit's transaction: point each blob row marked bad whose address the commit
+        wrote again (``written``: ``{address: BlobLoc}``) at the new copy, and delete its mark,
+        so every commit that references the address reads the good copy. Returns the rows
+        repointed."""
+        if not self.has_bad_blobs():
+            return 0
+        conn = self.store.catalog.conn
+        rows = conn.execute("SELECT b.id, b.hash, b.raw_len FROM bad_blobs x JOIN blobs b ON b.id = x.blob_id").fetchall()
+        fixed = [(written[(bytes(h), n)], i) for i, h, n in rows if (bytes(h), n) in written]
+        conn.executemany("UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE id = ?",
+                         [(loc.pack, loc.offset, loc.stored_len, loc.codec, i) for loc, i in fixed])
+        conn.executemany("DELETE FROM bad_blobs WHERE blob_id = ?", [(i,) for _, i in fixed])
+        return len(fixed)
+
+    def mark_bad(self, bad: list[tuple[BlobLoc, str]]) -> int:
+        """Record that the copies at ``bad`` (``(location, why)``: a read that failed
+        verification, fsck) are damaged, so that dedup never reuses them: the next commit of
+        their content writes a new copy, which replaces them (invariant 14). Only where the
+        blob row still points at that copy (a GC or a commit may have moved it meanwhile).
+
+        Never raises and never writes a catalog that cannot be written here (a read-only
+        store), nor inside a transaction of this connection; returns the blobs newly marked."""
+        cat = self.store._catalog
+        if not bad or cat is None or not cat.writable:
+            return 0
+        try:
+            with cat.lock:
+                if cat.conn.in_transaction:
+                    return 0
+                with cat.write():
+                    before = cat.conn.total_changes
+                    cat.conn.executemany(
+                        "INSERT OR IGNORE INTO bad_blobs (blob_id, pack, offset, found_at, reason) "
+                        "SELECT id, pack, offset, ?, ? FROM blobs WHERE hash = ? AND raw_len = ? AND pack = ? AND offset = ?",
+                        [(time.time(), why[:1000], loc.digest, loc.raw_len, loc.pack, loc.offset) for loc, why in bad],
+                    )
+                    return cat.conn.total_changes - before
+        except CkptStoreError:  # (busy, disk full, damaged): the read's own error is what the caller reports
+            return 0
+
+    def marked(self) -> list[BlobLoc]:
+        """Where the index's rows marked bad point now (few: each one is replaced by the next
+        commit of its bytes)."""
+        return [BlobLoc(bytes(h), n, p, o, sl, c) for h, n, p, o, sl, c in self.store.catalog.rows(
+            "SELECT b.hash, b.raw_len, b.pack, b.offset, b.stored_len, b.codec FROM bad_blobs x JOIN blobs b ON b.id = x.blob_id", raw=True)]
+
+    def replace_copy(self, loc: BlobLoc, good: BlobLoc) -> bool:
+        """Point the blob row of the bad copy ``loc`` at ``good`` (another copy of the same
+        address, verified by the caller, in a pack the index knows and a GC has not retired)
+        and delete its mark: fsck's repair. True when the row points at ``good`` afterwards;
+        False when it points elsewhere or that pack is retired or gone (a GC deletes a pack
+        only while no row points into it).
+
+        Raises:
+            StoreWriteError: the catalog cannot be written here.
+            CatalogBusyError: it stayed locked."""
+        cat = self.store.catalog
+        with cat.write():
+            if not cat.rows("SELECT 1 FROM packs WHERE id = ? AND retired_at IS NULL", (good.pack,), raw=True):
+                return False
+            n = cat.conn.execute(
+                "UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE hash = ? AND raw_len = ? AND pack = ? AND offset = ?",
+                (good.pack, good.offset, good.stored_len, good.codec, loc.digest, loc.raw_len, loc.pack, loc.offset)).rowcount
+            if not n:  # (moved there meanwhile: a cache's refresh)
+                n = len(cat.rows("SELECT 1 FROM blobs WHERE hash = ? AND raw_len = ? AND pack = ? AND offset = ?",
+                                 (loc.digest, loc.raw_len, good.pack, good.offset), raw=True))
+            if n:
+                cat.conn.execute("DELETE FROM bad_blobs WHERE blob_id IN (SELECT id FROM blobs WHERE hash = ? AND raw_len = ?)", (loc.digest, loc.raw_len))
+        return n > 0
 
     @staticmethod
     def _manifest_parts(components: list, leaves: list[LeafRecord]) -> list[str]:

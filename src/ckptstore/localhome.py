@@ -18,12 +18,12 @@ from typing import Any
 
 from . import progress, records
 from .catalog import drop_commit_rows, rebuild_record
-from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, InvalidArgumentError, ResourceLimitError
+from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, ResourceLimitError, StoreWriteError
 from .fsck import FsckReport, FsckSide
 from .gc import GCReport, GCSide, PackStat, gc_lock, packed, unlocked
 from .home import Home, tmp_files
 from .layout import ShardPlan, itemsize
-from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, fsync_dir, pack_path
+from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, fsync_dir, pack_path, scan
 from .records import KIND_COMMIT, KIND_REF
 
 
@@ -71,11 +71,41 @@ class LocalFsck(FsckSide):
     attempts_leave_records = False
 
     def start(self, repair: bool) -> None:
-        """Before any read: ``repair`` is refused (InvalidArgumentError): the index of a local
-        store is its catalog, rebuilt from the packs by ``recover``, not pack indexes."""
-        if repair:
-            raise InvalidArgumentError(f"{self.root}: a local store has no pack indexes to repair; its index is the catalog, "
-                                       "rebuilt from the packs by `ckptstore recover`")
+        """Before any read: ``repair`` on a store that cannot be written here is refused
+        (StoreWriteError). A local store has no pack indexes: its repair replaces bad blob
+        copies by good ones found in other packs (:meth:`replace_bad`); a lost or damaged
+        catalog is rebuilt from the packs by ``recover``."""
+        if repair and not self.store.catalog.writable:
+            raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): fsck --repair cannot write it")
+
+    def replace_bad(self, report: FsckReport, locs: list[BlobLoc]):
+        """For each bad copy of ``locs``, another copy of its address in a pack the catalog
+        knows (not retired by a GC): the packs' entry headers walked once, a candidate reread
+        and rehashed, the blob row pointed at the first good one and its mark deleted; yields
+        ``(bad loc, good loc)`` for each one replaced. Cost: one walk of the packs' headers."""
+        want = {(loc.digest, loc.raw_len): loc for loc in locs}
+        reader = PackReader(self.root)
+        try:
+            for (pid,) in self.store.catalog.rows("SELECT id FROM packs WHERE retired_at IS NULL ORDER BY created_at DESC, id", raw=True):
+                if not want:
+                    break
+                entries, _ = scan(pack_path(self.root, pid), pid)  # (a walk stopped by damage still gives the entries before it)
+                for e in entries:
+                    k = (e.loc.digest, e.loc.raw_len)
+                    bad = want.get(k)
+                    if bad is None or e.magic != BLOB_MAGIC or (e.loc.pack, e.loc.offset) == (bad.pack, bad.offset):
+                        continue
+                    try:
+                        reader.read(e.loc, f"fsck --repair, another copy of blob {e.loc.address}")
+                    except ResourceLimitError:
+                        raise
+                    except CkptStoreError:
+                        continue  # a bad copy too
+                    if self.home.replace_copy(bad, e.loc):
+                        del want[k]
+                        yield bad, e.loc
+        finally:
+            reader.close()
 
     def resolve(self, ref: str) -> str:
         """The commit id ``ref`` names (:meth:`ckptstore.Store.resolve`)."""

@@ -307,11 +307,14 @@ class Store(CommitEngine, Queries):
         """Check the store; ``deep`` rereads and rehashes blobs. ``sample`` < 1 rereads that
         fraction of them (and implies ``deep``). One protocol and one :class:`FsckReport` on
         both homes (:func:`ckptstore.fsck.run`, over the home's ``fsck_*`` primitives).
+        Blobs found missing or damaged are marked bad in the index (never reused by dedup;
+        ``report.marked_bad``). ``repair`` (implies ``deep``) points each bad blob's row at a
+        good copy found in a pack (``report.replaced_blobs``) and, on object storage,
+        rebuilds damaged pack indexes and the marker.
 
         Raises:
-            InvalidArgumentError: ``sample`` outside (0, 1]; ``repair`` on a local store: its
-                index is the catalog, rebuilt by :meth:`recover` (``repair`` is for stores on
-                object storage, whose pack indexes and marker are objects).
+            InvalidArgumentError: ``sample`` outside (0, 1].
+            StoreWriteError: ``repair`` on a store that cannot be written here.
         """
         return run_fsck(self, deep=deep, sample=sample, repair=repair)
 
