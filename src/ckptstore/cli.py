@@ -539,6 +539,8 @@ def _print_fsck(report, as_json: bool) -> None:
                 say(f"damaged tags: {', '.join(report.damaged_tags)}")
             for key in report.repaired:
                 say(f"repaired: {key}")
+            for line in report.foreign:
+                say(Text.assemble(("foreign", "yellow"), f": {line} (left alone)"))
             if report.missing_indexes:
                 say(f"packs without .idx (walked instead; GC rebuilds or removes them): {len(report.missing_indexes)}")
             say(
