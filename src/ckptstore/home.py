@@ -49,7 +49,7 @@ from .errors import (
     StoreWriteError,
 )
 from .layout import address, shard_count
-from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, PackWriter
+from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, PackWriter, walk_store
 from .records import LeafRecord
 from .refs import ANY, CatalogRefs, Refs
 
@@ -184,7 +184,7 @@ class Home:
                 if "ckptstore recover" in str(exc):
                     raise
                 raise type(exc)(f"{exc}; if the catalog is lost or damaged, `ckptstore recover --store {root}` rebuilds it from the packs") from None
-            packs = next(iter(root.glob("blobs/*/*.pack")), None)
+            packs = next((rel for kind, rel, _ in walk_store(root) if kind == "pack"), None)  # (no link followed: invariant 13)
             if packs is None:
                 break
             if attempt:  # packs and no catalog: the catalog was deleted
