@@ -1045,7 +1045,13 @@ class Harness:
             elif d is None and c in deleted and not reported(t, c):
                 missed.append(f"tag {t}, whose record {c} was deleted")
         for d in bucket_damage:
-            if d.kind.startswith("marker-") and "ckptstore.json" not in text:
+            # A deleted marker is damage only where the prefix holds a store (refs or commit records): fsck says
+            # "ckptstore.json is missing, though the prefix holds a store" (bucketformat.marker_problem), and a prefix
+            # with neither is an empty one that its first commit makes a store. On a loaded machine every writer of
+            # seed 4242 was killed before its first commit (ops: gc 10, open 6), and round 2's marker-del was then
+            # rightly not reported.
+            holds = d.kind != "marker-del" or bool(self.backend.list_refs() or self.backend.list("commits"))
+            if d.kind.startswith("marker-") and holds and "ckptstore.json" not in text:
                 missed.append(d.describe())
             if d.kind == "reflog-flip" and d.key not in text and self.backend.head(d.key) is not None:
                 missed.append(d.describe())  # (a GC may have collected it with its dropped commits: retention governs the reflog)
