@@ -796,6 +796,10 @@ class Harness:
         if self.ledger:
             self.stats["gc0_with_damage"] += 1
         self.gc0_clean = not self.ledger
+        try:
+            self.gc0_at = self.backend.now()  # the server's clock before the GC: what it can be asked to have collected
+        except CkptStoreError:
+            self.gc0_clean = False  # (no clock: the reflog check is skipped this round)
         with self.warm() as s:
             try:
                 s.gc(grace=0, keep_last=3)
@@ -889,19 +893,23 @@ class Harness:
             keys = self._needs(cid)
             if keys is None:
                 return "lost", [f"the record of commit {cid} is missing or damaged and no damage explains it"]
-            worst, why = "clean", []
-            for k in keys:
+            # Every damaged blob of the commit is named, not only the first: fsck reports each blob every copy of which
+            # is damaged ("blob X is in no pack", "... is truncated"), one line per blob, and the check in fsck() below
+            # accepts a line only if it names something the ledger explains. Returning at the first such blob left the
+            # others unexplained whenever one damaged pack held two or more of a commit's blobs: seeds 4242 (pack-trunc:
+            # 3 blobs past the cut) and 777 (pack-del: 12 blobs of one commit in the deleted pack) failed so in round 1.
+            must, may = [], []
+            for k in sorted(keys):
                 ls = loc.get(k, [])
                 if not ls:
                     return "lost", [f"blob {address(*k)} of commit {cid} is in no pack on the bucket"]
                 bad = [(p, a) for p, a, b in ls if p in whole or any(q == p and a <= off < b for q, off in spots)]
                 deg = [p for p, _, _ in ls if p in degraded]
                 if len(bad) == len(ls):
-                    return "must", [f"blob {address(*k)}"]
-                if bad or deg:
-                    worst = "may"
-                    why.append(f"blob {address(*k)}")
-            return worst, why
+                    must.append(f"blob {address(*k)}")
+                elif bad or deg:
+                    may.append(f"blob {address(*k)}")
+            return ("must" if must else "may" if may else "clean"), must + may
 
         st = {cid: status(cid) for cid in commits}
         for cid in set(refs.values()) - commits:
@@ -1041,7 +1049,13 @@ class Harness:
             elif d is None and c in deleted and not reported(t, c):
                 missed.append(f"tag {t}, whose record {c} was deleted")
         for d in bucket_damage:
-            if d.kind.startswith("marker-") and "ckptstore.json" not in text:
+            # A deleted marker is damage only where the prefix holds a store (refs or commit records): fsck says
+            # "ckptstore.json is missing, though the prefix holds a store" (bucketformat.marker_problem), and a prefix
+            # with neither is an empty one that its first commit makes a store. On a loaded machine every writer of
+            # seed 4242 was killed before its first commit (ops: gc 10, open 6), and round 2's marker-del was then
+            # rightly not reported.
+            holds = d.kind != "marker-del" or bool(self.backend.list_refs() or self.backend.list("commits"))
+            if d.kind.startswith("marker-") and holds and "ckptstore.json" not in text:
                 missed.append(d.describe())
             if d.kind == "reflog-flip" and d.key not in text and self.backend.head(d.key) is not None:
                 missed.append(d.describe())  # (a GC may have collected it with its dropped commits: retention governs the reflog)
@@ -1098,6 +1112,13 @@ class Harness:
         commits = {o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")}
         stale = []
         for o in self.backend.list("reflog"):
+            if o.mtime >= self.gc0_at:
+                # Written (server clock, whole seconds) while or after the GC ran, so younger than its cutoff: a GC
+                # collects only objects older than its cutoff (invariant 5), and a PUT a writer sent just before its
+                # SIGKILL can land after the kill on a loaded server ("no process running" is not "no request in
+                # flight"). Not the GC's to have collected; the next GC does. Objects older than the GC stay checked.
+                self.stats["reflog_younger_than_gc0"] = self.stats.get("reflog_younger_than_gc0", 0) + 1
+                continue
             try:
                 m = json.loads(self.backend.get(o.key))
                 named = {m.get("new"), m.get("old")} - {None}

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -396,14 +397,17 @@ def keep_reserve(catalog: Path, size: int | None = None) -> bool:
         except OSError:
             return False
     try:
-        if path.stat().st_blocks * 512 >= size:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return False  # a link, FIFO... in its place is not ours: never written through (invariant 13)
+        if st.st_blocks * 512 >= size:
             return True
     except FileNotFoundError:
         pass
     except OSError:
         return False
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
         try:
             os.posix_fallocate(fd, 0, size)
         finally:
@@ -419,7 +423,10 @@ def release_reserve(catalog: Path) -> int:
     cannot be deleted here)."""
     path = reserve_path(catalog)
     try:
-        held = path.stat().st_blocks * 512
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return 0  # not ours: left alone
+        held = st.st_blocks * 512
         path.unlink()
     except OSError:
         return 0

@@ -543,6 +543,8 @@ def _print_fsck(report, as_json: bool) -> None:
                 say(f"replaced: blob {blob} (the index points at a good copy found in a pack)")
             if report.marked_bad:
                 say(f"marked bad: {counted(report.marked_bad, 'blob')} (never reused; the next commit of their bytes writes a good copy)")
+            for line in report.foreign:
+                say(Text.assemble(("foreign", "yellow"), f": {line} (left alone)"))
             if report.missing_indexes:
                 say(f"packs without .idx (walked instead; GC rebuilds or removes them): {len(report.missing_indexes)}")
             say(

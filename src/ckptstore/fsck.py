@@ -34,7 +34,9 @@ what it holds and checks it the same way on both homes:
    are gone is an orphan (a commit killed before its ref move, swept by a GC), not damage.
 
 Problems (``report.problems``, non-zero exit) are what is damaged; orphans are reported
-but are not problems (GC removes them after the grace period). Open files stay bounded
+but are not problems (GC removes them after the grace period), and neither are a folder's
+foreign entries (``report.foreign``: links, FIFOs, sockets, devices, stray files that
+ckptstore did not make, one line each; never followed, left alone by GC: invariant 13). Open files stay bounded
 (:data:`ckptstore.packs.MAX_OPEN_PACKS`) whatever the number of packs.
 """
 
@@ -70,6 +72,9 @@ class FsckReport:
     replaced_blobs: list[str] = field(default_factory=list)  # addresses whose bad copy ``repair`` replaced by a good one found in a pack
     unreferenced_blobs: int = 0
     tmp_files: int = 0
+    # a folder: entries ckptstore did not make (a symbolic link, FIFO, socket, device, a stray file), one line each,
+    # e.g. "blobs/zz is a symbolic link, not made by ckptstore"; left alone by GC, never followed (not a problem)
+    foreign: list[str] = field(default_factory=list)
     commits: int = 0  # commits checked, damaged ones included
     blobs_checked: int = 0  # blobs reread and rehashed (each once), intact or not
     bytes_checked: int = 0

@@ -44,6 +44,7 @@ import fnmatch
 import heapq
 import os
 import re
+import stat
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -149,9 +150,15 @@ def gc_lock(root: Path, read_only_ok: bool = False):
     On a store that cannot be written, ``read_only_ok`` (a dry run) goes on
     without the lock; otherwise StoreWriteError says the store is read-only.
     """
-    try:
-        fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # (no link followed, no FIFO waited on: invariant 13)
+        fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, "not a regular file")
     except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EINVAL, errno.ENXIO):
+            raise StoreWriteError(f"{root / 'gc.lock'} is {'a symbolic link' if exc.errno == errno.ELOOP else 'not a regular file'}, "
+                                  "not made by ckptstore: remove it (GC and recover lock the store with it)") from None
         if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
             raise
         if read_only_ok:
@@ -171,12 +178,17 @@ def gc_lock(root: Path, read_only_ok: bool = False):
 
 
 def unlocked(path: Path) -> int | None:
-    """An fd holding an exclusive lock on ``path``, or None if a running commit holds it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
+    """An fd holding an exclusive lock on ``path``, or None if a running commit holds it (or it
+    is gone, or is not a regular file: a link, FIFO, socket or device is left alone)."""
+    try:  # a link, FIFO, socket or device is not a pack: never followed, opened or locked (invariant 13)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC) if stat.S_ISREG(os.lstat(path).st_mode) else None
+    except OSError:
+        return None
+    if fd is None:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)

@@ -50,7 +50,7 @@ from .errors import (
     StoreWriteError,
 )
 from .layout import address, shard_count
-from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter
+from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter, walk_store
 from .records import LeafRecord
 from .refs import ANY, CatalogRefs, Refs
 
@@ -61,15 +61,6 @@ if TYPE_CHECKING:
 CATALOG = "catalog.sqlite"
 # The only names in a store's folder: one with others and no catalog is not a store (leases: ckptstore.run).
 _STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|-reserve|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")
-
-
-def tmp_files(root: Path) -> list[Path]:
-    """The files in ``root/tmp/`` (none where the folder is missing: a copy tool may drop an
-    empty folder, and a read-only store cannot make it again)."""
-    try:
-        return [f for f in (root / "tmp").iterdir() if f.is_file()]
-    except FileNotFoundError:
-        return []
 
 
 def _setting(name: str, value: Any, low: int, high: int) -> Any:
@@ -194,7 +185,7 @@ class Home:
                 if "ckptstore recover" in str(exc):
                     raise
                 raise type(exc)(f"{exc}; if the catalog is lost or damaged, `ckptstore recover --store {root}` rebuilds it from the packs") from None
-            packs = next(iter(root.glob("blobs/*/*.pack")), None)
+            packs = next((rel for kind, rel, _ in walk_store(root) if kind == "pack"), None)  # (no link followed: invariant 13)
             if packs is None:
                 break
             if attempt:  # packs and no catalog: the catalog was deleted
@@ -669,7 +660,7 @@ class Home:
         files = {f.name: f.stat().st_size for f in self.store.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak")}
         reserve = files.pop(reserve_path(self.store.root / CATALOG).name, 0)
         catalog = sum(files.values())
-        tmp = sum(f.stat().st_size for f in tmp_files(self.store.root))
+        tmp = sum(st.st_size for kind, _, st in walk_store(self.store.root) if kind == "tmp")  # (no tmp/ folder: none)
         return {
             "commits": c["n"], "tags": len(self.store.tags()), "blobs": b["n"], "packs": p["n"],
             "logical_bytes": c["logical"], "unique_bytes": b["raw"], "stored_bytes": b["stored"],
@@ -679,4 +670,4 @@ class Home:
         }
 
 
-__all__ = ["CATALOG", "Home", "tmp_files", "weakly"]
+__all__ = ["CATALOG", "Home", "weakly"]

@@ -11,19 +11,21 @@ import json
 import math
 import os
 import shutil
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from . import progress, records
+from .backends.local import ForeignEntryError, describe_mode, lstat_beneath, open_dir, open_regular, unlink_beneath
 from .catalog import drop_commit_rows, rebuild_record
 from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, ResourceLimitError, StoreWriteError
 from .fsck import FsckReport, FsckSide
 from .gc import GCReport, GCSide, PackStat, gc_lock, packed, unlocked
-from .home import Home, tmp_files
+from .home import Home
 from .layout import ShardPlan, itemsize
-from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, fsync_dir, pack_path, scan
+from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, pack_path, scan, walk_store
 from .records import KIND_COMMIT, KIND_REF
 
 
@@ -46,10 +48,11 @@ class LocalHome(Home):
 
     def pack_size(self, pack: str) -> int | None:
         """As :meth:`ckptstore.Store.pack_size` (its docstring: returns, raises), on this home."""
-        try:
-            return pack_path(self.root, pack).stat().st_size
+        try:  # (a link, FIFO, socket or device in its place is no pack: invariant 13)
+            st = lstat_beneath(self.root, pack_path(self.root, pack))
         except OSError:
             return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def gc_side(self) -> LocalGC:
         """This home's primitives of the GC protocol (:func:`ckptstore.gc.collect`)."""
@@ -250,8 +253,14 @@ class LocalFsck(FsckSide):
                 if whole:
                     rows += cat.rows(f"SELECT * FROM records WHERE kind = {records.KIND_REF}")
         if whole:
-            report.orphan_packs = sorted(f.stem for f in (self.root / "blobs").glob("*/*.pack") if f.stem not in packs)
-            report.tmp_files = len(tmp_files(self.root))
+            for kind, rel, st in walk_store(self.root):
+                if kind == "pack" and Path(rel).stem not in packs:
+                    report.orphan_packs.append(Path(rel).stem)
+                elif kind == "tmp":
+                    report.tmp_files += 1
+                elif kind == "foreign":
+                    report.foreign.append(f"{rel} is {describe_mode(st.st_mode)}, not made by ckptstore")
+            report.orphan_packs.sort()
         if not deep:
             return
         reader = PackReader(self.root, locate=self.store.relocate)
@@ -440,7 +449,7 @@ class LocalGC(GCSide):
             for p in batch:
                 where = f"repacking pack {p.id}"
                 blobs, recs = entries[p.id]
-                with open(pack_path(store.root, p.id), "rb") as f, progress.task(f"repack {p.id[:12]}", sum(r["raw_len"] for r in blobs)) as advance:
+                with os.fdopen(open_regular(store.root, pack_path(store.root, p.id)), "rb") as f, progress.task(f"repack {p.id[:12]}", sum(r["raw_len"] for r in blobs)) as advance:
                     for table, rows, magic in (("blobs", blobs, BLOB_MAGIC), ("records", recs, RECORD_MAGIC)):
                         for r in rows:
                             blob = table == "blobs"
@@ -487,33 +496,53 @@ class LocalGC(GCSide):
                 self.cat.chunked("DELETE FROM packs WHERE id IN ({})", ids)
                 for pid in ids:
                     path = pack_path(self.store.root, pid)
-                    batch[pid].freed = _unlink(path, sync=False)
+                    try:
+                        batch[pid].freed = unlink_beneath(self.store.root, path, sync=False)
+                    except ForeignEntryError:  # not the pack ckptstore wrote (a link, a FIFO...): left alone, fsck names it
+                        batch[pid].freed = 0
                     folders.add(path.parent)
                     gone.append(batch[pid])
         for folder in sorted(folders):  # the unlinks made durable once per folder, not per pack
-            fsync_dir(folder)
+            try:
+                fd = open_dir(self.store.root, folder)
+            except OSError:  # gone, or not the store's folder: nothing of ours to make durable there
+                continue
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         return [], gone
 
     def leftovers(self, cutoff: float, own_due: bool, report: GCReport) -> None:
+        """Remove pack files without a row and files in ``tmp/`` older than ``cutoff`` that no
+        running commit ``flock``s. Only regular files reached without a symbolic link are
+        candidates (:func:`ckptstore.packs.walk_store`), and each is unlinked through its
+        folder's descriptor: a link (``tmp`` or ``blobs/zz`` pointing at another folder), a
+        FIFO, socket or device is never followed, opened or deleted (invariant 13)."""
         known = {r[0] for r in self.cat.rows("SELECT id FROM packs", raw=True)}
         root = self.store.root
-        candidates = [(f, "orphan") for f in (root / "blobs").glob("*/*.pack") if f.stem not in known]
-        candidates += [(f, "tmp") for f in tmp_files(root)]
+        candidates = [(root / rel, "orphan" if kind == "pack" else "tmp") for kind, rel, _ in walk_store(root)
+                      if kind == "tmp" or (kind == "pack" and Path(rel).stem not in known)]
         for path, kind in candidates:
             try:
-                st = path.stat()
-            except FileNotFoundError:
+                st = lstat_beneath(root, path)
+            except OSError:  # gone, or its folder replaced by a link meanwhile
                 continue
-            if st.st_mtime > cutoff:
+            if st.st_mtime > cutoff or not stat.S_ISREG(st.st_mode):
                 continue
             fd = unlocked(path)
             if fd is None:
                 continue  # a running commit owns it
             try:
+                if (os.fstat(fd).st_dev, os.fstat(fd).st_ino) != (st.st_dev, st.st_ino):
+                    continue  # replaced between the two looks
                 if kind == "orphan" and self.cat.rows("SELECT 1 FROM packs WHERE id = ?", (path.stem,)):
                     continue  # its commit finished meanwhile
                 if not report.dry_run:
-                    _unlink(path)
+                    try:
+                        unlink_beneath(root, path)
+                    except ForeignEntryError:
+                        continue
             finally:
                 os.close(fd)
             report.bytes_freed += st.st_size
@@ -521,18 +550,6 @@ class LocalGC(GCSide):
                 report.orphans_removed += 1
             else:
                 report.tmp_removed += 1
-
-
-def _unlink(path: Path, sync: bool = True) -> int:
-    """Unlink ``path`` (and, with ``sync``, fsync its folder); its size in bytes, 0 if it was gone."""
-    try:
-        size = path.stat().st_size
-        path.unlink()
-        if sync:
-            fsync_dir(path.parent)
-        return size
-    except FileNotFoundError:
-        return 0
 
 
 __all__ = ["LocalFsck", "LocalGC", "LocalHome"]

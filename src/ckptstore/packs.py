@@ -38,19 +38,22 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
+import stat
 import struct
 import sys
 import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 import zstandard
 
+from .backends.local import describe_mode, open_dir, open_regular, own_dir
 from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, ResourceLimitError, StoreWriteError
 from .layout import address
 from .layout import digest as xxh3
@@ -103,6 +106,75 @@ class BlobLoc:
 def pack_path(root: Path, pack_id: str) -> Path:
     """Final path of pack ``pack_id`` under a store's ``blobs/`` folder."""
     return root / "blobs" / pack_id[:2] / f"{pack_id}.pack"
+
+
+#: The names a local store's root holds (as ``ckptstore.home._STORE_NAMES``), and the kind each must be.
+_ROOT_NAMES = re.compile(r"^(?:(?P<file>catalog\.sqlite(?:-wal|-shm|-journal|-reserve|\.v\d+\.bak|\.damaged-\d{8}-\d{6}(?:-wal|-shm)?)?|gc\.lock)|(?P<dir>blobs|tmp|leases))$")
+
+
+def walk_store(root: Path) -> Iterator[tuple[str, str, os.stat_result]]:
+    """Every entry of a store folder that ckptstore acts on or must report, found without
+    following a symbolic link (``root`` itself may be one) and without opening a file:
+    ``(kind, path relative to root, its lstat)``, kind
+
+    * ``"pack"``: a regular file ``blobs/<folder>/<name>.pack``;
+    * ``"tmp"``: a regular file in ``tmp/``;
+    * ``"foreign"``: what ckptstore did not make there: a symbolic link, FIFO, socket or
+      device anywhere, a file or folder of another name at the root or in ``blobs/``, a
+      file not named ``*.pack`` in a pack folder, a folder where a file belongs or the
+      reverse. Nothing walks into a foreign entry; GC and recover leave them alone
+      (invariant 13), fsck names each one.
+
+    Folders missing or vanishing meanwhile are skipped. Raises OSError only when ``root``
+    cannot be listed.
+    """
+
+    def entries(rel: str) -> list[tuple[str, os.stat_result]]:
+        try:
+            fd = open_dir(root, root / rel) if rel else os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return []
+        try:
+            out = []
+            with os.scandir(fd) as it:
+                for e in it:
+                    with suppress(FileNotFoundError):
+                        out.append((e.name, os.stat(e.name, dir_fd=fd, follow_symlinks=False)))
+            return sorted(out, key=lambda x: x[0])
+        finally:
+            os.close(fd)
+
+    for name, st in entries(""):
+        m = _ROOT_NAMES.match(name)
+        want = None if m is None else stat.S_ISREG if m["file"] else stat.S_ISDIR
+        if want is None or not want(st.st_mode):
+            yield "foreign", name, st
+            continue
+        if name not in ("blobs", "tmp", "leases"):
+            continue
+        for sub, sst in _guarded(entries, name):
+            rel = f"{name}/{sub}"
+            if name == "tmp":
+                if stat.S_ISREG(sst.st_mode):
+                    yield "tmp", rel, sst
+                elif not stat.S_ISDIR(sst.st_mode):  # (folders in tmp/: a recover's or a cache's work)
+                    yield "foreign", rel, sst
+            elif name == "leases":
+                if not stat.S_ISREG(sst.st_mode) and not stat.S_ISDIR(sst.st_mode):
+                    yield "foreign", rel, sst
+            elif not stat.S_ISDIR(sst.st_mode):
+                yield "foreign", rel, sst
+            else:
+                for leaf, lst in _guarded(entries, rel):
+                    yield ("pack" if stat.S_ISREG(lst.st_mode) and leaf.endswith(".pack") else "foreign"), f"{rel}/{leaf}", lst
+
+
+def _guarded(entries, rel: str) -> list:
+    """``entries(rel)``, or none when the folder was replaced (by a link or a file) since it was looked at."""
+    try:
+        return entries(rel)
+    except OSError:
+        return []
 
 
 def fsync_dir(path: Path) -> None:
@@ -158,7 +230,7 @@ def encode_blob(raw: memoryview, level: int) -> tuple[int, bytes | memoryview]:
 
 class _OpenPack:
     def __init__(self, root: Path):
-        (root / "tmp").mkdir(exist_ok=True)
+        own_dir(root, root / "tmp")  # a link or file named tmp is not written through (invariant 13)
         while True:
             self.id = uuid.uuid4().hex
             self.tmp = root / "tmp" / f"{self.id}.pack.tmp"
@@ -275,7 +347,7 @@ class PackWriter:
                 with self._lock:
                     pack.sealed = pack.flushing = True  # durable under its final name from here: never written again
                 os.fsync(pack.fd)
-                pack.final.parent.mkdir(parents=True, exist_ok=True)
+                own_dir(self.root, pack.final.parent)  # never renamed through a link out of the store
                 os.rename(pack.tmp, pack.final)
                 pack.renamed = True
                 dirs.add(pack.final.parent)
@@ -382,8 +454,8 @@ class PackReader:
     def _open(self, pack: str, where: str) -> int:
         path = pack_path(self.root, pack)
         for attempt in range(2):
-            try:
-                return os.open(path, os.O_RDONLY)
+            try:  # a link, FIFO, socket or device in its place is not the pack (invariant 13): never followed, never opened
+                return open_regular(self.root, path)
             except FileNotFoundError:
                 raise BlobMissingError(f"{where}: pack file {pack}.pack is missing") from None
             except OSError as exc:
@@ -619,8 +691,14 @@ def scan(path: Path, pack_id: str) -> tuple[list[Entry], str | None]:
         ResourceLimitError: the process has no file descriptor left to open it.
     """
     entries: list[Entry] = []
-    try:
-        fd = os.open(path, os.O_RDONLY)
+    try:  # never follows a link nor opens a FIFO, socket or device (invariant 13): the caller reached ``path`` without a link
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return entries, f"{path.name} is {describe_mode(st.st_mode)}, not made by ckptstore"
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return entries, f"{path.name} is not a regular file"
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):  # the process's fault, not the pack's
             raise ResourceLimitError(f"opening pack file {path}: {exc.strerror} (raise `ulimit -n`)") from None

@@ -46,12 +46,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import jsonvalue
+from .backends.local import describe_mode, own_dir
 from .catalog import Catalog, CatalogMissing, backfill_records
 from .errors import (
     CatalogBusyError,
@@ -62,11 +64,12 @@ from .errors import (
     NotAStoreError,
     ObjectNotFoundError,
     ResourceLimitError,
+    StoreWriteError,
 )
 from .gc import gc_lock
 from .layout import address
 from .packindex import index_key
-from .packs import CODEC_RAW, DEFAULT_PACK_BYTES, RECORD_MAGIC, PackReader, scan
+from .packs import CODEC_RAW, DEFAULT_PACK_BYTES, RECORD_MAGIC, PackReader, scan, walk_store
 from .records import KIND_COMMIT, KIND_REF, CommitRecord, commit_id, parse_commit, parse_ref
 from .bucketformat import fetch_record, parse_reflog, read_tag, repair_index
 
@@ -143,8 +146,13 @@ def recover(root: str | os.PathLike, force: bool = False) -> RecoverReport:
     """
     t0 = time.perf_counter()
     root = Path(root)
-    if not (root / "blobs").is_dir():
-        raise NotAStoreError(f"{root} has no blobs/ folder: nothing to recover from")
+    try:
+        blobs_mode = os.lstat(root / "blobs").st_mode
+    except OSError:
+        blobs_mode = None
+    if blobs_mode is None or not stat.S_ISDIR(blobs_mode):  # a link is not followed (invariant 13)
+        why = "has no blobs/ folder" if blobs_mode is None else f"has no blobs/ folder (blobs is {describe_mode(blobs_mode)}, not made by ckptstore)"
+        raise NotAStoreError(f"{root} {why}: nothing to recover from")
     state, old_ids = _inspect(root / CATALOG)
     if not force and state == "healthy":
         raise InvalidArgumentError(
@@ -154,7 +162,10 @@ def recover(root: str | os.PathLike, force: bool = False) -> RecoverReport:
     report = RecoverReport()
     with gc_lock(root):
         built = root / "tmp" / f"recover-{uuid.uuid4().hex}.sqlite"
-        built.parent.mkdir(exist_ok=True)
+        try:
+            own_dir(root, built.parent)  # never built through a link out of the store (invariant 13)
+        except OSError as exc:
+            raise StoreWriteError(f"{root}: cannot build the catalog in tmp/: {exc.strerror or exc}") from None
         try:
             new = Catalog(built, create=True)
             try:
@@ -214,12 +225,9 @@ def _rebuild(root: Path, cat: Catalog, report: RecoverReport) -> set[str]:
     seen: set[tuple[int, bytes]] = set()  # (kind, digest) of the records read: a repacked pack not yet unlinked holds copies
     reader = PackReader(root)
     try:
-        for path in sorted(root.glob("blobs/*/*.pack")):
+        for _, rel, st in (e for e in walk_store(root) if e[0] == "pack"):  # regular files only, no link followed
+            path = root / rel
             pack_id = path.stem
-            try:
-                st = path.stat()
-            except FileNotFoundError:
-                continue
             entries, problem = scan(path, pack_id)
             if problem:
                 report.damaged_packs[pack_id] = problem

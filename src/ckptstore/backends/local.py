@@ -66,6 +66,179 @@ from .base import (
     ref_segment,
 )
 
+# --- a store's folder is the store's (ARCHITECTURE invariant 13) -------------------------
+#
+# Anything else may live in the folder: a symbolic link someone made (``tmp`` pointing at
+# another folder, ``blobs/zz`` at a shared disk), a FIFO, a socket, a device node. ckptstore
+# follows no symbolic link below a store's root (the root itself may be one), opens no
+# non-regular file (``O_NOFOLLOW | O_NONBLOCK`` and an ``lstat`` first: a FIFO never blocks
+# a command), and unlinks only through a folder descriptor reached without a link, so
+# nothing outside the folder is read as the store's, written or deleted.
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class ForeignEntryError(OSError):
+    """An entry below a store's root that ckptstore did not make and does not use: a
+    symbolic link (``errno`` ``ELOOP``), or a FIFO, socket, device or folder where a regular
+    file (``EINVAL``), or a file where a folder (``ENOTDIR``), was expected. ``strerror``
+    says which, in one line; callers turn it into their own error (a missing blob, a
+    refused write) and never follow or delete the entry."""
+
+
+def describe_mode(mode: int) -> str:
+    """``"a symbolic link"``, ``"a FIFO"``, ``"a socket"``, ``"a character device"``,
+    ``"a block device"``, ``"a folder"`` or ``"a file"``: what an ``st_mode`` is, for messages."""
+    for test, name in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "a file"
+
+
+def foreign(rel: str, mode: int, want: str = "a regular file") -> ForeignEntryError:
+    """The :class:`ForeignEntryError` of entry ``rel`` (relative to the store root) of mode ``mode``."""
+    what = describe_mode(mode)
+    code = errno.ELOOP if stat.S_ISLNK(mode) else errno.ENOTDIR if want == "a folder" else errno.EINVAL
+    return ForeignEntryError(code, f"{rel} is {what}, not made by ckptstore ({want} was expected)")
+
+
+def _parts(root: Path, path: Path) -> list[str]:
+    try:
+        parts = Path(path).relative_to(root).parts
+    except ValueError:
+        raise InvalidArgumentError(f"{path} is not inside {root}") from None
+    if any(p in ("..", ".") for p in parts):
+        raise InvalidArgumentError(f"{path}: no '.' or '..' inside a store")
+    return list(parts)
+
+
+def open_dir(root: Path, path: Path) -> int:
+    """A descriptor of folder ``path`` (``root`` or a folder below it), reached from ``root``
+    without following a symbolic link (``root`` itself may be one).
+
+    Raises:
+        FileNotFoundError: a component is missing.
+        ForeignEntryError: a component is a symbolic link or not a folder.
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    done: list[str] = []
+    try:
+        for name in _parts(root, path):
+            try:
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise foreign("/".join([*done, name]), os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode, "a folder") from None
+            os.close(fd)
+            fd = nfd
+            done.append(name)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def lstat_beneath(root: Path, path: Path) -> os.stat_result:
+    """``lstat`` of ``path`` below ``root``, its folders reached without a symbolic link.
+
+    Raises:
+        FileNotFoundError: it (or a folder above it) is missing.
+        ForeignEntryError: a folder above it is a symbolic link or not a folder.
+    """
+    dfd = open_dir(root, Path(path).parent)
+    try:
+        return os.stat(Path(path).name, dir_fd=dfd, follow_symlinks=False)
+    finally:
+        os.close(dfd)
+
+
+def open_regular(root: Path, path: Path, flags: int = 0) -> int:
+    """A read-only descriptor (plus ``flags``) of the regular file ``path`` below ``root``,
+    reached without following a symbolic link and without opening anything else (a FIFO,
+    socket or device is never opened: it would block or act).
+
+    Raises:
+        FileNotFoundError: it is missing.
+        ForeignEntryError: it, or a folder above it, is not what ckptstore makes there.
+    """
+    path = Path(path)
+    dfd = open_dir(root, path.parent)
+    try:
+        st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise foreign("/".join(_parts(root, path)), st.st_mode)
+        fd = os.open(path.name, _READ_FLAGS | flags, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # replaced between the two looks
+        os.close(fd)
+        raise foreign("/".join(_parts(root, path)), st.st_mode)
+    return fd
+
+
+def unlink_beneath(root: Path, path: Path, sync: bool = True) -> int:
+    """Unlink the regular file ``path`` below ``root`` through its folder's descriptor (reached
+    without a symbolic link), and with ``sync`` fsync that folder; its size in bytes, 0 when
+    it was gone. Nothing else is ever unlinked: not a link, FIFO, socket or device.
+
+    Raises:
+        ForeignEntryError: it, or a folder above it, is not what ckptstore makes there
+            (it is left as it is).
+    """
+    path = Path(path)
+    try:
+        dfd = open_dir(root, path.parent)
+    except FileNotFoundError:
+        return 0
+    try:
+        try:
+            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise foreign("/".join(_parts(root, path)), st.st_mode)
+            os.unlink(path.name, dir_fd=dfd)
+        except FileNotFoundError:
+            return 0
+        if sync:
+            os.fsync(dfd)
+        return st.st_size
+    finally:
+        os.close(dfd)
+
+
+def own_dir(root: Path, path: Path) -> Path:
+    """Make folder ``path`` below ``root`` (and its missing parents) if missing; ``path``.
+
+    Raises:
+        ForeignEntryError: it, or a folder above it, exists as a symbolic link or not as a
+            folder (ckptstore writes nothing through it).
+    """
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    done: list[str] = []
+    try:
+        for name in _parts(root, path):
+            done.append(name)
+            try:
+                os.mkdir(name, dir_fd=fd)  # (mkdir never follows a link of its own name)
+                os.fsync(fd)
+            except FileExistsError:
+                pass
+            try:
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                raise foreign("/".join(done), os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode, "a folder") from None
+            os.close(fd)
+            fd = nfd
+    finally:
+        os.close(fd)
+    return path
+
+
 PRUNE_AGE = 600.0  # seconds a superseded ref version is kept
 _VERSION_DIGITS = 20
 _READ_ATTEMPTS = 100
@@ -119,23 +292,9 @@ class LocalBackend(Backend):
     def _path(self, key: str) -> Path:
         return self.root / check_key(key)
 
-    def _makedirs(self, path: Path) -> None:
-        """Create ``path`` and missing parents below the root, fsyncing each parent that gained one."""
-        missing = []
-        while not path.is_dir():
-            missing.append(path)
-            path = path.parent
-        for d in reversed(missing):
-            try:
-                d.mkdir()
-            except FileExistsError:
-                continue
-            _fsync_dir(d.parent)
-
     def _link_new(self, parts: list[memoryview], final: Path) -> bool:
         """Write ``parts`` to a locked, fsynced tmp file and link it to ``final``; ``False`` if it exists."""
-        tmpdir = self.root / "tmp"
-        tmpdir.mkdir(exist_ok=True)
+        tmpdir = own_dir(self.root, self.root / "tmp")  # never written through a link (invariant 13)
         while True:
             tmp = tmpdir / f"{uuid.uuid4().hex}.obj.tmp"
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -146,7 +305,7 @@ class LocalBackend(Backend):
         try:
             _write_all(fd, parts)
             os.fsync(fd)
-            self._makedirs(final.parent)
+            own_dir(self.root, final.parent)
             try:
                 os.link(tmp, final)
             except FileExistsError:
@@ -170,9 +329,9 @@ class LocalBackend(Backend):
     def get(self, key: str) -> bytes:
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(self.root, path), "rb") as f:
                 return f.read()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ForeignEntryError):
             raise ObjectNotFoundError(f"{self.root}: object {key} is missing") from None
         except OSError as exc:
             raise BackendError(f"{self.root}: reading object {key} failed: {exc}") from exc
@@ -181,8 +340,8 @@ class LocalBackend(Backend):
         path = self._path(key)
         ranges = check_ranges(ranges)
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            fd = open_regular(self.root, path)
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, ForeignEntryError):
             raise ObjectNotFoundError(f"{self.root}: object {key} is missing") from None
         except OSError as exc:
             raise BackendError(f"{self.root}: opening object {key} failed: {exc}") from exc
@@ -202,8 +361,8 @@ class LocalBackend(Backend):
 
     def head(self, key: str) -> ObjectInfo | None:
         try:
-            st = self._path(key).stat()
-        except (FileNotFoundError, NotADirectoryError):
+            st = lstat_beneath(self.root, self._path(key))
+        except (FileNotFoundError, NotADirectoryError, ForeignEntryError):
             return None
         except OSError as exc:
             raise BackendError(f"{self.root}: stat of object {key} failed: {exc}") from exc
@@ -215,8 +374,9 @@ class LocalBackend(Backend):
 
         def walk(folder: Path, rel: str, top: bool) -> None:
             try:
+                os.close(open_dir(self.root, folder))  # a prefix through a link lists nothing (invariant 13)
                 entries = list(os.scandir(folder))
-            except (FileNotFoundError, NotADirectoryError):
+            except (FileNotFoundError, NotADirectoryError, ForeignEntryError):
                 return
             except OSError as exc:
                 raise BackendError(f"{self.root}: listing {folder} failed: {exc}") from exc
@@ -243,9 +403,9 @@ class LocalBackend(Backend):
 
     def delete(self, key: str) -> None:
         try:
-            os.unlink(self._path(key))
-        except FileNotFoundError:
-            pass
+            unlink_beneath(self.root, self._path(key), sync=False)
+        except (FileNotFoundError, ForeignEntryError):
+            pass  # (a link or FIFO in an object's place is not the object: left alone)
         except OSError as exc:
             raise StoreWriteError(f"{self.root}: deleting object {key} failed: {exc}") from exc
 
@@ -254,20 +414,23 @@ class LocalBackend(Backend):
     def _ref_dir(self, name: str) -> Path:
         return self.root / "refs" / ref_segment(name)
 
-    @staticmethod
-    def _versions(folder: Path) -> list[int]:
+    def _versions(self, folder: Path) -> list[int]:
         try:
-            names = os.listdir(folder)
-        except (FileNotFoundError, NotADirectoryError):
+            fd = open_dir(self.root, folder)  # a link in refs/ names no ref (invariant 13)
+        except (FileNotFoundError, NotADirectoryError, ForeignEntryError):
             return []
+        try:
+            names = os.listdir(fd)
+        finally:
+            os.close(fd)
         return sorted(int(n) for n in names if len(n) == _VERSION_DIGITS and n.isdigit())
 
     def _read_version(self, folder: Path, number: int, name: str):
         """The parsed ref object of version ``number``, or ``None`` if that file is gone."""
         try:
-            with open(folder / f"{number:0{_VERSION_DIGITS}d}", "rb") as f:
+            with os.fdopen(open_regular(self.root, folder / f"{number:0{_VERSION_DIGITS}d}"), "rb") as f:
                 raw = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, ForeignEntryError):
             return None
         return decode_ref(raw, f"{self.root}: ref {name!r} version {number}", name)
 
@@ -329,18 +492,26 @@ class LocalBackend(Backend):
                 break
             path = folder / f"{v:0{_VERSION_DIGITS}d}"
             try:
-                if now - path.stat().st_mtime >= self.prune_age:
-                    path.unlink()
-            except FileNotFoundError:
+                if now - lstat_beneath(self.root, path).st_mtime >= self.prune_age:
+                    unlink_beneath(self.root, path, sync=False)
+            except (FileNotFoundError, ForeignEntryError):
                 pass
 
     def list_refs(self) -> list[str]:
         try:
-            segments = os.listdir(self.root / "refs")
+            fd = open_dir(self.root, self.root / "refs")
+        except (FileNotFoundError, NotADirectoryError, ForeignEntryError):
+            return []
+        except OSError as exc:
+            raise BackendError(f"{self.root}: listing refs failed: {exc}") from exc
+        try:
+            segments = os.listdir(fd)
         except FileNotFoundError:
             return []
         except OSError as exc:
             raise BackendError(f"{self.root}: listing refs failed: {exc}") from exc
+        finally:
+            os.close(fd)
         names = []
         for seg in segments:
             name = ref_name(seg)
