@@ -85,7 +85,8 @@ def test_the_invariant_checker_passes_a_clean_store_and_names_each_violation(tmp
         {"ev": "lease", "run": "r", "taken_in": None, "child_alive": True, "error": "RunBusyError"},
         {"ev": "child-error", "role": "commit", "error": "sqlite3.ProgrammingError"},
     ], expect_tags={"a": big.id})
-    assert sorted(k for k, _ in found) == sorted(["child-error", "hang", "handler", "lease", "missing", "tag", "wrong-value", "wrong-value"])
+    want = ["child-error", "hang", "handler", "lease", "missing", "tag", "wrong-value", "wrong-value"]
+    assert sorted(k for k, _ in found) == sorted(want)
     pack = max((p for p in (path / "blobs").rglob("*.pack")), key=lambda p: p.stat().st_size)
     data = bytearray(pack.read_bytes())
     data[len(data) // 2] ^= 0xFF
