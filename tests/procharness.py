@@ -16,7 +16,9 @@ Scenarios
               writer writes is a step number (each row of a row write is one number, each
               ``add_`` adds 1), so what a checkout may hold is a range per tensor, known at
               the call; the main thread's own tensor is written only between commits, so a
-              ``commit_async`` snapshot of it is exact.
+              ``commit_async`` snapshot of it is exact. A third of these rounds commit to a
+              store on object storage (``s3://``, the moto server of tests/s3server.py, started
+              once per run): the bucket home's writer uploads after the call returns.
 ``fork``      a fresh interpreter with an open ``Store`` (and, in half the rounds, a
               ``Checkpointer`` holding its run lease) forks children at random points:
               children that commit (small, over 4 MiB, ``commit_async``), read, only exit
@@ -338,7 +340,7 @@ class Scenario:
 
     def __init__(self, name: str, seed: int, rnd: int, rdir: Path, size: dict):
         self.name, self.seed, self.round, self.dir, self.size = name, seed, rnd, rdir, size
-        self.store = rdir / "store"
+        self.store = size.get("url") or rdir / "store"  # a threads round on object storage gets an s3:// URL
         self.rng = random.Random(f"{seed}:{rnd}:{name}")
         self.acks, self.events = rdir / "acks.jsonl", rdir / "events.jsonl"
 
@@ -762,6 +764,23 @@ def reference() -> dict:
     return _REFERENCE
 
 
+_SERVER: list = []  # the moto S3 server of this run, started by the first bucket round
+
+
+def _bucket_env(rdir: Path) -> dict:
+    """The AWS_* environment of this run's S3 server (tests/s3server.py; started once), and a cache of the round's own."""
+    if not _SERVER:
+        from .s3server import MotoServer
+
+        _SERVER.append(MotoServer(buckets=["ckpt"], serialize=True).start())
+    return {**_SERVER[0].env, "XDG_CACHE_HOME": str(rdir / "cache")}
+
+
+def _stop_server() -> None:
+    while _SERVER:
+        _SERVER.pop().stop()
+
+
 def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), str(ROOT), env.get("PYTHONPATH")]))
@@ -806,9 +825,15 @@ def run_round(seed: int, rnd: int, scenario: str, work: Path, size: dict, stats:
     rng = random.Random(f"{seed}:{rnd}:{scenario}:coordinator")
     events_path = rdir / "events.jsonl"
     observed: list[dict] = []
+    env, url = _env(), None
+    if scenario == "threads" and rng.random() < 1 / 3:  # the bucket home's writer: payloads are views until uploaded
+        url = f"s3://ckpt/proc-{seed}-{rnd}"
+        env.update(_bucket_env(rdir))
+        stats["bucket_rounds"] += 1
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.procharness", "scenario", scenario, str(seed), str(rnd), str(rdir), json.dumps(size)],
-        cwd=ROOT, env=_env(), stdout=open(rdir / "out.txt", "wb"), stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "tests.procharness", "scenario", scenario, str(seed), str(rnd), str(rdir),
+         json.dumps({**size, "url": url})],
+        cwd=ROOT, env=env, stdout=open(rdir / "out.txt", "wb"), stderr=subprocess.STDOUT,
     )
     t0 = time.monotonic()
 
@@ -887,20 +912,26 @@ def run_round(seed: int, rnd: int, scenario: str, work: Path, size: dict, stats:
                 found.append((kind, f"{e['copy']} killed {e['delay']} s into its first open"
                                     f"{' (after it finished)' if e['finished'] else ''}: {detail}"))
     else:
-        store = rdir / "store"
-        found += check_invariants(store if store.exists() else None, acks, evs)
+        store = url or rdir / "store"
+        saved = {k: os.environ.get(k) for k in env if k.startswith(("AWS_", "XDG_"))}
+        os.environ.update({k: env[k] for k in saved})  # (a bucket round: this process reads the bucket too)
+        try:
+            found += check_invariants(store if url or store.exists() else None, acks, evs)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return [Violation(seed, rnd, scenario, k, d) for k, d in found]
 
 
 def new_stats() -> dict:
     return {"rounds": Counter(), "acks": Counter(), "racy_commits": 0, "commit_errors": 0, "forks": 0, "fork_roles": Counter(),
-            "fork_results": Counter(), "signals": 0, "kills": 0, "kills_mid_open": 0, "violations": Counter(),
+            "fork_results": Counter(), "bucket_rounds": 0, "signals": 0, "kills": 0, "kills_mid_open": 0, "violations": Counter(),
             "violations_by_kind": Counter(), "seconds": 0.0}
 
 
 def format_stats(stats: dict) -> str:
     return (f"procharness seed={stats['seed']}: rounds {dict(stats['rounds'])}, acknowledged commits {dict(stats['acks'])} "
-            f"(racy {stats['racy_commits']}, commit errors {stats['commit_errors']}), forks {stats['forks']} "
+            f"(racy {stats['racy_commits']}, {stats['bucket_rounds']} rounds on S3; commit errors {stats['commit_errors']}), forks {stats['forks']} "
             f"{dict(stats['fork_roles'])} -> {dict(stats['fork_results'])}, signals {stats['signals']}, migration kills "
             f"{stats['kills']} ({stats['kills_mid_open']} before the open finished); violations {sum(stats['violations'].values())}: "
             f"by scenario {dict(stats['violations'])}, by kind {dict(stats['violations_by_kind'])}; {stats['seconds']:.0f} s")
@@ -933,6 +964,7 @@ def run_rounds(work: Path, seed: int, rounds: int | None = 8, scenario: str = "a
     minimums = {k: n for k, n in (minimums or SLOW_MINIMUMS).items() if scenario in ("all", kind_of[k])}
     if rounds is None and not minimums:
         rounds = 8  # (signal rounds have no minimum count)
+    stop_server = atexit.register(_stop_server)  # (also when a KeyboardInterrupt ends the run)
     for rnd, sc in schedule(seed, rounds, scenario, first_round):
         if rounds is None and all(stats[met[k]] >= n for k, n in minimums.items()):
             break
@@ -948,6 +980,8 @@ def run_rounds(work: Path, seed: int, rounds: int | None = 8, scenario: str = "a
             if verbose:
                 print(v.line(), flush=True)
         violations += found
+    _stop_server()
+    atexit.unregister(stop_server)
     stats["seconds"] = time.monotonic() - t0
     if violations:
         lines = [v.line() for v in violations]
