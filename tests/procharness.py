@@ -931,8 +931,8 @@ def new_stats() -> dict:
 
 def format_stats(stats: dict) -> str:
     return (f"procharness seed={stats['seed']}: rounds {dict(stats['rounds'])}, acknowledged commits {dict(stats['acks'])} "
-            f"(racy {stats['racy_commits']}, {stats['bucket_rounds']} rounds on S3; commit errors {stats['commit_errors']}), forks {stats['forks']} "
-            f"{dict(stats['fork_roles'])} -> {dict(stats['fork_results'])}, signals {stats['signals']}, migration kills "
+            f"(racy {stats['racy_commits']}, {stats['bucket_rounds']} rounds on S3; commit errors {stats['commit_errors']}), "
+            f"forks {stats['forks']} {dict(stats['fork_roles'])} -> {dict(stats['fork_results'])}, signals {stats['signals']}, migration kills "
             f"{stats['kills']} ({stats['kills_mid_open']} before the open finished); violations {sum(stats['violations'].values())}: "
             f"by scenario {dict(stats['violations'])}, by kind {dict(stats['violations_by_kind'])}; {stats['seconds']:.0f} s")
 
