@@ -511,9 +511,10 @@ def _fork_child(sc: Scenario, role: str, store, ckpt, step: int, parent: int) ->
                 info = ckpt.commit({"step_of_w": step})
                 sc.ack(info, f"fork child {role} pid {os.getpid()}", check="step", step=step, leaves=["w"])
             elif role in ("outlive", "outlive_async"):  # after the parent is gone, commit through what it left
-                deadline = time.monotonic() + 10
+                deadline = time.monotonic() + ROUND_BOUND
                 while os.getppid() == parent and time.monotonic() < deadline:
                     time.sleep(0.05)
+                faulthandler.dump_traceback_later(HANG_BOUND * 0.75, file=stacks)  # from now on
                 if role == "outlive":
                     info = store.commit(step_state(step), tag=f"child-{step}", metadata={"step": step})
                 else:
@@ -590,6 +591,13 @@ def scenario_fork(sc: Scenario) -> None:
             reap(block=True)  # the parent goes on after the child ended (an exit-only child must change nothing)
         else:
             reap(block=False)
+    if not lease_round:  # one child always commits after its parent closed its Store and exited
+        step += 1
+        child_step, role = step, rng.choice(("outlive", "outlive_async"))
+        pid = os.fork()
+        if pid == 0:
+            _fork_child(sc, role, store, ckpt, child_step, os.getppid())
+        sc.event("child", pid=pid, role=role)
     if not lease_round and rng.random() < 0.5:  # the parent closes its Store while its last children still work
         end = rng.choice(("close", "with", "exit"))
         sc.event("parent-end", how=end, children_running=len(waited))
@@ -931,9 +939,10 @@ def new_stats() -> dict:
 
 def format_stats(stats: dict) -> str:
     return (f"procharness seed={stats['seed']}: rounds {dict(stats['rounds'])}, acknowledged commits {dict(stats['acks'])} "
-            f"(racy {stats['racy_commits']}, {stats['bucket_rounds']} rounds on S3; commit errors {stats['commit_errors']}), "
-            f"forks {stats['forks']} {dict(stats['fork_roles'])} -> {dict(stats['fork_results'])}, signals {stats['signals']}, migration kills "
-            f"{stats['kills']} ({stats['kills_mid_open']} before the open finished); violations {sum(stats['violations'].values())}: "
+            f"(racy {stats['racy_commits']}, {stats['bucket_rounds']} rounds on S3; "
+            f"commit errors {stats['commit_errors']}), forks {stats['forks']} {dict(stats['fork_roles'])} -> "
+            f"{dict(stats['fork_results'])}, signals {stats['signals']}, migration kills {stats['kills']} "
+            f"({stats['kills_mid_open']} before the open finished); violations {sum(stats['violations'].values())}: "
             f"by scenario {dict(stats['violations'])}, by kind {dict(stats['violations_by_kind'])}; {stats['seconds']:.0f} s")
 
 
