@@ -23,10 +23,12 @@ Scenarios
               ``Checkpointer`` holding its run lease) forks children at random points:
               children that commit (small, over 4 MiB, ``commit_async``), read, only exit
               (with or without the exit functions), commit through the inherited
-              Checkpointer, outlive the parent (and commit after it is gone), or only hold
-              the inherited lease. The parent ends by closing (``close``, ``with``,
-              interpreter exit) or, in lease rounds, is SIGKILLed by the coordinator, which
-              then takes the run over in a new Checkpointer while a forked child lives.
+              Checkpointer, outlive the parent (and commit, or ``commit_async``, after it is
+              gone: one such child in every round without a lease), or only hold the
+              inherited lease. The parent ends by closing (``close``, ``with``, interpreter
+              exit; half the time while its last children still work) or, in lease rounds,
+              is SIGKILLed by the coordinator, which then takes the run over in a new
+              Checkpointer while a forked child lives.
 ``signal``    a fresh interpreter installs its own SIGTERM handler, then a Checkpointer with
               the default ``on_signal``; SIGTERM comes from the coordinator at a random
               instant, during the training loop or after the Checkpointer was closed,
