@@ -515,7 +515,7 @@ def run_rounds(seed: int, rounds: int, home: str, base: Path, server=None, secon
 
 
 def rejoin_rounds(seed: int, rejoins: int, base: Path, server) -> dict[str, int]:
-    """``rejoins`` times: a node resumes a tiered run from a disk copied aside earlier (stale),
+    """Until ``rejoins`` stale rejoins are done: a node resumes a tiered run from a disk copied aside earlier (stale),
     with the bucket reachable (it must resume at the bucket's newest step or later) or cut off
     (it resumes from its disk with a warning, and its pushes never move the bucket's latest to
     a lower step). Runs in this process: one rank, no process group. Raises NemesisFailure."""
@@ -530,7 +530,7 @@ def rejoin_rounds(seed: int, rejoins: int, base: Path, server) -> dict[str, int]
     rng = random.Random(seed)
     url = f"s3://ckpt/rejoin-{seed}-{uuid.uuid4().hex[:6]}"
     disks: list[Path] = []
-    counts = {"rejoin": 0, "cut": 0}
+    counts = {"rejoin": 0, "fresh": 0, "cut": 0}
     problems: list[str] = []
     bucket_seen: list[int] = []
     proxy = DelayProxy(server.endpoint).start()
@@ -547,7 +547,9 @@ def rejoin_rounds(seed: int, rejoins: int, base: Path, server) -> dict[str, int]
             os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
 
     try:
-        for i in range(rejoins + 2):
+        i = -1
+        while counts["rejoin"] < rejoins:
+            i += 1
             stale = i >= 2 and bool(disks) and rng.random() < 0.8
             folder = base / f"disk{i}"
             if stale:
@@ -566,14 +568,15 @@ def rejoin_rounds(seed: int, rejoins: int, base: Path, server) -> dict[str, int]
                     start = ck.resume() or 0
                 except Exception as exc:  # noqa: BLE001 - a cut-off resume may fail, clearly
                     start = None
-                    problems.append(f"rejoin {i}: resume raised {type(exc).__name__}: {exc}") if not cut else None
+                    if not cut:
+                        problems.append(f"rejoin {i}: resume raised {type(exc).__name__}: {exc}")
             if start is not None and start > 0 and not torch.equal(w.view(torch.uint8), state_of(start).view(torch.uint8)):
                 problems.append(f"rejoin {i}: resumed step {start} with other bytes")
             if not cut and newest is not None and (start or 0) < newest:
                 problems.append(f"rejoin {i}: resumed at step {start} from a stale disk, the bucket holds step {newest}")
             if cut and newest is not None and (start or 0) < newest and not any("bucket" in str(c.message) or "remote" in str(c.message) for c in caught):
                 problems.append(f"rejoin {i}: resumed at step {start} (bucket at {newest}) while cut off, with no warning")
-            counts["rejoin" if stale else "fresh"] = counts.get("rejoin" if stale else "fresh", 0) + 1
+            counts["rejoin" if stale else "fresh"] += 1
             counts["cut"] += cut
             if start is not None:
                 for _ in range(rng.randint(1, 3)):

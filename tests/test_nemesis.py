@@ -27,7 +27,7 @@ def test_nemesis_round_breaks_no_invariant(s3_server, tmp_path, home):
 @pytest.mark.timeout(300)
 def test_stale_disks_never_roll_the_run_back(s3_server, tmp_path):
     counts = rejoin_rounds(SEED, 6, tmp_path, s3_server)
-    assert counts["rejoin"] + counts.get("fresh", 0) == 8, counts
+    assert counts["rejoin"] == 6 and counts["fresh"] >= 2, counts
 
 
 @pytest.mark.slow
@@ -42,7 +42,7 @@ def test_nemesis_slow_200_pauses_50_partitions_50_rejoins(s3_server, tmp_path):
         for k, v in run_rounds(seed + rounds, 1, home, tmp_path / f"r{rounds}", s3_server, seconds=40.0).items():
             totals[k] = totals.get(k, 0) + v
         rounds += 1
-    counts = rejoin_rounds(seed, 60, tmp_path / "rejoin", s3_server)
+    counts = rejoin_rounds(seed, 50, tmp_path / "rejoin", s3_server)
     print(totals, counts)
-    assert counts["rejoin"] >= 50, counts
+    assert counts["rejoin"] == 50, counts
     assert totals["hung"] == 0
