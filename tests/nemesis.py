@@ -200,7 +200,7 @@ def observer(a) -> None:
 def gcloop(a) -> None:
     """``gc`` with a short grace and a shallow ``fsck``, in a loop."""
     from ckptstore import Store
-    from ckptstore.errors import CkptStoreError
+    from ckptstore.errors import CkptStoreError, NotAStoreError
 
     log = _Log(a.log)
     while not Path(a.stop).exists():
@@ -211,6 +211,8 @@ def gcloop(a) -> None:
                 f = s.fsck()
                 if not f.ok:
                     log("fsck", problems=[str(p)[:200] for p in f.problems][:5])
+        except NotAStoreError:
+            pass  # no contender has committed yet
         except CkptStoreError as exc:
             log("error", kind=type(exc).__name__, msg=str(exc)[:200])
         time.sleep(0.2)
