@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends.base import ref_segment
-from .errors import InvalidArgumentError, InvalidNameError, ObjectNotFoundError, RunBusyError, StoreWriteError
+from .errors import ForkedStoreError, InvalidArgumentError, InvalidNameError, ObjectNotFoundError, RunBusyError, StoreWriteError
 from .packs import BLOB_HEADER
 from .records import check_tag
 
@@ -121,9 +121,14 @@ class Lease:
         self.where = f"{describe(run)} of {store.location}"
         self.holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         self.lost: str | None = None  # why this process no longer holds it (then commits are refused)
+        self.forked_from: int | None = None  # (a forked child's copy) the pid of the holder: _after_fork_in_child
 
     def check(self) -> None:
-        """Raises RunBusyError if this lease was lost (taken over, or superseded in this process)."""
+        """Raises RunBusyError if this lease was lost (taken over, or superseded in this process);
+        ForkedStoreError in a process forked from the holder (the lease is the parent's)."""
+        if self.forked_from is not None:
+            raise ForkedStoreError(f"{self.where}: this process is a fork of the lease's holder (pid {self.forked_from}): "
+                                   "the run is the parent's. Open a new Store and Checkpointer in this process, on another run")
         if self.lost is not None:
             raise RunBusyError(f"{self.where}: this Checkpointer no longer holds the run: {self.lost}")
 
@@ -358,6 +363,36 @@ def _delete_abandoned() -> None:
         lease, gen = _ABANDONED.pop()
         if os.getpid() == lease.holder["pid"]:
             lease._delete(gen)
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child, the leases held are the parent's: the child closes its copy of
+    each lock file's descriptor (the parent's ``flock`` stays, and ends with the parent, not
+    with the child), has no renewal thread, and never renews, releases or deletes a lease
+    object of the parent's (at exit included); :meth:`Lease.check` then raises ForkedStoreError."""
+    parent = os.getppid()
+    FileLease._lock = threading.Lock()  # (a parent thread may have held them at the fork)
+    BucketLease._lock = threading.Lock()
+    for lease in list(FileLease._held.values()):
+        fd, lease.fd = lease.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)  # the child's reference to the open file description; the parent's lock stays
+            except OSError:
+                pass
+        lease.forked_from, lease.lost = parent, "the lease is the parent's (this process is a fork of its holder)"
+    for lease in list(BucketLease._held.values()) + [lease for lease, _ in _ABANDONED]:
+        lease.gen = None
+        lease._stop = threading.Event()
+        lease._stop.set()
+        lease._thread = None
+        lease.forked_from, lease.lost = parent, "the lease is the parent's (this process is a fork of its holder)"
+    FileLease._held.clear()
+    BucketLease._held.clear()
+    _ABANDONED.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def acquire(store, run: str | None, seconds: float = LEASE_SECONDS, create: bool = True) -> Lease | None:
