@@ -608,6 +608,7 @@ class Catalog:
                 raise translate(self.path, exc) from None
 
     def close(self) -> None:
+        _LIVE.discard(self)
         self.conn.close()
 
 
@@ -658,7 +659,11 @@ def _before_fork() -> None:
     for cat in list(_LIVE):
         if "conn" in cat.__dict__ and not isinstance(cat.conn, _ForkedConnection):
             if cat.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                (_BUSY_AT_FORK if cat.conn.in_transaction else _IDLE_AT_FORK).append(cat)
+                try:
+                    busy = cat.conn.in_transaction
+                except sqlite3.Error:  # (closed meanwhile)
+                    busy = True
+                (_BUSY_AT_FORK if busy else _IDLE_AT_FORK).append(cat)
 
 
 def _after_fork_in_parent() -> None:
