@@ -18,10 +18,8 @@ import select
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 import torch
