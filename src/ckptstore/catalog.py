@@ -35,6 +35,7 @@ import sqlite3
 import stat
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 from . import jsonvalue
-from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, SchemaVersionError, StoreWriteError
+from .errors import CatalogBusyError, CatalogCorruptError, CkptStoreError, ForkedStoreError, SchemaVersionError, StoreWriteError
 from .layout import address
 from .packs import PackWriter
 from .records import KIND_COMMIT, KIND_REF, commit_id, commit_text, ref_text
@@ -465,7 +466,9 @@ class Catalog:
     def __init__(self, path: Path, create: bool = True, migrations: list[Migration] = MIGRATIONS):
         self.path = path
         self.migrations = migrations
+        _refuse_leaked(path)  # (a forked child: docs/operations.md, "Processes: threads, fork, signals")
         self.lock = threading.RLock()  # one connection, shared by the store's threads
+        _LIVE.add(self)
         self.writable = True
         self.migrated_from: int | None = None
         try:
@@ -710,4 +713,109 @@ class Catalog:
                 raise translate(self.path, exc) from None
 
     def close(self) -> None:
+        _LIVE.discard(self)
         self.conn.close()
+
+
+# --- fork -------------------------------------------------------------------------------
+# A SQLite connection must not be used across fork(). Its lock bookkeeping is per process
+# and is copied into the child, which holds none of the parent's POSIX locks: through the
+# inherited connection, or through any new connection of the child to the same file while
+# the inherited one stays open (SQLite shares one lock record per file in a process), the
+# child reads and writes as if it held locks it does not, and its commits are lost when
+# the parent closes. So the fork waits (up to FORK_WAIT_SECONDS) for each live catalog's
+# current transaction to end, and the child closes the inherited connections that were
+# idle: closing an idle WAL connection in the child releases only the child's own locks
+# (none), and checkpoints nothing while another process holds the database open. A
+# connection still in a transaction at the fork (the wait ran out) is kept open and
+# referenced for the child's whole life (closing it would roll back into the parent's
+# shared memory), and the child refuses to open that catalog again (ForkedStoreError).
+# Either way the inherited Catalog object refuses every query in the child.
+
+FORK_WAIT_SECONDS = 5.0
+_LIVE: weakref.WeakSet[Catalog] = weakref.WeakSet()  # every Catalog of this process
+_IDLE_AT_FORK: list[Catalog] = []  # (parent, during the fork) the catalogs whose lock the fork holds, idle
+_BUSY_AT_FORK: list[Catalog] = []  # (parent, during the fork) the catalogs whose lock it holds, in a transaction
+_LEAKED: list[sqlite3.Connection] = []  # (child) connections inherited in a transaction: never closed, never collected
+_LEAKED_PATHS: set[str] = set()  # (child) their catalogs: not opened again in this process
+
+
+class _ForkedConnection:
+    """What a Catalog inherited across fork holds in the child instead of its connection:
+    every use raises ForkedStoreError; ``close`` does nothing."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    in_transaction = False
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        raise ForkedStoreError(
+            f"{self.path}: this catalog connection was opened in the parent of this forked process, "
+            "and a Store does not cross fork. Open a new ckptstore.Store(...) in this process"
+        )
+
+
+def _before_fork() -> None:
+    deadline = time.monotonic() + FORK_WAIT_SECONDS
+    for cat in list(_LIVE):
+        if "conn" in cat.__dict__ and not isinstance(cat.conn, _ForkedConnection):
+            if cat.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                try:
+                    busy = cat.conn.in_transaction
+                except sqlite3.Error:  # (closed meanwhile)
+                    busy = True
+                (_BUSY_AT_FORK if busy else _IDLE_AT_FORK).append(cat)
+
+
+def _after_fork_in_parent() -> None:
+    for cat in (*_IDLE_AT_FORK, *_BUSY_AT_FORK):
+        cat.lock.release()
+    _IDLE_AT_FORK.clear()
+    _BUSY_AT_FORK.clear()
+
+
+def _after_fork_in_child() -> None:
+    idle = {id(c) for c in _IDLE_AT_FORK}
+    _IDLE_AT_FORK.clear()
+    _BUSY_AT_FORK.clear()
+    for cat in list(_LIVE):
+        conn = cat.__dict__.get("conn")
+        if conn is None or isinstance(conn, _ForkedConnection):
+            continue
+        closed = False
+        if id(cat) in idle:
+            try:
+                conn.close()
+                closed = True
+            except sqlite3.Error:
+                pass
+        if not closed:
+            _LEAKED.append(conn)
+            _LEAKED_PATHS.add(os.path.realpath(cat.path))
+            try:  # a reference the interpreter's teardown never drops: the connection is never closed here
+                import ctypes
+
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(conn))
+            except Exception:  # noqa: BLE001 - (no ctypes) the list above keeps it until the interpreter's teardown
+                pass
+        cat.conn = _ForkedConnection(cat.path)
+        cat._db = None
+        cat.lock = threading.RLock()
+
+
+def _refuse_leaked(path: Path) -> None:
+    """Raises ForkedStoreError if this forked process inherited a connection to ``path``
+    in the middle of a transaction (it stays open here: a second one is not safe)."""
+    if _LEAKED_PATHS and os.path.realpath(path) in _LEAKED_PATHS:
+        raise ForkedStoreError(
+            f"{path}: this process was forked while its parent was in a catalog transaction on this store; "
+            "it cannot open this store safely. Fork before opening a Store (or while it is idle), or start "
+            "the process with the 'spawn' start method"
+        )
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)

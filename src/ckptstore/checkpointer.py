@@ -213,9 +213,13 @@ class Checkpointer:
             self._tier_pusher = TierPusher(self.store.location, self._remote, self._layout, self._tag_re, self.latest_tag,
                                            remote_keep_last, remote_keep_every, push_attempts, push_backoff, part_timeout,
                                            remote_config, local_gc)
+        handlers: list[_SignalHandler] = []
+        self._signals = weakref.finalize(self, _restore_signals, handlers)  # on close(), or when collected
         if on_signal and _in_main_thread():
             for signum in on_signal:
-                signal.signal(signum, self._request_stop)
+                handler = _SignalHandler(self, signum, signal.getsignal(signum))
+                signal.signal(signum, handler)
+                handlers.append(handler)
 
     def _hold(self, create: bool) -> None:
         """Take the run's lease if not held yet (DCP mode: every rank builds the Checkpointer,
@@ -226,9 +230,12 @@ class Checkpointer:
                 weakref.finalize(self, self._lease.abandon)
 
     def close(self) -> None:
-        """Give the run's lease up (the store stays open; idempotent). The Checkpointer
+        """Give the run's lease up and put back the signal handlers found at construction
+        (each one only if the handler installed now is still this Checkpointer's: see
+        :class:`_SignalHandler`); the store stays open; idempotent. The Checkpointer
         commits no more: :meth:`commit` raises RunBusyError afterwards."""
         self._closed = True
+        self._signals()
         if self._lease is not None:
             self._lease.release()
 
@@ -709,6 +716,62 @@ def _script() -> str | None:
         return parts[-2] if parts[-1] == "__main__" and len(parts) > 1 else parts[-1]
     path = getattr(main, "__file__", None)
     return os.path.splitext(os.path.basename(path))[0] if path else None
+
+
+class _SignalHandler:
+    """The handler a Checkpointer installs for one of its ``on_signal`` signals, borrowed
+    from the handler it found (``previous``: what ``signal.getsignal`` returned).
+
+    On the signal it first requests its Checkpointer's stop (the next :meth:`Checkpointer.step`
+    commits and exits with status 0), then chains: a callable ``previous`` (a handler of the
+    user's or of the scheduler's library, another Checkpointer's, ``signal.default_int_handler``)
+    is called with the same arguments, and what it raises propagates; ``SIG_DFL``, ``SIG_IGN``
+    or ``None`` are not called (the Checkpointer's commit-and-exit stands for the default action).
+
+    Once its Checkpointer is closed or collected, or in a forked child of its process, the
+    handler only passes the signal on: to a callable ``previous``; for ``SIG_DFL``, the
+    default action (``SIG_DFL`` is put back and the signal sent again: SIGTERM terminates
+    the process); nothing for ``SIG_IGN``. :func:`_restore_signals` puts ``previous`` back
+    when its Checkpointer closes, if this handler is still the one installed."""
+
+    def __init__(self, ckpt: Checkpointer, signum: int, previous: Any):
+        self._ckpt = weakref.ref(ckpt)  # (no strong reference: a dropped Checkpointer is collected)
+        self.signum, self.previous = signum, previous
+        self.pid = os.getpid()
+        self.active = True
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        ckpt = self._ckpt() if self.active and os.getpid() == self.pid else None
+        if ckpt is not None:
+            ckpt._request_stop(signum, frame)
+        if callable(self.previous):
+            self.previous(signum, frame)
+        elif ckpt is None and self.previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+def _restore_signals(handlers: list[_SignalHandler]) -> None:
+    """Retire a Checkpointer's handlers, newest first, and put back, for each signal whose
+    installed handler is still its own, the newest handler below it that is not a retired
+    Checkpointer's (so Checkpointers closed in any order leave the handler found by the
+    first). A handler installed over it by someone else stays (it may chain to this one,
+    which then only passes signals on). In another thread than the main one (a garbage
+    collection there) nothing can be installed: the retired handlers pass signals on."""
+    for handler in reversed(handlers):
+        handler.active = False
+        if os.getpid() != handler.pid or not _in_main_thread():
+            continue
+        try:
+            if signal.getsignal(handler.signum) is not handler:
+                continue
+            previous = handler.previous
+            while isinstance(previous, _SignalHandler) and not previous.active:
+                previous = previous.previous
+            if previous is not None:  # (None: a handler not installed from Python, which cannot be put back)
+                signal.signal(handler.signum, previous)
+        except (ValueError, OSError):  # (the interpreter is finalizing)
+            pass
 
 
 def _in_main_thread() -> bool:

@@ -4,6 +4,7 @@ around work that allocates many small objects: a commit, a snapshot, a checkout.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from contextlib import contextmanager
 
@@ -31,6 +32,20 @@ def paused_gc():
             enabled = _gc_paused.pop()
             if not _gc_paused and enabled:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of the pauses of its parent's other threads: the lock is
+    new and the collector runs again if it ran before the first of them."""
+    global _gc_pause
+    _gc_pause = threading.Lock()
+    if _gc_paused:
+        if _gc_paused[0]:
+            gc.enable()
+        _gc_paused.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 __all__ = ["paused_gc"]

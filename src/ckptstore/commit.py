@@ -195,7 +195,7 @@ class CommitEngine:
         with paused_gc():
             components = self._snapshot(self._capture(obj))
         if self._committer is None:
-            self._committer = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-commit")
+            self._committer = Pool(1, thread_name_prefix="ckptstore-commit")  # (a Pool: a forked child fails its futures)
         future = self._committer.submit(self._commit_paused, components, tag, message, metadata, parents, t0)
         self._pending = future
         return future

@@ -63,6 +63,13 @@ class RunTakenOverError(RunBusyError):
         self.generation = generation
 
 
+class ForkedStoreError(CkptStoreError):
+    """A :class:`~ckptstore.Store` (or a Checkpointer's run lease) was used in a process
+    forked from the one that opened it: it does not cross ``fork`` (its catalog connection,
+    threads and leases are the parent's). Open a new ``Store`` in the child
+    (docs/operations.md, "Processes: threads, fork, signals")."""
+
+
 class InvalidArgumentError(CkptStoreError):
     """An argument that does not parse: a duration, a glob, a fraction."""
 

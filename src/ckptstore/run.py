@@ -25,6 +25,7 @@ from typing import Any
 
 from .backends.base import ref_segment
 from .errors import (
+    ForkedStoreError,
     IntegrityError,
     InvalidArgumentError,
     InvalidNameError,
@@ -142,10 +143,15 @@ class Lease(Fence):
         self.lost: str | None = None  # why this process no longer holds it (then commits are refused)
         self.token = 0
         self.newer: int | None = None  # the token that took this holder over, once seen
+        self.forked_from: int | None = None  # (a forked child's copy) the pid of the holder: _after_fork_in_child
 
     def check(self) -> None:
         """Raises RunBusyError if this lease was lost (taken over, or superseded in this process);
-        RunTakenOverError (a subclass) when a newer token was issued."""
+        RunTakenOverError (a subclass) when a newer token was issued; ForkedStoreError in a
+        process forked from the holder (the lease is the parent's)."""
+        if self.forked_from is not None:
+            raise ForkedStoreError(f"{self.where}: this process is a fork of the lease's holder (pid {self.forked_from}): "
+                                   "the run is the parent's. Open a new Store and Checkpointer in this process, on another run")
         if self.lost is not None:
             if self.newer is not None:
                 raise RunTakenOverError(f"{self.where}: this Checkpointer no longer holds the run: {self.lost}", self.newer)
@@ -581,6 +587,36 @@ def _delete_abandoned() -> None:
         lease, gen = _ABANDONED.pop()
         if os.getpid() == lease.holder["pid"] and lease.gen == gen:
             lease._free()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child, the leases held are the parent's: the child closes its copy of
+    each lock file's descriptor (the parent's ``flock`` stays, and ends with the parent, not
+    with the child), has no renewal thread, and never renews, releases or deletes a lease
+    object of the parent's (at exit included); :meth:`Lease.check` then raises ForkedStoreError."""
+    parent = os.getppid()
+    FileLease._lock = threading.Lock()  # (a parent thread may have held them at the fork)
+    BucketLease._lock = threading.Lock()
+    for lease in list(FileLease._held.values()):
+        fd, lease.fd = lease.fd, None
+        if fd is not None:
+            try:
+                os.close(fd)  # the child's reference to the open file description; the parent's lock stays
+            except OSError:
+                pass
+        lease.forked_from, lease.lost = parent, "the lease is the parent's (this process is a fork of its holder)"
+    for lease in list(BucketLease._held.values()) + [lease for lease, _ in _ABANDONED]:
+        lease.gen = None
+        lease._stop = threading.Event()
+        lease._stop.set()
+        lease._thread = None
+        lease.forked_from, lease.lost = parent, "the lease is the parent's (this process is a fork of its holder)"
+    FileLease._held.clear()
+    BucketLease._held.clear()
+    _ABANDONED.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def acquire(store, run: str | None, seconds: float = LEASE_SECONDS, create: bool = True) -> Lease | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,7 +24,7 @@ from .backends import as_backend, is_url
 from .catalog import Catalog, keep_reserve, release_reserve
 from .collector import paused_gc
 from .commit import CommitEngine, CommitInfo
-from .errors import CatalogCorruptError, CkptStoreError, InvalidArgumentError, NotAStoreError
+from .errors import CatalogCorruptError, CkptStoreError, ForkedStoreError, InvalidArgumentError, NotAStoreError
 from .fsck import FsckReport
 from .fsck import run as run_fsck
 from .fsck import verify as verify_commit
@@ -36,6 +37,7 @@ from .queries import Queries
 from .records import check_tag  # validates a tag name: public here for integrations that take tags before they commit
 from .recover import RecoverReport, recover, recover_bucket
 from .refs import Refs
+from .threads import fail_inherited
 
 if TYPE_CHECKING:  # the adapters (and torch) load on first commit or checkout: catalog-only use never imports torch
     from .adapters import Registry
@@ -104,6 +106,7 @@ class Store(CommitEngine, Queries):
             home = LocalHome(self, Path(path))
         #: The home (:mod:`ckptstore.home`): the store's objects, refs and index.
         self.home = home
+        _STORES.add(self)  # (refused in a forked child: _after_fork_in_child)
         try:
             self.root = home.root
             self._asked = shard_bytes, compression_level = home.asked_settings(shard_bytes, compression_level)
@@ -443,6 +446,66 @@ def pack_writer_at(location: str | os.PathLike, compression_level: int, pack_byt
 
         return DetachedPackWriter(location, compression_level, pack_bytes)
     return PackWriter(Path(location), compression_level, pack_bytes)
+
+
+# --- fork ---------------------------------------------------------------------------------
+# A Store does not cross fork(): its catalog connection (closed or set aside in the child by
+# ckptstore.catalog), its threads (not in the child), its object storage client (whose
+# connections the parent shares) and its leases are the parent's. In a forked child every
+# Store opened by the parent refuses at once with ForkedStoreError, except close() (which
+# then releases nothing: it is the parent's) and location; the child opens its own Store.
+# What they held stays referenced for the child's life, so that nothing of the parent's is
+# closed by the child's garbage collection.
+
+_STORES: weakref.WeakSet[Store] = weakref.WeakSet()  # every Store of this process
+_INHERITED: list[dict] = []  # (forked child) the state of the parent's stores: kept, never closed here
+_FORKED_ALLOWED = frozenset({"close", "location", "root"})
+_forked_classes: dict[type, type] = {}
+
+
+class _ForkedStore:
+    """Mixed into the class of a parent's Store in a forked child (see above)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name[:1] == "_" or name in _FORKED_ALLOWED:
+            return object.__getattribute__(self, name)
+        raise ForkedStoreError(object.__getattribute__(self, "_forked_message"))
+
+    @property
+    def location(self) -> str:
+        return object.__getattribute__(self, "_forked_location")
+
+    def close(self) -> None:
+        """In a forked child: nothing to release (the catalog, threads and client are the parent's)."""
+
+
+def _after_fork_in_child() -> None:
+    parent = os.getppid()
+    for store in list(_STORES):
+        if isinstance(store, _ForkedStore):
+            continue
+        state = dict(store.__dict__)
+        _INHERITED.append(state)
+        home = state.get("home")
+        location = getattr(home, "location", None) or str(state.get("root"))
+        store._forked_location = location
+        store._forked_message = (
+            f"{location}: this Store was opened in process {parent}, and this process is a fork of it: a Store "
+            "does not cross fork (its catalog connection, threads and leases are the parent's). "
+            f"Open a new ckptstore.Store({location!r}) in this process"
+        )
+        cls = type(store)
+        forked = _forked_classes.get(cls)
+        if forked is None:
+            forked = _forked_classes[cls] = type(f"Forked{cls.__name__}", (_ForkedStore, cls), {"__module__": cls.__module__})
+        store.__class__ = forked
+    fail_inherited(lambda: ForkedStoreError(
+        f"this process was forked from process {parent} while this asynchronous commit (or pooled work) was running there: "
+        "its result is the parent's; open a new ckptstore.Store(...) in this process"
+    ))
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 __all__ = ["CkptStoreError", "CommitInfo", "IOStats", "Store", "check_tag", "pack_writer_at"]

@@ -21,12 +21,14 @@ created: a missing bucket raises :class:`NotAStoreError` when the backend is ope
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 
 from ..errors import (
     BackendError,
     BlobCorruptError,
+    ForkedStoreError,
     IntegrityError,
     InvalidArgumentError,
     NotAStoreError,
@@ -55,6 +57,9 @@ from .base import (
 DEFAULT_COALESCE = 64 << 10
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _INSTALL = "object storage needs the obstore package, which ckptstore installs by default: pip install obstore"
+
+
+_CLIENT_PID: int | None = None  # the process whose S3Backend started obstore's runtime (none in its forked children)
 
 
 def parse_s3_url(url: object) -> tuple[str, str]:
@@ -115,6 +120,13 @@ class S3Backend(Backend):
                  retry_config: dict | None = None, coalesce: int = DEFAULT_COALESCE):
         self.bucket, self.prefix = parse_s3_url(url)
         self.url = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        global _CLIENT_PID
+        if _CLIENT_PID is not None and _CLIENT_PID != os.getpid():
+            raise ForkedStoreError(
+                f"{self.url}: this process is a fork of process {_CLIENT_PID}, which had used object storage: the "
+                "S3 client's runtime threads (obstore's) are not in a forked child, and every request would wait for "
+                "ever. Fork before the first s3:// use, or start this process with the 'spawn' start method"
+            )
         try:
             import obstore
             from obstore.exceptions import AlreadyExistsError, BaseError, PreconditionError
@@ -133,6 +145,7 @@ class S3Backend(Backend):
         except self._failures as exc:
             raise BackendError(f"{self.url}: cannot configure the S3 client: {_brief(exc)}") from None
         try:
+            _CLIENT_PID = os.getpid()  # (obstore's runtime starts with the first request)
             next(iter(obstore.list(self._store, "refs", chunk_size=1)), None)
         except self._failures as exc:
             raise self._error(exc, "opening the store") from None
