@@ -365,12 +365,13 @@ class CommitEngine:
             data = unique.get(key)
             if data is None:  # a blob of a Reused component: not at hand (see _Redo)
                 raise _Redo()
+            if key in from_cache:  # a hash kept from an earlier commit whose blob a GC freed since: live memory,
+                data = bytes(data)  # read once here (the writer hashes and writes these bytes as they are)
             # The writer copies the shard once and hashes, encodes and writes that copy: the
             # location it returns names the bytes written (see retake when they differ from key).
             loc = writer.append(data, key[0])
             if key in from_cache and (loc.digest, loc.raw_len) != key:
-                # A hash kept from an earlier commit whose blob a GC freed since: the bytes are
-                # live memory, and they moved on, so the content this commit took is gone.
+                # The kept hash's bytes moved on: the content this commit took is gone.
                 self.forget_hashes()  # the next commit rehashes instead of failing the same way
                 raise StoreWriteError(
                     f"blob {address(*key)} this commit reused was freed by a GC (another process or Store) while the commit "
