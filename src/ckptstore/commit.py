@@ -137,6 +137,13 @@ class CommitEngine:
         or a dict of them. Parents default to the commits the tags pointed to
         (read inside the commit transaction); pass ``parents`` (refs) to override.
 
+        Objects another thread writes during the call (a collector's ``rb.extend``,
+        in-place ops): each shard is stored as one copy of its bytes, hashed as copied,
+        so the commit always checks out as stored; but it is a torn snapshot (each
+        shard as it was when read, shards at different instants). For a consistent
+        one, keep the writers out during the call (pause them, or hold the lock they
+        take), or use :meth:`commit_async`, which needs that only during its call.
+
         Returns:
             CommitInfo with byte counts (bytes) and ``seconds``.
 
@@ -183,6 +190,11 @@ class CommitEngine:
         store's thread pool), so a training loop keeps the other cores.
         One still running when the script ends finishes before the interpreter
         exits (:meth:`close` also waits for it); only its future reports its errors.
+
+        The snapshot is taken during the call: a thread writing the objects during the
+        call gives a torn snapshot as :meth:`commit` does (each shard one copy of its
+        bytes, always read back as stored); writes after the call returns are not in
+        it. Keep writers out during the call for a consistent one.
 
         Returns:
             A ``concurrent.futures.Future`` resolving to the :class:`CommitInfo`
