@@ -35,6 +35,7 @@ except ImportError:  # run as a script
 
 ROWS, WIDTH = 1024, 1024  # float32: 4 KiB rows, 64 to a 256 KiB shard; 4 MiB a tensor
 ROW_BYTES = WIDTH * 4
+SHARD = 256 << 10
 
 
 def _state() -> dict:
@@ -164,6 +165,39 @@ def test_many_commits_while_threads_write(home, round_):
     store = home.open()
     state, w, acked = _racy_commits(store, 40 if home.kind == "local" else 16, seed)
     _check_store(home, store, state, w, acked, seed)
+
+
+def test_a_shard_written_between_its_hash_and_its_write_is_filed_under_the_bytes_written(home, monkeypatch):
+    """Deterministic: the write lands exactly inside the pack writer's append, before its copy,
+    on the first of four all-zero shards (one address, written once for all four). The blob
+    is filed under the hash of what was written; the three other positions are read again
+    and written under the zero shard's own address; the digest cache keeps the true hashes,
+    so a quiet re-commit writes nothing and both check out exactly."""
+    from ckptstore import bucketformat, packs
+
+    cls = packs.PackWriter if home.kind == "local" else bucketformat.BucketPackWriter
+    store = home.open()
+    live = torch.zeros(4 * SHARD // ROW_BYTES, WIDTH)  # four 256 KiB shards, all zeros
+    mem = memoryview(live.numpy()).cast("B")  # written without torch counting it: the fingerprint stays
+    append, hits = cls.append, []
+
+    def append_while_training(self, raw, digest=None):
+        if len(raw) == SHARD and not hits:
+            hits.append(1)
+            mem[100:104] = b"\x01\x02\x03\x04"  # a thread writes shard 0 after its hash, before its copy
+        return append(self, raw, digest)
+
+    monkeypatch.setattr(cls, "append", append_while_training)
+    info = store.commit({"w": live}, tag="a")
+    monkeypatch.setattr(cls, "append", append)
+    assert hits and info.shards_total == 4 and info.shards_new == 2  # shard 0 as written, and the zero shard
+    out = store.checkout("a")["w"]
+    assert_bit_equal(out, live)  # shard 0 as copied (the write), shards 1-3 zeros
+    assert store.fsck(deep=True).ok
+    again = store.commit({"w": live}, tag="b")  # the same fingerprint: the kept hashes are the true ones
+    assert again.new_bytes == 0
+    assert_bit_equal(store.checkout("b")["w"], live)
+    assert [k for leaf in store.record(again.id).leaves for k in leaf.keys] == [k for leaf in store.record(info.id).leaves for k in leaf.keys]
 
 
 # --- a TorchRL replay buffer extended by a collector thread ------------------------------------

@@ -401,6 +401,8 @@ class CommitEngine:
             nonlocal keys, own_keys, retaken
             retaken = True
             stale = set(torn)
+            if any(k in stale for c in components if type(c) is Reused for k in c.keys):
+                raise _Redo()  # (a reused component names one too, rewritten after a GC: the commit is made again unshared)
             true_of: dict[int, tuple[bytes, int]] = {}  # id of the view a torn blob was written from -> what it holds
             locs = {k: (written.pop(k), unique.pop(k)) for k in torn}
             for loc, mv in locs.values():
