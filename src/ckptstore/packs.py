@@ -165,7 +165,9 @@ def stage(raw) -> memoryview:
     """``raw`` (bytes-like) copied once into the calling thread's staging buffer: a private
     snapshot to hash, encode and write, valid until this thread's next call. One buffer per
     thread, so a commit holds one staging copy per write in flight, never copies of all its
-    shards. ``bytes`` (immutable) are not copied."""
+    shards. ``bytes`` (immutable) are not copied. The copy runs without the GIL, so it is one
+    read of each byte but not atomic against other threads' writes (a row written meanwhile
+    may be copied half old, half new)."""
     if isinstance(raw, bytes):
         return memoryview(raw)
     src = memoryview(raw)
@@ -178,7 +180,10 @@ def stage(raw) -> memoryview:
         if n <= _STAGING_KEPT:
             _local.staging = buf
     view = memoryview(buf)[:n]
-    view[:] = src
+    if src.readonly:
+        view[:] = src
+    else:  # ctypes' memmove releases the GIL: the threads of a commit copy in parallel
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(view)), ctypes.addressof(ctypes.c_char.from_buffer(src)), n)
     return view
 
 
