@@ -180,7 +180,7 @@ def stage(raw) -> memoryview:
         if n <= _STAGING_KEPT:
             _local.staging = buf
     view = memoryview(buf)[:n]
-    if src.readonly:
+    if src.readonly or not n:  # (ctypes takes no empty buffer)
         view[:] = src
     else:  # ctypes' memmove releases the GIL: the threads of a commit copy in parallel
         ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(view)), ctypes.addressof(ctypes.c_char.from_buffer(src)), n)
