@@ -191,7 +191,8 @@ def test_a_shard_written_between_its_hash_and_its_write_is_filed_under_the_bytes
     again = store.commit({"w": live}, tag="b")  # the same fingerprint: the kept hashes are the true ones
     assert again.new_bytes == 0
     assert_bit_equal(store.checkout("b")["w"], live)
-    assert [k for leaf in store.record(again.id).leaves for k in leaf.keys] == [k for leaf in store.record(info.id).leaves for k in leaf.keys]
+    keys_of = lambda cid: [k for leaf in store.record(cid).leaves for k in leaf.keys]  # noqa: E731
+    assert keys_of(again.id) == keys_of(info.id)
 
 
 # --- a TorchRL replay buffer extended by a collector thread ------------------------------------
@@ -277,7 +278,8 @@ def _count(n: int) -> None:
                     bad += 1
             fsck = store.fsck(deep=True)
             store.close()
-        print(f"{mode}: {bad} of {n} acknowledged commits unreadable; fsck --deep {'clean' if fsck.ok else f'{len(fsck.problems)} problems'}")
+        damage = "clean" if fsck.ok else f"{len(fsck.problems)} problems"
+        print(f"{mode}: {bad} of {n} acknowledged commits unreadable; fsck --deep {damage}")
 
 
 if __name__ == "__main__":
