@@ -25,7 +25,7 @@ import json
 import re
 import threading
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -459,12 +459,17 @@ class BucketPackWriter:
     """:class:`~ckptstore.packs.PackWriter`'s interface for object storage (a bucket store's
     commits, and push); thread-safe.
 
-    Entries are appended to a pack held in memory (raw payloads as views of the caller's
-    buffers, which must stay valid until :meth:`finish`); a pack past ``pack_bytes`` is
+    Entries are appended to a pack held in memory; a pack past ``pack_bytes`` is
     uploaded in the background (create-only PUT of the pack, then of its ``.idx``) while
-    the next one fills. :meth:`finish` uploads the last one and waits: every pack is then
-    durable. Nothing is ever deleted: a commit that does not land leaves unreferenced
-    packs, which GC removes after the grace period.
+    the next one fills, at most :data:`UPLOADS` of this writer's packs waiting or uploading
+    at a time (an append that would ship one more waits): a commit holds a bounded number
+    of packs in memory, not all of its new blobs. :meth:`append` copies the caller's bytes
+    (a view of a live tensor, which training may write before the pack is uploaded) and
+    hashes the copy: what is uploaded is what was hashed (invariant 14).
+    :meth:`append_encoded` keeps the payload it is given, which must not change until
+    :meth:`finish` (``bytes``, or a view of them). :meth:`finish` uploads the last pack and
+    waits: every pack is then durable. Nothing is ever deleted: a commit that does not land
+    leaves unreferenced packs, which GC removes after the grace period.
 
     Raises:
         BackendError: an upload failed after the client's retries (from :meth:`finish`).
@@ -481,10 +486,14 @@ class BucketPackWriter:
         self.bytes_uploaded = 0
 
     def append(self, raw: memoryview, digest_: bytes | None = None) -> BlobLoc:
-        """Write one blob (``raw`` bytes) and return its location."""
-        digest_ = digest(raw) if digest_ is None else digest_
-        codec, payload = encode_blob(raw, self.level)
-        return self.append_encoded(digest_, len(raw), codec, payload)
+        """Write one blob and return its location, as :meth:`ckptstore.packs.PackWriter.append`:
+        ``raw`` is copied once (the copy is what the pack holds until it is uploaded, unless it
+        compresses), and the copy is hashed and encoded; the returned location's ``digest``
+        is the copy's hash, which differs from ``digest_`` (the caller's earlier hash of
+        ``raw``) when another thread changed ``raw`` in between."""
+        staged = raw if isinstance(raw, bytes) else bytes(raw)
+        codec, payload = encode_blob(memoryview(staged), self.level)
+        return self.append_encoded(digest(staged), len(staged), codec, payload)
 
     def append_record(self, kind: int, raw: bytes) -> BlobLoc:
         """Write one record (``kind``, its text's bytes) and return its location."""
@@ -518,6 +527,9 @@ class BucketPackWriter:
             self.backend.put_new(index_key(pack.id), idx)
 
         self._futures.append(self._uploads.submit(upload))
+        busy = [f for f in self._futures if not f.done()]
+        if len(busy) > UPLOADS:  # memory: wait for one to land (its error, if any, is raised by finish)
+            wait(busy, return_when=FIRST_COMPLETED)
 
     @property
     def pack_ids(self) -> list[tuple[str, int]]:

@@ -126,6 +126,8 @@ class DetachedPackWriter(BucketPackWriter):
     own client and upload threads (:data:`UPLOADS` at a time), for a process that writes
     blobs of a commit another process makes and never opens the store (a DCP rank,
     :func:`ckptstore.store.pack_writer_at`). :meth:`close` releases the client and threads.
+    Its ``append`` copies each blob and hashes the copy, as the base class's: a rank's
+    tensors may change before its packs are uploaded.
 
     Raises:
         NotAStoreError / BackendError: (from the uploads) a missing bucket, an unreachable server.

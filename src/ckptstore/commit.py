@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from . import jsonvalue, progress, records
 from .collector import paused_gc
 from .digests import DigestCache, Entry, Same, reusable
-from .errors import AdapterError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
+from .errors import AdapterError, IntegrityError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
 from .layout import address, check_shape, digest, itemsize, sample_unchanged, shard_count
 from .packs import BLOB_HEADER, BlobLoc, PackWriter
 from .records import CommitInfo, LeafRecord, check_message, check_tag
@@ -137,6 +137,13 @@ class CommitEngine:
         or a dict of them. Parents default to the commits the tags pointed to
         (read inside the commit transaction); pass ``parents`` (refs) to override.
 
+        Objects another thread writes during the call (a collector's ``rb.extend``,
+        in-place ops): each shard is stored as one copy of its bytes, hashed as copied,
+        so the commit always checks out as stored; but it is a torn snapshot (each
+        shard as it was when read, shards at different instants). For a consistent
+        one, keep the writers out during the call (pause them, or hold the lock they
+        take), or use :meth:`commit_async`, which needs that only during its call.
+
         Returns:
             CommitInfo with byte counts (bytes) and ``seconds``.
 
@@ -183,6 +190,11 @@ class CommitEngine:
         store's thread pool), so a training loop keeps the other cores.
         One still running when the script ends finishes before the interpreter
         exits (:meth:`close` also waits for it); only its future reports its errors.
+
+        The snapshot is taken during the call: a thread writing the objects during the
+        call gives a torn snapshot as :meth:`commit` does (each shard one copy of its
+        bytes, always read back as stored); writes after the call returns are not in
+        it. Keep writers out during the call for a consistent one.
 
         Returns:
             A ``concurrent.futures.Future`` resolving to the :class:`CommitInfo`
@@ -327,22 +339,35 @@ class CommitEngine:
         slow = [c for c in components if type(c) is not Reused]
         own, views, tokens, prior, from_cache, unchanged = self._leaves(slow, reuse_checked)
         own_keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
-        if len(slow) == len(components):
-            leaves, keys = own, own_keys
-        else:  # the manifest in component order: the reused components' records and keys in their places
-            leaves, keys = [], []
-            i = k = 0  # the next captured leaf and key
+        retaken = False  # retake ran: some shards' addresses are not the ones hashed first
+
+        def manifest_keys() -> list[tuple[bytes, int]]:
+            """Every shard's address in manifest (component) order: the reused components' keys in their places."""
+            if len(slow) == len(components):
+                return own_keys
+            keys, i, k = [], 0, 0  # the next captured leaf and key
             for c in components:
                 if type(c) is Reused:
-                    leaves += c.records
                     keys += c.keys
-                    prior.update(c.blobs)
                 else:
                     n = len(c.leaves)
                     nk = sum(map(len, views[i : i + n]))
-                    leaves += own[i : i + n]
                     keys += own_keys[k : k + nk]
                     i, k = i + n, k + nk
+            return keys
+
+        keys = manifest_keys()
+        if len(slow) == len(components):
+            leaves = own
+        else:  # the manifest in component order: the reused components' records in their places
+            leaves, i = [], 0
+            for c in components:
+                if type(c) is Reused:
+                    leaves += c.records
+                    prior.update(c.blobs)
+                else:
+                    leaves += own[i : i + len(c.leaves)]
+                    i += len(c.leaves)
         unique: dict[tuple[bytes, int], memoryview] = {}
         for shard_views in views:
             for d, mv in shard_views:
@@ -352,30 +377,68 @@ class CommitEngine:
             data = unique.get(key)
             if data is None:  # a blob of a Reused component: not at hand (see _Redo)
                 raise _Redo()
-            if key in from_cache:
-                # A hash kept from an earlier commit whose blob a GC freed since: the bytes are
-                # live memory. Copied once, so what is hashed is what is written (training may
-                # write between the two); if they moved on, this commit cannot be made.
-                data = bytes(data)
-                if digest(data) != key[0]:
-                    self.forget_hashes()  # the next commit rehashes instead of failing the same way
-                    raise StoreWriteError(
-                        f"blob {address(*key)} this commit reused was freed by a GC (another process or Store) while the commit "
-                        "ran, and its tensor has changed since, so its content at the commit is gone; commit again"
-                    )
-            return writer.append(data, key[0])
+            if key in from_cache:  # a hash kept from an earlier commit whose blob a GC freed since: live memory,
+                data = bytes(data)  # read once here (the writer hashes and writes these bytes as they are)
+            # The writer copies the shard once and hashes, encodes and writes that copy: the
+            # location it returns names the bytes written (see retake when they differ from key).
+            loc = writer.append(data, key[0])
+            if key in from_cache and (loc.digest, loc.raw_len) != key:
+                # The kept hash's bytes moved on: the content this commit took is gone.
+                self.forget_hashes()  # the next commit rehashes instead of failing the same way
+                raise StoreWriteError(
+                    f"blob {address(*key)} this commit reused was freed by a GC (another process or Store) while the commit "
+                    "ran, and its tensor has changed since, so its content at the commit is gone; commit again"
+                )
+            return loc
+
+        def retake(writer: PackWriter, torn: list[tuple[bytes, int]], known: dict, written: dict) -> list[tuple[bytes, int]]:
+            """Another thread changed shards between their hash (taken for dedup) and their
+            write: the blobs of ``torn`` (addresses) were written under the hashes of the bytes
+            the writer copied. File each under that true address; every other shard that named
+            a torn address is copied, hashed and written (or deduplicated) under its own; the
+            manifest's addresses and ``views`` (what the digest cache keeps) follow. The commit
+            is then a torn but self-consistent snapshot: each shard as one copy read it."""
+            nonlocal keys, own_keys, retaken
+            retaken = True
+            stale = set(torn)
+            if any(k in stale for c in components if type(c) is Reused for k in c.keys):
+                raise _Redo()  # (a reused component names one too, rewritten after a GC: the commit is made again unshared)
+            true_of: dict[int, tuple[bytes, int]] = {}  # id of the view a torn blob was written from -> what it holds
+            locs = {k: (written.pop(k), unique.pop(k)) for k in torn}
+            for loc, mv in locs.values():
+                true = (loc.digest, loc.raw_len)
+                written.setdefault(true, loc)  # (an address held already keeps its row: this copy is GC's)
+                true_of[id(mv)] = true
+                unique.setdefault(true, mv)
+            for shard_views in views:
+                for s, (d, mv) in enumerate(shard_views):
+                    if (d, len(mv)) not in stale:
+                        continue
+                    key = true_of.get(id(mv))
+                    if key is None:  # one copy at a time: memory stays one shard
+                        copy = bytes(mv)
+                        key = (digest(copy), len(copy))
+                        if key not in known and key not in written:
+                            known.update(self._lookup([key]))
+                            if key not in known:
+                                written[key] = writer.append(copy, key[0])
+                        unique.setdefault(key, mv)
+                    shard_views[s] = (key[0], mv)
+            own_keys = [(d, len(mv)) for shard_views in views for d, mv in shard_views]
+            keys = manifest_keys()
+            return keys
 
         paths = tuple(c.path for c in components)
         # every component as this store's last commit held it, which checked their paths: not checked again
         checked = all(type(c) is Reused and c.last == self._last_paths[0] for c in components) and paths == self._last_paths[1]
         try:
             info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior,
-                                             paths_checked=checked, prior_complete=not slow)
+                                             paths_checked=checked, prior_complete=not slow, retake=retake)
         except _Redo:
             self._digests.components.clear()
             captured = [self._unshared(c) if type(c) is Reused else c for c in captured]  # (an asynchronous commit's snapshot)
             return self.commit_components(captured, tags, message, metadata, parents, t0=t0, reuse_checked=reuse_checked, share=False)
-        if unchanged and any(ids[k] != b for k, b in prior.items()):  # blobs written again (a GC freed them): new ids
+        if unchanged and (retaken or any(ids[k] != b for k, b in prior.items())):  # blobs written again (a GC freed them): new ids
             unchanged = set()
         if own:  # (a commit of Reused components only has nothing new to keep)
             self._digests.remember(own, views, tokens, ids, self.shard_bytes, unchanged)
@@ -405,7 +468,7 @@ class CommitEngine:
 
     def commit_manifest(
         self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None, written=None,
-        paths_checked=False, prior_complete=False,
+        paths_checked=False, prior_complete=False, retake=None,
     ):
         """Steps 3 and 4 of the commit protocol for a manifest already built (commits and
         importers): ``leaves`` are :class:`LeafRecord` s, ``keys`` every tensor shard's
@@ -424,6 +487,11 @@ class CommitEngine:
         ``paths_checked``: the leaves' paths are those of a commit this store checked them for.
         ``prior_complete``: ``prior`` holds every address of ``keys`` (a commit of
         :class:`Reused` components only), so none is looked up.
+        ``retake(writer, torn, known, written)``: called when blobs were written under
+        another address than their key (``write`` returned a location whose digest is not
+        the key's: the bytes changed after they were hashed); it files them under their true
+        addresses and returns the manifest's new ``keys``. Without it such a write raises
+        :class:`~ckptstore.errors.IntegrityError`.
         Returns the CommitInfo and every address's blob id.
         """
         self.home.before_commit()
@@ -461,6 +529,12 @@ class CommitEngine:
 
                     for key, loc in zip(todo, self._map(write_one, todo)):
                         written[key] = loc
+                torn = [k for k in todo if (written[k].digest, written[k].raw_len) != k]
+                if torn:  # bytes changed between their hash and their write (another thread)
+                    if retake is None:
+                        raise IntegrityError(f"blob {address(*torn[0])} changed while it was written: its bytes hash to "
+                                             f"{written[torn[0]].address}; nothing was committed")
+                    keys = retake(writer, torn, known, written)
                 writer.finish()
                 try:
                     created_at = time.time() if origin is None else origin[2]

@@ -228,6 +228,37 @@ def encode_blob(raw: memoryview, level: int) -> tuple[int, bytes | memoryview]:
     return CODEC_ZSTD, packed
 
 
+#: A thread keeps its staging buffer (:func:`stage`) for blobs up to this size (a few shards
+#: at the default shard size); a larger blob gets a buffer of its own, freed with it.
+_STAGING_KEPT = 4 << 20
+
+
+def stage(raw) -> memoryview:
+    """``raw`` (bytes-like) copied once into the calling thread's staging buffer: a private
+    snapshot to hash, encode and write, valid until this thread's next call. One buffer per
+    thread, so a commit holds one staging copy per write in flight, never copies of all its
+    shards. ``bytes`` (immutable) are not copied. The copy runs without the GIL, so it is one
+    read of each byte but not atomic against other threads' writes (a row written meanwhile
+    may be copied half old, half new)."""
+    if isinstance(raw, bytes):
+        return memoryview(raw)
+    src = memoryview(raw)
+    if src.format != "B" or src.ndim != 1:
+        src = src.cast("B")
+    n = len(src)
+    buf = getattr(_local, "staging", None)
+    if buf is None or len(buf) < n:
+        buf = bytearray(n)
+        if n <= _STAGING_KEPT:
+            _local.staging = buf
+    view = memoryview(buf)[:n]
+    if src.readonly or not n:  # (ctypes takes no empty buffer)
+        view[:] = src
+    else:  # ctypes' memmove releases the GIL: the threads of a commit copy in parallel
+        ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(view)), ctypes.addressof(ctypes.c_char.from_buffer(src)), n)
+    return view
+
+
 class _OpenPack:
     def __init__(self, root: Path):
         own_dir(root, root / "tmp")  # a link or file named tmp is not written through (invariant 13)
@@ -285,10 +316,19 @@ class PackWriter:
         self.stored_bytes = 0
 
     def append(self, raw: memoryview, digest: bytes | None = None) -> BlobLoc:
-        """Write one blob (``raw`` bytes) and return its location."""
-        digest = xxh3(raw) if digest is None else digest
-        codec, payload = encode_blob(raw, self.level)
-        return self.append_encoded(digest, len(raw), codec, payload)
+        """Write one blob and return its location: ``raw`` (bytes-like, typically a view of a
+        live tensor's memory) is copied once into this thread's staging buffer, and that copy
+        is hashed, encoded and written, so the entry always hashes to the address recorded
+        with it (invariant 14), whatever other threads write into ``raw`` meanwhile.
+
+        ``digest``: the hash the caller took of ``raw`` earlier (for dedup). The returned
+        location's ``digest`` is the hash of the bytes written: it differs from ``digest``
+        when ``raw`` changed in between, and the caller must then file the blob under the
+        returned address (:meth:`ckptstore.commit.CommitEngine.commit_components` does).
+        """
+        staged = stage(raw)
+        codec, payload = encode_blob(staged, self.level)
+        return self.append_encoded(xxh3(staged), len(staged), codec, payload)
 
     def append_record(self, kind: int, raw: bytes) -> BlobLoc:
         """Write one record (``kind``, JSON bytes) and return its location; see :mod:`ckptstore.records`."""
