@@ -29,10 +29,6 @@ def harness(tmp_path, **kwargs) -> dict:
     return stats
 
 
-# issue 41: on this branch (main's code) the harness finds the defects that the other issue-41
-# branches fix (commit hashing live memory, fork safety, signal handlers, resumable migration),
-# so this test is expected to fail here. The integrator removes this marker after merging them.
-@pytest.mark.xfail(strict=False, reason="issue 41: fixed on other branches; integrator removes this")
 @pytest.mark.timeout(600)
 def test_process_harness_default_run(tmp_path):
     """One round of each scenario kind (writer threads, forks, signals, migration kills; about a

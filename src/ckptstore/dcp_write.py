@@ -256,6 +256,13 @@ class StoreWriter(StorageWriter):
                     _REUSED[(root, data["path"])] = (token, digests)
             locs = list(pool.map(lambda job: writer.append(job[2], job[1][0]), todo))
         writer.finish()  # durable under its final names before this rank reports back
+        for (data, key, _), loc in zip(todo, locs):
+            if loc.digest != key[0]:  # the writer hashes what it writes (invariant 14): the tensor changed since it was hashed
+                raise StoreWriteError(
+                    f"{data['path']}: shard {address(*key)} changed while this rank saved it (another thread wrote the tensor "
+                    "during dcp.save); a DCP save needs its state unchanged until save returns. Nothing was committed "
+                    "(its packs are orphans GC removes)"
+                )
         sizes = dict(writer.pack_ids)
         for (data, key, _), loc in zip(todo, locs):
             data["locs"][key] = (loc.pack, loc.offset, loc.stored_len, loc.codec)
