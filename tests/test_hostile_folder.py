@@ -316,3 +316,31 @@ def test_store_whose_root_is_a_link_works(tmp_path):
     cli("recover", "--force", "--store", str(link))
     with ckptstore.Store(link) as s:
         assert_bit_equal(s.checkout("latest"), state(2))
+
+
+def test_run_lease_files_are_never_followed_nor_block(tmp_path):
+    """``leases/<run>.lock`` linked out of the store, and ``leases/<run>.token`` made a FIFO:
+    the Checkpointer refuses the run with one StoreWriteError naming the file, writes nothing
+    outside the store, and never blocks; once they are removed the run is leased as usual."""
+    from ckptstore.errors import StoreWriteError
+
+    store = ckptstore.Store(tmp_path / "store", create=True)
+    store.commit({"w": torch.zeros(4)}, tag="t")
+    outside = tmp_path / "outside.txt"
+    outside.write_bytes(b"not a lease")
+    leases = tmp_path / "store" / "leases"
+    leases.mkdir()
+    os.symlink(outside, leases / "run-exp.lock")
+    with pytest.raises(StoreWriteError, match="run-exp.lock is not a lease file made by ckptstore"):
+        ckptstore.Checkpointer(store, {"w": torch.ones(4)}, run="exp", on_signal=()).commit()
+    assert outside.read_bytes() == b"not a lease"
+    (leases / "run-exp.lock").unlink()
+    os.mkfifo(leases / "run-exp.token")
+    with pytest.raises(StoreWriteError, match="run-exp.token is not a lease file made by ckptstore"):
+        ckptstore.Checkpointer(store, {"w": torch.ones(4)}, run="exp", on_signal=()).commit()
+    (leases / "run-exp.token").unlink()
+    with ckptstore.Checkpointer(store, {"w": torch.ones(4)}, run="exp", on_signal=()) as ck:
+        info = ck.commit()
+    assert store.resolve("exp/latest") == info.id
+    _bit_equal(store.checkout("exp/latest", partial=["w"])["w"], torch.ones(4))
+    store.close()

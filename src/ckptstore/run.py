@@ -11,10 +11,12 @@ checks run names, lists the runs of a store (:func:`runs`) and holds the lease
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -217,6 +219,29 @@ class FileLease(Lease):
         self.token_path = self.folder / f"{_segment(run)}.token"
         self.fd: int | None = None
 
+    def _open(self, path, flags: int) -> int:
+        """``os.open`` of a file of ``leases/`` that is the store's own: never through a
+        symbolic link, never a FIFO, socket or device (invariant 13).
+
+        Raises:
+            StoreWriteError: the folder or the file is not what ckptstore makes there."""
+        fd = -1
+        try:
+            if not stat.S_ISDIR(os.lstat(self.folder).st_mode):
+                raise OSError(errno.ELOOP, "not a folder")
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.ELOOP, "not a regular file")
+            os.set_blocking(fd, True)
+            return fd
+        except OSError as exc:
+            if fd >= 0:
+                os.close(fd)
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise StoreWriteError(f"{path} is not a lease file made by ckptstore (a symbolic link, a FIFO, a socket, "
+                                      "a device or a folder): left alone; the run cannot be leased until it is removed") from None
+            raise
+
     def acquire(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         with FileLease._lock:
@@ -225,7 +250,7 @@ class FileLease(Lease):
                 self.fd, previous.fd = previous.fd, None
             else:
                 previous = None
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = self._open(self.path, os.O_RDWR | os.O_CREAT)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -257,7 +282,11 @@ class FileLease(Lease):
     def _read_token(self) -> tuple[int, dict | None]:
         """The run's token now and whom it was issued to (``0``: never issued)."""
         try:
-            data = json.loads(self.token_path.read_bytes())
+            fd = self._open(self.token_path, os.O_RDONLY)
+            try:
+                data = json.loads(os.pread(fd, 1 << 16, 0))
+            finally:
+                os.close(fd)
             token = data["token"]
             if type(token) is not int or token < 0:
                 raise ValueError
