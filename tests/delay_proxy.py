@@ -162,9 +162,18 @@ def serve(upstream: tuple[str, int], port: int = 0) -> None:
         threading.Thread(target=_server_to_client, args=(server, client), daemon=True).start()
 
 
+def free_port() -> int:
+    """A loopback port free now (for a proxy whose port must be known before it starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @dataclass
 class DelayProxy:
-    """The proxy in a subprocess, in front of ``upstream`` (``"http://127.0.0.1:PORT"``)."""
+    """The proxy in a subprocess, in front of ``upstream`` (``"http://127.0.0.1:PORT"``), on
+    ``port`` (0: any free one). A start after a stop listens on the same port again, so a
+    client keeps its endpoint across a network cut (stop) and its end (start)."""
 
     upstream: str
     port: int = 0
@@ -172,7 +181,7 @@ class DelayProxy:
 
     def start(self) -> DelayProxy:
         hostport = self.upstream.split("://", 1)[-1].rstrip("/")
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--upstream", hostport],
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--upstream", hostport, "--port", str(self.port)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], 30)
         line = self.proc.stdout.readline() if ready else ""

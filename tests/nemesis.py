@@ -375,11 +375,9 @@ def run_round(seed: int, index: int, home: str, base: Path, server=None, seconds
                 hold = r.lease * rng.uniform(1.3, 2.5)
                 r.events.append(f"partition {target.name} {hold:.2f}s")
                 r.counts["partition"] = r.counts.get("partition", 0) + 1
-                port = proxy.port
                 proxy.stop()
                 time.sleep(hold)
-                proxy.port = port
-                proxy.start()
+                proxy.start()  # on the same port: the contender's endpoint works again
             elif kind == "clock":
                 target = rng.choice([p for p in r.procs if p.clock is not None])
                 jump = rng.choice([-3600.0, -r.lease * 3, r.lease * 3, 3600.0])
@@ -536,7 +534,6 @@ def rejoin_rounds(seed: int, rejoins: int, base: Path, server) -> dict[str, int]
     problems: list[str] = []
     bucket_seen: list[int] = []
     proxy = DelayProxy(server.endpoint).start()
-    port = proxy.port
     saved_env = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "XDG_CACHE_HOME")}
     os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
 
@@ -588,7 +585,6 @@ def rejoin_rounds(seed: int, rejoins: int, base: Path, server) -> dict[str, int]
                     ck.wait_pushed(timeout=30)
             ck.close()
             if cut:
-                proxy.port = port
                 proxy.start()
                 after = bucket_step()
                 if newest is not None and (after is None or after < newest):

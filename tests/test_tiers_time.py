@@ -13,8 +13,6 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import select
-import socket
 import subprocess
 import sys
 import uuid
@@ -27,6 +25,8 @@ import torch
 
 import ckptstore
 from ckptstore.errors import BackendError, CkptStoreError, PushFailedWarning
+
+from .delay_proxy import DelayProxy, free_port
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,39 +63,6 @@ def tiered(local: str, url: str, state: dict, endpoint: str | None = None, **kw)
 # --- a node: one process ---------------------------------------------------------------------
 
 
-class Proxy:
-    """tests/delay_proxy.py in its own process on a fixed loopback port, so that a client
-    keeps its endpoint across a stop (the network cut) and a start."""
-
-    def __init__(self, upstream: str, port: int | None = None):
-        self.upstream = upstream.split("://", 1)[-1].rstrip("/")
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        self.port, self.proc = port, None
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Proxy:
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "delay_proxy.py"), "--upstream", self.upstream, "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
-        if not (ready and self.proc.stdout.readline().startswith("READY")):
-            self.stop()
-            raise RuntimeError("the delay proxy did not start")
-        return self
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc.stdout.close()
-            self.proc = None
-
-
 def node_main(args: dict) -> dict:
     """One node's life: resume from ``local`` / ``url`` (through ``args["proxy"]`` when given,
     started only after the resume when ``proxy_after_resume``), then train to ``until``,
@@ -103,7 +70,7 @@ def node_main(args: dict) -> dict:
     proxy = None
     endpoint = None
     if args.get("proxy"):
-        proxy = Proxy(args["upstream"], args["proxy"])
+        proxy = DelayProxy(args["upstream"], args["proxy"])
         endpoint = proxy.endpoint
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         if not args.get("proxy_after_resume"):
@@ -199,7 +166,7 @@ def test_a_node_that_cannot_reach_the_bucket_resumes_locally_says_so_and_cannot_
     assert node(local=y, url=url, until=8)["durable"] == [6, 8]
     before = bucket_view(url)
     # X again, its network cut while it resumes (the proxy starts only afterwards): its own step 4, and a warning
-    back = node(local=x, url=url, until=8, upstream=s3_server.endpoint, proxy=Proxy(s3_server.endpoint).port, proxy_after_resume=True)
+    back = node(local=x, url=url, until=8, upstream=s3_server.endpoint, proxy=free_port(), proxy_after_resume=True)
     assert (back["resumed"], back["from"], back["exact"], back["bucket_step"]) == (4, "local", True, None), back
     assert back["warned"] == ["BucketNotConsultedWarning"], back
     # its saves 6 and 8 reach the bucket, which holds step 8: both refused, nothing of them written there
@@ -216,7 +183,7 @@ def test_a_node_that_cannot_reach_the_bucket_resumes_locally_says_so_and_cannot_
 
 
 def test_wait_pushed_after_an_outage_that_recovered_reports_the_superseded_failure(s3_server, url, tmp_path):
-    proxy = Proxy(s3_server.endpoint).start()
+    proxy = DelayProxy(s3_server.endpoint).start()
     state = empty()
     ckpt = tiered(str(tmp_path / "x"), url, state, proxy.endpoint)
     try:
@@ -252,7 +219,7 @@ def test_wait_pushed_after_an_outage_that_recovered_reports_the_superseded_failu
 
 
 def test_a_save_made_while_the_bucket_was_down_is_pushed_after_a_local_resume(s3_server, url, tmp_path):
-    proxy = Proxy(s3_server.endpoint).start()
+    proxy = DelayProxy(s3_server.endpoint).start()
     x = str(tmp_path / "x")
     state = empty()
     ckpt = tiered(x, url, state, proxy.endpoint)
