@@ -41,7 +41,8 @@ The invariant checker (:func:`check_history`) reads every process's log and the 
 2. each step is acknowledged at most once; no holder's commit is acknowledged after another
    holder took the run from it (its begin after the other's grant) unless that holder saw it;
 3. the run's ``latest``, as the observer and the final read see it, is monotone in step,
-   and ends at the highest acknowledged step;
+   and ends at the highest acknowledged step, or above it at a step whose commit raised (a
+   cut network makes an outcome unknown: such a commit may have landed, whole);
 4. nothing outside the store changes (the sentinel folder's files and bytes);
 5. no process hangs beyond a bound; ``fsck(deep=True)`` is clean at the end;
 6. (rejoin) a resume is never older than the bucket's newest step when the bucket is
@@ -457,17 +458,35 @@ def check_history(r: Round, outside_before: dict[str, str]) -> list[str]:
     seen = [e["step"] for e in logs.get("obs", []) if e["ev"] == "seen"]
     if any(b < a for a, b in zip(seen, seen[1:])):
         problems.append(f"{LATEST} went backwards as the observer saw it: {seen}")
+    # a commit whose call raised (a cut network: "the outcome is unknown") may have landed: in doubt, not acknowledged
+    # (and begun by the holder of the run then: no other contender granted the run between its grant and that begin)
+    def holder_then(name: str, t: float) -> bool:
+        mine = [g for g, who, _ in grants if who == name and g < t]
+        return bool(mine) and not any(who != name and mine[-1] < g < t for g, who, _ in grants)
+
+    doubt = set()
+    for name, evs in logs.items():
+        begun = {e["step"]: e["t"] for e in evs if e["ev"] == "begin"}
+        doubt |= {e["step"] for e in evs if e["ev"] == "error" and e.get("step") in begun and holder_then(name, begun[e["step"]])}
     store = _fresh_store(r.url)
     try:
         top = max(acks, default=None)
-        if top is not None:
-            final = store.resolve(LATEST)
+        tags = store.tags()
+        if LATEST in tags:
+            final = tags[LATEST]
             step = store.info(final).metadata.get("step")
-            if step != top or final != acks[top][0][1]:
+            if step in acks and (step != top or final != acks[top][0][1]):
                 problems.append(f"{LATEST} ends at step {step} ({final[:12]}), the highest acknowledged is {top} ({acks[top][0][1][:12]})")
+            elif step not in acks and not (step in doubt and (top is None or step > top)):
+                problems.append(f"{LATEST} ends at step {step} ({final[:12]}), neither acknowledged nor in doubt above {top}")
+            elif step not in acks:  # in doubt and landed: it must be that step's state all the same
+                got = store.checkout(final, partial=["w"])["w"]
+                if not torch.equal(got.view(torch.uint8), state_of(step).view(torch.uint8)):
+                    problems.append(f"{LATEST} ends at step {step} (in doubt) with other bytes")
             if seen and seen[-1] > step:
                 problems.append(f"{LATEST} ends at step {step} below the step {seen[-1]} the observer saw")
-        tags = store.tags()
+        elif top is not None:
+            problems.append(f"{LATEST} is gone, the highest acknowledged step is {top}")
         for step, who in sorted(acks.items()):
             cid = who[0][1]
             if tags.get(f"{RUN}/step-{step}") != cid:
