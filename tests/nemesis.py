@@ -350,7 +350,11 @@ def run_round(seed: int, index: int, home: str, base: Path, server=None, seconds
         r.procs.append(_spawn("observer", r, "obs", obs_env))
         if rng.random() < 0.7:
             r.procs.append(_spawn("gcloop", r, "gc", {"XDG_CACHE_HOME": str(folder / "cache-gc")} if home == "s3" else None, grace=r.grace))
-        time.sleep(rng.uniform(3.0, 5.0))  # interpreters start (torch)
+        # the nemeses start once a contender committed (interpreters load torch: slow on a loaded machine)
+        started = time.monotonic()
+        while time.monotonic() < started + 180 and not any(e["ev"] == "ack" for p in r.procs if p.name.startswith("c") for e in read_log(p.log)):
+            time.sleep(0.2)
+        time.sleep(rng.uniform(0.0, 1.0))
         end = time.monotonic() + seconds
         kinds = ["pause", "pause", "clock"] + (["partition", "partition"] if home == "s3" else ["hostile", "hostile"])
         while time.monotonic() < end:
@@ -424,9 +428,12 @@ def _fresh_store(url: str):
     return ckptstore.Store(url)
 
 
+
 def check_history(r: Round, outside_before: dict[str, str]) -> list[str]:
     """The invariants over the round's logs and the store (module docstring, 1 to 5)."""
     import torch
+
+    from ckptstore.errors import NotAStoreError
 
     problems: list[str] = []
     logs = {p.name: read_log(p.log) for p in r.procs}
@@ -468,40 +475,50 @@ def check_history(r: Round, outside_before: dict[str, str]) -> list[str]:
     for name, evs in logs.items():
         begun = {e["step"]: e["t"] for e in evs if e["ev"] == "begin"}
         doubt |= {e["step"] for e in evs if e["ev"] == "error" and e.get("step") in begun and holder_then(name, begun[e["step"]])}
-    store = _fresh_store(r.url)
     try:
-        top = max(acks, default=None)
-        tags = store.tags()
-        if LATEST in tags:
-            final = tags[LATEST]
-            step = store.info(final).metadata.get("step")
-            if step in acks and (step != top or final != acks[top][0][1]):
-                problems.append(f"{LATEST} ends at step {step} ({final[:12]}), the highest acknowledged is {top} ({acks[top][0][1][:12]})")
-            elif step not in acks and not (step in doubt and (top is None or step > top)):
-                problems.append(f"{LATEST} ends at step {step} ({final[:12]}), neither acknowledged nor in doubt above {top}")
-            elif step not in acks:  # in doubt and landed: it must be that step's state all the same
-                got = store.checkout(final, partial=["w"])["w"]
-                if not torch.equal(got.view(torch.uint8), state_of(step).view(torch.uint8)):
-                    problems.append(f"{LATEST} ends at step {step} (in doubt) with other bytes")
-            if seen and seen[-1] > step:
-                problems.append(f"{LATEST} ends at step {step} below the step {seen[-1]} the observer saw")
-        elif top is not None:
-            problems.append(f"{LATEST} is gone, the highest acknowledged step is {top}")
-        for step, who in sorted(acks.items()):
-            cid = who[0][1]
-            if tags.get(f"{RUN}/step-{step}") != cid:
-                problems.append(f"acknowledged step {step} ({cid[:12]}) is no longer tagged {RUN}/step-{step}: {tags.get(f'{RUN}/step-{step}')}")
-            try:
-                got = store.checkout(cid, partial=["w"])["w"]
-                if not torch.equal(got.view(torch.uint8), state_of(step).view(torch.uint8)):
-                    problems.append(f"acknowledged step {step} ({cid[:12]}) checks out other bytes")
-            except Exception as exc:  # noqa: BLE001 - any failure to read an acknowledged save is the finding
-                problems.append(f"acknowledged step {step} ({cid[:12]}) cannot be checked out: {type(exc).__name__}: {exc}")
-        report = store.fsck(deep=True)
-        if not report.ok:
-            problems.append(f"fsck(deep=True) reports: {[str(p)[:200] for p in report.problems][:5]}")
+        store = _fresh_store(r.url)
+        store.tags()
+    except NotAStoreError:  # nothing was ever committed (a first commit creates the store)
+        if acks:
+            problems.append(f"the store is gone, {sum(len(v) for v in acks.values())} saves were acknowledged")
+        store = None
+    try:
+        if store is None:
+            pass
+        else:
+            top = max(acks, default=None)
+            tags = store.tags()
+            if LATEST in tags:
+                final = tags[LATEST]
+                step = store.info(final).metadata.get("step")
+                if step in acks and (step != top or final != acks[top][0][1]):
+                    problems.append(f"{LATEST} ends at step {step} ({final[:12]}), the highest acknowledged is {top} ({acks[top][0][1][:12]})")
+                elif step not in acks and not (step in doubt and (top is None or step > top)):
+                    problems.append(f"{LATEST} ends at step {step} ({final[:12]}), neither acknowledged nor in doubt above {top}")
+                elif step not in acks:  # in doubt and landed: it must be that step's state all the same
+                    got = store.checkout(final, partial=["w"])["w"]
+                    if not torch.equal(got.view(torch.uint8), state_of(step).view(torch.uint8)):
+                        problems.append(f"{LATEST} ends at step {step} (in doubt) with other bytes")
+                if seen and seen[-1] > step:
+                    problems.append(f"{LATEST} ends at step {step} below the step {seen[-1]} the observer saw")
+            elif top is not None:
+                problems.append(f"{LATEST} is gone, the highest acknowledged step is {top}")
+            for step, who in sorted(acks.items()):
+                cid = who[0][1]
+                if tags.get(f"{RUN}/step-{step}") != cid:
+                    problems.append(f"acknowledged step {step} ({cid[:12]}) is no longer tagged {RUN}/step-{step}: {tags.get(f'{RUN}/step-{step}')}")
+                try:
+                    got = store.checkout(cid, partial=["w"])["w"]
+                    if not torch.equal(got.view(torch.uint8), state_of(step).view(torch.uint8)):
+                        problems.append(f"acknowledged step {step} ({cid[:12]}) checks out other bytes")
+                except Exception as exc:  # noqa: BLE001 - any failure to read an acknowledged save is the finding
+                    problems.append(f"acknowledged step {step} ({cid[:12]}) cannot be checked out: {type(exc).__name__}: {exc}")
+            report = store.fsck(deep=True)
+            if not report.ok:
+                problems.append(f"fsck(deep=True) reports: {[str(p)[:200] for p in report.problems][:5]}")
     finally:
-        store.close()
+        if store is not None:
+            store.close()
     after = tree_digest(r.outside)
     if after != outside_before:
         problems.append(f"the folder outside the store changed: {sorted(set(after.items()) ^ set(outside_before.items()))[:5]}")

@@ -203,7 +203,9 @@ def _buffer(cap: int = 2048):
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(cap), batch_size=8)
-    rb.extend(TensorDict({"obs": torch.zeros(16, WIDTH), "step": torch.zeros(16, dtype=torch.int64)}, [16]))
+    # every row written once (zeros): a storage's rows past its writer's count are torch.empty's memory, and a
+    # torn snapshot (writer and storage captured at two instants) may count rows the storage had not yet received
+    rb.extend(TensorDict({"obs": torch.zeros(cap, WIDTH), "step": torch.zeros(cap, dtype=torch.int64)}, [cap]))
     return rb
 
 
