@@ -116,9 +116,22 @@ def test_classify_arrows():
     assert m == [{"members": 2, "arrows": 1, "circles": [], "sublayers": 2}]
 
 
-def test_toml_copy_of_the_contract_round_trips():
+def test_counted_copy_of_the_configuration_changes_one_setting():
+    text = (REPO / "pyproject.toml").read_text()
     config = ag.read_config(REPO / "pyproject.toml")
-    assert tomllib.loads(ag._toml({"tool": {"importlinter": config}}))["tool"]["importlinter"] == config
+    counted = tomllib.loads(ag.counted_config(text))
+    assert counted["tool"]["importlinter"] == dict(config, exclude_type_checking_imports=False)
+    assert {k: v for k, v in counted["tool"].items() if k != "importlinter"} == {k: v for k, v in tomllib.loads(text)["tool"].items() if k != "importlinter"}
+    bare = '[tool.importlinter]\nroot_package = "x"\n\n[[tool.importlinter.contracts]]\nname = "n"\ntype = "layers"\nlayers = ["x.a"]\n'
+    assert tomllib.loads(ag.counted_config(bare))["tool"]["importlinter"]["exclude_type_checking_imports"] is False
+    with pytest.raises(ValueError):
+        ag.counted_config("[tool.other]\nx = 1\n")
+
+
+def test_layers_relative_to_containers():
+    layers = ag.Layers.parse(["store", "(optional) | home"], containers=["p"])
+    assert layers.entries == [["p.store"], ["p.optional", "p.home"]]
+    assert layers.layer_of("p.home.local") == 1
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +161,12 @@ def test_sizes_add_up():
     assert s["lines"] == sum(s["per_file"].values()) == sum(p["lines"] for p in s["packages"].values())
     assert [b["file"] for b in s["big"]] == sorted((f for f, n in s["per_file"].items() if n >= 500), key=lambda f: -s["per_file"][f])
     assert s["histogram"]["500-699"] + s["histogram"]["700+"] == len(s["big"])
+
+
+def test_lint_counted_reports_every_contract():
+    if ag.shutil.which("lint-imports", path=str(Path(sys.executable).parent)) is None:
+        pytest.skip("import-linter is not installed (the test extra)")
+    r = ag.lint_counted(REPO / "pyproject.toml", REPO / "src")
+    n = len(ag.read_config(REPO / "pyproject.toml")["contracts"])
+    assert r["kept"] + r["broken"] == n == len(r["contracts"])
+    assert (r["returncode"] == 0) == (r["broken"] == 0)

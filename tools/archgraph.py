@@ -64,10 +64,15 @@ class Layers:
     mutual: list[bool]
 
     @classmethod
-    def parse(cls, layers: Iterable[str]) -> Layers:
+    def parse(cls, layers: Iterable[str], containers: Iterable[str] = ()) -> Layers:
+        """``layers`` as in the contract; with ``containers``, its names are relative to each
+        container (import-linter's ``containers`` option). ``(name)``: an optional layer."""
         entries, mutual = [], []
+        containers = list(containers)
         for entry in layers:
-            names = [n.strip() for n in re.split(r"[|:]", entry) if n.strip()]
+            names = [n.strip().strip("()").strip() for n in re.split(r"[|:]", entry) if n.strip()]
+            if containers:
+                names = [f"{c}.{n}" for c in containers for n in names]
             entries.append(names)
             mutual.append(":" in entry)
         return cls(entries, mutual)
@@ -99,8 +104,9 @@ def read_config(pyproject: Path) -> dict:
 
 
 def read_layers(pyproject: Path) -> Layers:
-    contracts = read_config(pyproject)["contracts"]
-    return Layers.parse(next(c for c in contracts if c["type"] == "layers")["layers"])
+    """The first ``layers`` contract of the import-linter configuration in ``pyproject``."""
+    contract = next(c for c in read_config(pyproject)["contracts"] if c["type"] == "layers")
+    return Layers.parse(contract["layers"], contract.get("containers", ()))
 
 
 # ---------------------------------------------------------------------------- the import graph
@@ -277,16 +283,31 @@ def longest_path(nodes: list[str], edges: set[tuple[str, str]]) -> int:
 # ---------------------------------------------------------------------------- lint-imports, counted
 
 
+def counted_config(text: str) -> str:
+    """``text`` (a pyproject.toml) with ``exclude_type_checking_imports = false`` in its
+    ``[tool.importlinter]`` table, the rest as it was. Raises ValueError if the table is missing."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "[tool.importlinter]"), None)
+    if start is None:
+        raise ValueError("no [tool.importlinter] table")
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("[")), len(lines))
+    body = [line for line in lines[start + 1:end] if not re.match(r"\s*exclude_type_checking_imports\s*=", line)]
+    out = "\n".join([*lines[:start + 1], "exclude_type_checking_imports = false", *body, *lines[end:]]) + "\n"
+    expected = dict(tomllib.loads(text)["tool"]["importlinter"], exclude_type_checking_imports=False)
+    if tomllib.loads(out)["tool"]["importlinter"] != expected:
+        raise ValueError("could not set exclude_type_checking_imports in [tool.importlinter]")
+    return out
+
+
 def lint_counted(pyproject: Path, src: Path) -> dict:
-    """Run lint-imports on a copy of the configuration that counts type-checking imports."""
-    config = read_config(pyproject)
-    config["exclude_type_checking_imports"] = False
+    """Run lint-imports on a copy of ``pyproject`` that counts type-checking imports
+    (:func:`counted_config`), with ``src`` on ``PYTHONPATH``."""
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
     if exe is None:
         return {"error": "lint-imports not found"}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "importlinter-counted.toml"
-        path.write_text(_toml({"tool": {"importlinter": config}}))
+        path.write_text(counted_config(pyproject.read_text()))
         env = dict(os.environ, PYTHONPATH=str(src))
         proc = subprocess.run([exe, str(path), "--no-cache"], capture_output=True, text=True, env=env, cwd=tmp)
     text = proc.stdout + proc.stderr
@@ -297,45 +318,10 @@ def lint_counted(pyproject: Path, src: Path) -> dict:
             "output": text if m is None else ""}
 
 
-def _toml(data: dict, prefix: str = "") -> str:
-    """A small TOML writer for the importlinter table (strings, bools, lists of strings, tables,
-    arrays of tables); enough to round-trip ``[tool.importlinter]``."""
-    def value(v) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return str(v)
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, list):
-            return "[" + ", ".join(value(x) for x in v) + "]"
-        raise TypeError(f"cannot write {type(v).__name__} as TOML")
-
-    lines, tables = [], []
-    for k, v in data.items():
-        if isinstance(v, dict):
-            tables.append((k, v))
-        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
-            tables.append((k, v))
-        else:
-            lines.append(f"{k} = {value(v)}")
-    out = "\n".join(lines) + ("\n" if lines else "")
-    for k, v in tables:
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            scalars = {a: b for a, b in v.items() if not isinstance(b, dict) and not (isinstance(b, list) and b and isinstance(b[0], dict))}
-            out += f"\n[{name}]\n" + _toml(scalars)
-            out += _toml({a: b for a, b in v.items() if a not in scalars}, prefix=name + ".")
-        else:
-            for item in v:
-                out += f"\n[[{name}]]\n" + _toml(item, prefix=name + ".")
-    return out
-
-
 # ---------------------------------------------------------------------------- module sizes
 
 
-def module_sizes(pkg_dir: Path, root: str = ROOT) -> dict:
+def module_sizes(pkg_dir: Path) -> dict:
     """Lines per ``.py`` file under ``pkg_dir``, grouped by package (the file's folder)."""
     files = {}
     for path in sorted(pkg_dir.rglob("*.py")):
@@ -445,16 +431,19 @@ def compact(seq: list[str], root: str = ROOT) -> str:
     return " > ".join(f"{m.removeprefix(root + '.')}" + (f"×{n}" if n > 1 else "") for m, n in runs(seq))
 
 
-def _preimport(root: str) -> None:
-    """Import every module of ``root`` first, so that no module body runs inside a trace."""
+def _preimport(root: str) -> list[str]:
+    """Import every module of ``root`` first, so that no module body runs inside a trace;
+    returns the modules that failed to import (an optional dependency missing)."""
+    failed = []
     pkg = importlib.import_module(root)
     for info in pkgutil.walk_packages(pkg.__path__, root + "."):
         try:
             importlib.import_module(info.name)
-        except Exception:  # an optional dependency (the demo's gymnasium): not on the traced paths
-            pass
+        except Exception:  # noqa: BLE001 - listed in the output
+            failed.append(info.name)
     for name in ("torch", "tensordict"):
         importlib.import_module(name)
+    return failed
 
 
 def _sample():
@@ -479,8 +468,7 @@ def trace_commit(tmp: Path) -> Trace:
 def _moto(tree: Path):
     """tests/s3server.py's MotoServer of ``tree`` (or of this tool's checkout), started."""
     for base in (tree, Path(__file__).resolve().parents[1]):
-        path = base / "tests" / "s3server.py"
-        if path.exists():
+        for path in sorted(base.glob("tests/**/s3server.py")):
             spec = importlib.util.spec_from_file_location("_archgraph_s3server", path)
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod  # dataclasses look the module up
@@ -520,11 +508,16 @@ def trace_partial_checkout(tmp: Path, tree: Path) -> tuple[Trace, str]:
 
 
 def _commit(tree: Path) -> str:
-    """The checkout's commit (short hash, ``+dirty`` with uncommitted changes under src/), or ``?``."""
+    """``HEAD <hash>, src/ last changed by <hash>`` (``+dirty``: uncommitted changes under ``src/``),
+    or ``?`` outside git."""
     try:
-        head = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--", "src"], capture_output=True, text=True, check=True).stdout.strip()
-        return head + ("+dirty" if dirty else "")
+        git = ["git", "-C", str(tree)]
+
+        def out(*args: str) -> str:
+            return subprocess.run([*git, *args], capture_output=True, text=True, check=True).stdout.strip()
+
+        dirty = "+dirty" if out("status", "--porcelain", "--", "src") else ""
+        return f"HEAD {out('rev-parse', '--short', 'HEAD')}, src/ last changed by {out('log', '-1', '--format=%h', '--', 'src') or '?'}{dirty}"
     except (OSError, subprocess.CalledProcessError):
         return "?"
 
@@ -547,7 +540,6 @@ def measure(pyproject: Path, do_trace: bool = True) -> dict:
         "tree": str(tree), "commit": _commit(tree), "pyproject": str(pyproject),
         "graph": {
             "modules": len(modules),
-            "in_root_folder": sum(1 for m in modules if module_file(pkg_dir, m).parent == pkg_dir),
             "per_package": {p: sum(1 for m in modules if ".".join(module_file(pkg_dir, m).relative_to(src).parent.parts) == p)
                             for p in sorted({".".join(module_file(pkg_dir, m).relative_to(src).parent.parts) for m in modules})},
             "arrows": len(arrows),
@@ -570,7 +562,7 @@ def measure(pyproject: Path, do_trace: bool = True) -> dict:
         "sizes": module_sizes(pkg_dir),
     }
     if do_trace:
-        _preimport(ROOT)
+        failed = _preimport(ROOT)
         with tempfile.TemporaryDirectory(prefix="archgraph-") as tmp:
             commit_t = trace_commit(Path(tmp))
             co_t, where = trace_partial_checkout(Path(tmp), tree)
@@ -581,7 +573,7 @@ def measure(pyproject: Path, do_trace: bool = True) -> dict:
 
         result["paths"] = {
             "note": "sys.setprofile 'call' events of the calling thread only (the store's worker threads are not followed); "
-                    "every ckptstore module imported before tracing",
+                    "every ckptstore module imported before tracing" + (f" (failed: {', '.join(failed)})" if failed else ""),
             "commit": {"call": "Store(folder, create=True).commit({'weights': 4096 float32, 'policy': nn.Linear(16, 8)}, tag='t')",
                        **path(commit_t)},
             "partial_checkout": {"call": "Store(url).checkout('t', partial=['policy']), the commit made by another Store on url",
@@ -592,7 +584,7 @@ def measure(pyproject: Path, do_trace: bool = True) -> dict:
 
 def render(r: dict) -> str:
     g, lint, s = r["graph"], r["lint_counted"], r["sizes"]
-    out = [f"tree: {r['tree']} (commit {r['commit']})", f"layers contract: {r['pyproject']} ({g['layers']} layers, largest {g['largest_layer']} names)", ""]
+    out = [f"tree: {r['tree']} ({r['commit']})", f"layers contract: {r['pyproject']} ({g['layers']} layers, largest {g['largest_layer']} names)", ""]
     out.append("1. Import graph (grimp; type-checking and function-local imports counted)")
     out.append(f"   modules: {g['modules']} (.py files per folder, __init__ included: "
                + ", ".join(f"{p}/ {n}" for p, n in g["per_package"].items()) + ")")
