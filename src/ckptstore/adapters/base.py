@@ -1,4 +1,10 @@
-"""The adapter layer: turning live objects into state trees and back.
+"""The adapter layer's API: turning live objects into state trees and back.
+
+This module holds the :class:`Adapter` base class, the :class:`Registry` and
+:func:`register_adapter`, :func:`capture` (objects to components), the stored state an
+adapter restores from (:class:`ComponentState`, :class:`LazyTensor`) and :func:`migrate`.
+State trees themselves are :mod:`.tree`'s job, change tokens :mod:`.tokens`'; both
+are re-exported here.
 
 An adapter handles one kind of object. Leaf adapters turn an object into a
 *component*: a state tree (nested ``dict`` with ``str`` keys whose leaves are
@@ -33,177 +39,26 @@ State from a newer version raises :class:`~ckptstore.errors.AdapterVersionError`
 from __future__ import annotations
 
 import io
-import warnings
-import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
-from .. import jsonvalue
 from ..errors import (
     AdapterError,
     AdapterVersionError,
     IntegrityError,
-    InvalidNameError,
     MissingLeafError,
     ShapeMismatchError,
     TargetMismatchError,
     UnsupportedTypeError,
 )
 from ..layout import escape, join, split, under, unescape  # noqa: F401 (re-exported: the adapters' path helpers)
+from .tokens import RowToken, StorageIdentity, plain_token  # noqa: F401 (re-exported)
+from .tree import RAW, RAW_BYTES, Json, check_key, flatten, is_subtree, raw_leaves, unflatten  # noqa: F401 (re-exported)
 
 _MISSING = object()
-
-
-def check_key(key: Any, path: str) -> str:
-    """The path segment of one state-tree key (:func:`ckptstore.layout.escape`).
-
-    Raises:
-        InvalidNameError: ``key`` is not a ``str``.
-    """
-    if type(key) is not str:
-        raise InvalidNameError(f"{path or '<root>'}: key {key!r} is a {type(key).__name__}; keys of containers holding tensors or objects must be str")
-    return escape(key)
-
-
-def is_subtree(value: Any) -> bool:
-    """A ``dict`` that flattens into child leaves (non-empty, all keys ``str``)."""
-    return type(value) is dict and bool(value) and all(type(k) is str for k in value)
-
-
-class Json:
-    """Marks a value as one JSON leaf, even a ``dict`` that would be a subtree."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-
-#: Raw byte values, stored as uint8 tensor leaves (blobs) and restored as the same type.
-RAW_BYTES = {bytes: "bytes", bytearray: "bytearray", io.BytesIO: "io.BytesIO"}
-#: Component meta key ``{relative path: form}`` of the leaves stored as plain tensors for
-#: a value of another kind: ``"bytes"``, ``"bytearray"``, ``"io.BytesIO"`` (one uint8
-#: leaf at the path), ``{"nested": "jagged", "ragged_dim": d, "parts": [...]}`` (leaves
-#: ``<path>/values``, ``<path>/offsets`` and, when set, ``<path>/lengths``) or
-#: ``{"nested": "strided", "parts": ["values", "sizes"]}`` (``<path>/values``: every
-#: component's elements concatenated, ``<path>/sizes``: int64 ``[n, ndim]``). Reserved:
-#: adapters' ``meta()`` must not use it.
-RAW = "ckptstore.raw"
-
-
-def flatten(tree: Any, path: str = "") -> dict[str, Any]:
-    """Flatten a state tree into ``{path: tensor, raw bytes or JSON value}``.
-
-    A non-empty ``dict`` with ``str`` keys is a subtree, each key escaped into one
-    path segment (:func:`ckptstore.layout.escape`: any ``str`` is a key, ``"x/y"``
-    is stored as ``x%2Fy``); a tensor (nested ones included) is a tensor leaf;
-    ``bytes``, ``bytearray`` and ``io.BytesIO`` are raw byte leaves (see
-    :func:`raw_leaves`); a :class:`Json` or anything else is a JSON value (checked here).
-
-    Raises:
-        UnsupportedTypeError: a value that is neither, naming its path and type.
-        InvalidNameError: a dict holding tensors under a key that is not a ``str``.
-    """
-    out: dict[str, Any] = {}
-
-    def walk(node: Any, p: str) -> None:
-        if isinstance(node, Json):
-            node = node.value
-        elif isinstance(node, torch.Tensor):
-            out[p] = node
-            return
-        elif is_subtree(node):
-            for k, v in node.items():
-                walk(v, join(p, escape(k)))
-            return
-        if type(node) in RAW_BYTES:
-            out[p] = node
-            return
-        if _holds_tensor(node):
-            if type(node) is dict:
-                for k in node:
-                    check_key(k, p)
-            raise UnsupportedTypeError(f"{p or '<root>'}: tensors inside lists, tuples or non-dict containers are not supported")
-        jsonvalue.encode(node, p)  # validates, raises with the path
-        out[p] = node
-
-    walk(tree, path)
-    return out
-
-
-def _holds_tensor(node: Any) -> bool:
-    if isinstance(node, torch.Tensor):
-        return True
-    if isinstance(node, (list, tuple)):
-        return any(_holds_tensor(v) for v in node)
-    if isinstance(node, dict):
-        return any(_holds_tensor(v) for v in node.values())
-    return False
-
-
-def unflatten(flat: Mapping[str, Any]) -> Any:
-    """Inverse of :func:`flatten` (relative escaped paths; ``""`` is the root leaf)."""
-    if "" in flat:
-        return flat[""]
-    root: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = root
-        *parents, last = split(path)
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return root
-
-
-def _byte_tensor(data: bytes | bytearray) -> torch.Tensor:
-    if not data:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():  # bytes are read-only: the tensor is only read (hashed, written to a pack)
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(data, dtype=torch.uint8)
-
-
-def raw_leaves(leaves: dict[str, Any], component: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Put the raw byte values and nested tensors of ``leaves`` (absolute paths, as
-    :func:`flatten` gives them) in plain tensor form; returns the new leaves, in the same
-    order, and ``{path relative to component: form}`` for the component meta :data:`RAW`.
-
-    Raw bytes become one 1-d uint8 tensor (a ``bytes`` shares its memory, an
-    ``io.BytesIO`` gives its whole value). A jagged nested tensor gives its ``values``,
-    ``offsets`` and ``lengths`` (when set) tensors; a strided one its components'
-    elements concatenated (``values``) and their ``sizes`` (int64 ``[n, ndim]``).
-    """
-    out: dict[str, Any] = {}
-    forms: dict[str, Any] = {}
-    cut = len(component) + 1 if component else 0
-    for path, value in leaves.items():
-        rel = "" if path == component else path[cut:]
-        t = type(value)
-        if t in RAW_BYTES:
-            out[path] = _byte_tensor(value.getvalue() if t is io.BytesIO else value)
-            forms[rel] = RAW_BYTES[t]
-        elif isinstance(value, torch.Tensor) and value.is_nested:
-            if value.layout == torch.jagged:
-                parts = {"values": value.values(), "offsets": value.offsets()}
-                if value.lengths() is not None:
-                    parts["lengths"] = value.lengths()
-                forms[rel] = {"nested": "jagged", "ragged_dim": int(value._ragged_idx), "parts": list(parts)}
-            else:
-                pieces = value.unbind()
-                flat = [x.reshape(-1) for x in pieces]
-                parts = {
-                    "values": torch.cat(flat) if flat else torch.empty(0, dtype=value.dtype, device=value.device),
-                    "sizes": torch.tensor([list(x.shape) for x in pieces], dtype=torch.int64).reshape(len(pieces), value.dim() - 1),
-                }
-                forms[rel] = {"nested": "strided", "parts": list(parts)}
-            for name, part in parts.items():
-                out[join(path, name)] = part.detach()
-        else:
-            out[path] = value
-    return out, forms
 
 
 def _restore_raw(state: ComponentState) -> None:
@@ -667,75 +522,6 @@ class Scope:
                 for n, p in named:
                     self._params.setdefault(join(path, escape(n)), p)
         return self._params.get(name)
-
-
-class StorageIdentity:
-    """Equal to another only while both refer to one live tensor storage: a token
-    part that no new storage allocated at a freed one's address can match."""
-
-    __slots__ = ("ref",)
-
-    def __init__(self, storage: Any):
-        self.ref = weakref.ref(storage)
-
-    def __eq__(self, other: object) -> bool:
-        mine = self.ref()
-        return mine is not None and isinstance(other, StorageIdentity) and mine is other.ref()
-
-    def __hash__(self) -> int:
-        return 0
-
-
-class RowToken:
-    """A change token that can also name the rows written since an earlier token.
-
-    ``key`` is compared like any token (equal keys: the tensor did not change).
-    ``log`` is an object with ``rows_since(seq) -> torch.Tensor | None`` (int64
-    indices along dim 0, ascending, written after its write number ``seq``, or ``None``
-    when it cannot tell), and ``seq`` the log's write number when the token
-    was taken. ``parts`` is the part of ``key`` that must be equal for rows to
-    be compared at all (the tensor's storage identity, address, shape, strides, dtype).
-    """
-
-    __slots__ = ("key", "log", "parts", "seq")
-
-    def __init__(self, key: tuple, parts: tuple, log: Any, seq: int):
-        self.key, self.parts, self.log, self.seq = key, parts, log, seq
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RowToken) and self.key == other.key
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def changed_rows(self, earlier: Any) -> torch.Tensor | None:
-        """Indices (int64, along dim 0, ascending) of every row written after ``earlier`` was
-        taken, or ``None`` if the rows cannot be told (another tensor, another log,
-        a write the log did not see in between)."""
-        if not isinstance(earlier, RowToken) or earlier.log is not self.log or earlier.parts != self.parts:
-            return None
-        return self.log.rows_since(earlier.seq)
-
-
-def plain_token(t: torch.Tensor) -> tuple | None:
-    """A change token for a tensor whose writes torch tracks, or ``None``.
-
-    Torch bumps a tensor's version counter on every in-place op on it or its
-    views (optimizer steps, ``copy_``, ``index_put_``); with the storage's identity,
-    the address, layout and dtype, an equal token means the bytes did not change
-    *through torch*. Writes torch does not see are not in it: through ``.data``
-    (TorchRL's target-network updates), ``.numpy()`` views, or raw memory. So
-    tensors another process may write (shared or file-backed memory) and CUDA and
-    inference tensors get no token, and a store checks a sample of every reused
-    tensor's shards at each commit (see ``Store``, ``reuse_hashes``).
-    """
-    if not t.is_cpu or t.layout is not torch.strided or t.is_nested or t.is_inference():
-        return None
-    storage = t.untyped_storage()
-    # Tensor.is_shared asks the same storage; _get_filename is what its `filename` property returns
-    if storage.is_shared() or storage._get_filename() is not None:
-        return None
-    return (StorageIdentity(storage), t.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
 
 def _find(obj: Any, registry: Registry, path: str, out: list[tuple[str, Adapter, Any]]) -> None:
