@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
@@ -84,14 +85,16 @@ class Committer:
     with what they keep between commits: the threads (``workers``, :attr:`pool`, the
     asynchronous commits' thread), the adapter :attr:`registry` and the digest cache
     (``reuse_hashes``, :mod:`ckptstore.digests`). What it needs of the repository (its
-    ``shard_bytes``, catalog, refs, pack writer and the home's index step) is
-    :class:`ckptstore.interfaces.CommitRepository`."""
+    ``shard_bytes``, catalog, pack writer, dedup lookup and the home's index step) is
+    :class:`ckptstore.interfaces.CommitRepository`. It holds the repository weakly (the
+    repository owns it: no reference cycle, so a store dropped without ``close`` still frees
+    its catalog connection at once); an asynchronous commit keeps it alive until it ran."""
 
     def __init__(self, repo: CommitRepository, workers: int | None, registry: Registry | None, reuse_hashes: bool):
         """``repo``: the repository committed to; ``workers`` threads (default: CPU count), the
         adapter ``registry`` (default: the global one), ``reuse_hashes``: as
         :class:`ckptstore.store.Store` takes them."""
-        self._repo = repo
+        self._repo_ref = weakref.ref(repo)
         self.workers = workers or os.cpu_count() or 1
         self._registry = registry
         self.reuse_hashes = reuse_hashes
@@ -101,6 +104,11 @@ class Committer:
         self._pending: Future | None = None
         self._snapshots: dict[str, torch.Tensor] = {}
         self._last_paths: tuple[str, tuple[str, ...]] = ("", ())  # the last commit's id and component paths (its leaf paths checked)
+
+    @property
+    def _repo(self) -> CommitRepository:
+        """The repository committed to (held weakly)."""
+        return self._repo_ref()
 
     @property
     def registry(self) -> Registry:
@@ -217,11 +225,12 @@ class Committer:
             components = self._snapshot(self._capture(obj))
         if self._async is None:
             self._async = Pool(1, thread_name_prefix="ckptstore-commit")  # (a Pool: a forked child fails its futures)
-        future = self._async.submit(self._commit_paused, components, tag, message, metadata, parents, t0)
+        # (the repository is an argument so that the queued commit keeps it alive until it ran)
+        future = self._async.submit(self._commit_paused, self._repo, components, tag, message, metadata, parents, t0)
         self._pending = future
         return future
 
-    def _commit_paused(self, components, tag, message, metadata, parents, t0) -> CommitInfo:
+    def _commit_paused(self, repo, components, tag, message, metadata, parents, t0) -> CommitInfo:
         _background.active = True  # hash and write in this thread only (see _map)
         try:
             with paused_gc():

@@ -149,13 +149,17 @@ class Store(Queries):
         return self._committer.commit_async(obj, tag, message, metadata, parents)
 
     def commit_components(self, components: list, tag: str | Sequence[str] | None = None, message: str = "", metadata: dict | None = None,
-                          parents: Sequence[str] | None = None, **options: Any) -> CommitInfo:
+                          parents: Sequence[str] | None = None, *, t0: float | None = None, reuse_checked: bool = False,
+                          share: bool = True) -> CommitInfo:
         """Commit components already captured (:meth:`ckptstore.commit.Committer.commit_components`)."""
-        return self._committer.commit_components(components, tag, message, metadata, parents, **options)
+        return self._committer.commit_components(components, tag, message, metadata, parents, t0=t0, reuse_checked=reuse_checked,
+                                                 share=share)
 
-    def commit_manifest(self, *args: Any, **kwargs: Any):
+    def commit_manifest(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None,
+                        written=None, paths_checked=False, prior_complete=False, retake=None):
         """Steps 3 and 4 of a commit for a manifest already built (:meth:`ckptstore.commit.Committer.commit_manifest`)."""
-        return self._committer.commit_manifest(*args, **kwargs)
+        return self._committer.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior,
+                                               origin, written, paths_checked, prior_complete, retake)
 
     def prepare_shared_commit(self) -> None:
         """Ready the store for a commit whose blobs other processes write (:meth:`ckptstore.commit.Committer.prepare_shared_commit`)."""
