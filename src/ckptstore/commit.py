@@ -98,7 +98,8 @@ class Committer:
         self.workers = workers or os.cpu_count() or 1
         self._registry = registry
         self.reuse_hashes = reuse_hashes
-        self._digests = DigestCache()
+        #: The digest cache (:mod:`ckptstore.digests`): shard hashes and blob ids of live objects this repository committed.
+        self.digests = DigestCache()
         self._pool: ThreadPoolExecutor | None = None
         self._async: ThreadPoolExecutor | None = None  # runs asynchronous commits, one at a time
         self._pending: Future | None = None
@@ -137,7 +138,7 @@ class Committer:
 
     def forget_hashes(self) -> None:
         """Drop the digest cache (:meth:`ckptstore.store.Store.forget_hashes`)."""
-        self._digests.clear()
+        self.digests.clear()
 
     def commit(
         self,
@@ -250,7 +251,7 @@ class Committer:
         out = []
         stale: set[str] = set()
         for comp in components:
-            reused = as_reused(self._digests, comp, self._repo.shard_bytes) if self.reuse_hashes else None
+            reused = as_reused(self.digests, comp, self._repo.shard_bytes) if self.reuse_hashes else None
             if reused is not None:  # unchanged as a whole: its rows are shared (its records and blob ids taken now)
                 out.append(reused)
                 continue
@@ -272,7 +273,7 @@ class Committer:
                             leaves[path] = self._prehash(comp.path, path, value, entry[1], dict(enumerate(entry[1])))
                             continue
                         stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
-                        self._digests.drop(comp.owner, path, token, self._repo.shard_bytes)
+                        self.digests.drop(comp.owner, path, token, self._repo.shard_bytes)
                     elif entry is not None:
                         reuse = reusable(entry, token, value, p)
                         if reuse and not sample_unchanged({i: d for i, (d, _) in reuse.items()}, tensor_bytes(phys, path), p, path):
@@ -351,7 +352,7 @@ class Committer:
             if type(c) is not Reused and records.ESCAPED in c.meta:
                 raise AdapterError(f"{c.path or '<root>'}: adapter {c.adapter} returned meta key {records.ESCAPED!r}, which ckptstore reserves")
         if share and self.reuse_hashes and not reuse_checked:
-            components = [(as_reused(self._digests, c, self._repo.shard_bytes) or c) if type(c) is not Reused else c for c in components]
+            components = [(as_reused(self.digests, c, self._repo.shard_bytes) or c) if type(c) is not Reused else c for c in components]
         # paths in today's key encoding
         components = [c if type(c) is Reused else replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]
         slow = [c for c in components if type(c) is not Reused]
@@ -453,15 +454,15 @@ class Committer:
             info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior,
                                              paths_checked=checked, prior_complete=not slow, retake=retake)
         except _Redo:
-            self._digests.components.clear()
+            self.digests.components.clear()
             captured = [self._unshared(c) if type(c) is Reused else c for c in captured]  # (an asynchronous commit's snapshot)
             return self.commit_components(captured, tags, message, metadata, parents, t0=t0, reuse_checked=reuse_checked, share=False)
         if unchanged and (retaken or any(ids[k] != b for k, b in prior.items())):  # blobs written again (a GC freed them): new ids
             unchanged = set()
         if own:  # (a commit of Reused components only has nothing new to keep)
-            self._digests.remember(own, views, tokens, ids, self._repo.shard_bytes, unchanged)
+            self.digests.remember(own, views, tokens, ids, self._repo.shard_bytes, unchanged)
         if self.reuse_hashes:
-            keep_components(self._digests, components, leaves, keys, ids, info.id, self._repo.shard_bytes)
+            keep_components(self.digests, components, leaves, keys, ids, info.id, self._repo.shard_bytes)
         self._last_paths = (info.id, paths)
         return info
 
@@ -704,7 +705,7 @@ class Committer:
         size (:meth:`ckptstore.digests.DigestCache.get`); ``None`` without ``reuse_hashes``."""
         if token is None or not self.reuse_hashes:
             return None
-        return self._digests.get(owner, path, token, self._repo.shard_bytes)
+        return self.digests.get(owner, path, token, self._repo.shard_bytes)
 
     def map(self, fn, items: list) -> list:
         """``[fn(x) for x in items]`` across the thread pool, a few chunks per thread

@@ -182,7 +182,7 @@ class Store(Queries):
 
     @property
     def _digests(self):  # the digest cache (ckptstore.digests), the committer's
-        return self._committer._digests
+        return self._committer.digests
 
     def _map(self, fn, items: list) -> list:  # [fn(x) for x in items] on the store's threads (a checkout's reads)
         return self._committer.map(fn, items)
