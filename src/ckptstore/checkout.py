@@ -340,7 +340,8 @@ def _select(store: CheckoutRepository, cid: str, partial: Iterable[str] | str | 
         prefixes.append(p)
     return prefixes
 
-def _states(store: CheckoutRepository, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: BlobReader) -> dict[str, ComponentState]:
+def _states(store: CheckoutRepository, cid: str, prefixes: list[str] | None, comps: dict[str, dict],
+            reader: BlobReader) -> dict[str, ComponentState]:
     if prefixes is not None and "" in prefixes:
         prefixes = None
     states: dict[str, ComponentState] = {}

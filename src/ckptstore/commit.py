@@ -603,7 +603,8 @@ class Committer:
     def _open_for_commit(self) -> None:
         """Open the store for a commit, creating it if missing; StoreWriteError if it cannot be written here."""
         if not self._repo._open(create=True).writable:
-            raise StoreWriteError(f"{self._repo.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+            raise StoreWriteError(f"{self._repo.root} is read-only here (mount, permissions or a full disk): "
+                                  "it can be read, not committed to")
 
     def _leaves(self, components: list[Captured], checked: bool = False):
         """Manifest records; for each tensor leaf its shards' (digest, bytes);

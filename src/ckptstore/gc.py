@@ -203,8 +203,8 @@ def unlocked(path: Path) -> int | None:
 class Collector:
     """One GC run over ``store`` (see the module docstring)."""
 
-    def __init__(self, store: GCRepository, keep_last: int, keep_tags: list[str], keep_within: float | None, grace: float, repack_below: float,
-                 small_pack_bytes: int = SMALL_PACK_BYTES):
+    def __init__(self, store: GCRepository, keep_last: int, keep_tags: list[str], keep_within: float | None, grace: float,
+                 repack_below: float, small_pack_bytes: int = SMALL_PACK_BYTES):
         if type(keep_last) is not int or keep_last < 1:
             raise InvalidArgumentError(f"invalid keep-last {keep_last!r}: must be a whole number >= 1 (a tag always keeps the commit it points to)")
         if not 0 <= repack_below <= 1:

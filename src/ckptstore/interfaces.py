@@ -10,25 +10,22 @@ added here first, to the Protocol of that protocol only.
 
 Place in the layers: the home layer (``home/interfaces``), below the protocols. It may import
 the core (``errors``, ``layout``, ...), the object formats (``packs``, ``records``, ...) and
-the catalog, and the adapters for type-checking only; never a protocol module, a home
-implementation (``home``, ``localhome``, ``bucket*``), ``store`` or anything above.
-Members typed ``Any`` are objects of a layer this module may not name (a home's GC or fsck
-side, the refs, a bucket home's internals): their docstrings say what they are.
+the catalog; never a protocol module, a home implementation (``home``, ``localhome``,
+``bucket*``), the adapters (the homes know none), ``store`` or anything above. Members typed
+``Any`` are objects of a module this one may not name (a home's GC or fsck side, a bucket
+home's internals, the adapter registry, the refs: ``refs`` sits in the protocols' layer of
+today's flat contract): their docstrings say what they are.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .catalog import Catalog
 from .packs import BlobLoc, IOStats, PackReader, PackWriter
 from .records import CommitInfo, CommitRecord, LeafRecord
-
-if TYPE_CHECKING:  # the adapters import torch: never at run time here
-    from .adapters import Registry
-    from .adapters.base import Captured
 
 Key = tuple[bytes, int]
 """A blob's address: (XXH3-128 digest of its raw bytes, raw length in bytes)."""
@@ -94,10 +91,11 @@ class CommitRepository(Protocol):
 
 class CommitsComponents(Protocol):
     """The commit entry point of an importer that builds captured components
-    (:mod:`ckptstore.torchrl_import`): ``commit_components``, as
+    (:mod:`ckptstore.torchrl_import`): ``commit_components`` (``components``: a list of
+    :class:`ckptstore.adapters.base.Captured`), as
     :meth:`ckptstore.commit.Committer.commit_components` defines it."""
 
-    def commit_components(self, components: list[Captured], tag: str | Sequence[str] | None = None, message: str = "",
+    def commit_components(self, components: list, tag: str | Sequence[str] | None = None, message: str = "",
                           metadata: dict | None = None, parents: Sequence[str] | None = None) -> CommitInfo: ...
 
 
@@ -129,7 +127,8 @@ class CheckoutRepository(Protocol):
     - ``resolve``: the ref's commit id;
     - ``components``, ``record``, ``manifest``: the commit's components, its record (a
       partial path's leaves) and the located leaves of the selected components;
-    - ``registry``: the adapters that build or restore the objects;
+    - ``registry``: the adapters that build or restore the objects (a
+      :class:`ckptstore.adapters.Registry`);
     - ``pack_reader``: the blobs' bytes (``sparse`` for a partial checkout);
     - ``_map``: reading many shards across the repository's threads;
     - ``io``: the repository's read counters (blobs and bytes), updated by each checkout;
@@ -140,7 +139,7 @@ class CheckoutRepository(Protocol):
     def catalog(self) -> Catalog: ...
 
     @property
-    def registry(self) -> Registry: ...
+    def registry(self) -> Any: ...
 
     @property
     def home(self) -> CheckoutHome: ...
@@ -320,7 +319,8 @@ class ArchiveRepository(CommitsManifests, Protocol):
     - ``resolve``, ``infos``, ``record``, ``manifest``, ``pack_reader``: the exported commit,
       its info, record and located leaves, and the blobs' stored bytes;
     - ``registry``: the adapters the imported components name (checked before anything is
-      written); ``commit_manifest``: the import's commit (:class:`CommitsManifests`).
+      written; a :class:`ckptstore.adapters.Registry`); ``commit_manifest``: the import's
+      commit (:class:`CommitsManifests`).
     """
 
     root: Path
@@ -329,7 +329,7 @@ class ArchiveRepository(CommitsManifests, Protocol):
     def catalog(self) -> Catalog: ...
 
     @property
-    def registry(self) -> Registry: ...
+    def registry(self) -> Any: ...
 
     def resolve(self, ref: str) -> str: ...
 
@@ -380,7 +380,7 @@ class QueryRepository(Protocol):
 
 
 __all__ = [
-    "ArchiveRepository", "CheckoutHome", "CheckoutRepository", "CommitHome", "CommitRepository", "CommitsComponents", "CommitsManifests", "DiffRepository",
-    "FsckHome", "FsckRepository", "GCHome", "GCRepository", "Key", "QueryRepository", "RecoverRepository", "RemoteRepository",
-    "SourceRepository", "TargetRepository", "TorchRLImportRepository",
+    "ArchiveRepository", "CheckoutHome", "CheckoutRepository", "CommitHome", "CommitRepository", "CommitsComponents",
+    "CommitsManifests", "DiffRepository", "FsckHome", "FsckRepository", "GCHome", "GCRepository", "Key", "QueryRepository",
+    "RecoverRepository", "RemoteRepository", "SourceRepository", "TargetRepository", "TorchRLImportRepository",
 ]
