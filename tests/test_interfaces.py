@@ -32,6 +32,9 @@ def protocols() -> dict[str, type]:
     return {n: getattr(interfaces, n) for n in interfaces.__all__ if getattr(getattr(interfaces, n), "_is_protocol", False)}
 
 
+_PROTOCOL_MACHINERY = {"_is_protocol", "_is_runtime_protocol", "_abc_impl"}
+
+
 def members(proto: type) -> set[str]:
     """The members a Protocol lists (its own and its bases'): methods, properties and annotated attributes."""
     out = set()
@@ -39,7 +42,7 @@ def members(proto: type) -> set[str]:
         if cls in (typing.Protocol, typing.Generic, object):
             continue
         out |= set(cls.__dict__.get("__annotations__", {}))
-        out |= {n for n in cls.__dict__ if not (n.startswith("__") and n.endswith("__")) and n not in ("_is_protocol", "_is_runtime_protocol", "_abc_impl")}
+        out |= {n for n in cls.__dict__ if not (n.startswith("__") and n.endswith("__")) and n not in _PROTOCOL_MACHINERY}
     return out
 
 
