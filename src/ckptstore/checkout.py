@@ -25,7 +25,8 @@ from .packs import BLOB_HEADER, CODEC_RAW, RUN_BLOBS
 from .shards import DTYPES, ShardPlan, byte_view, dense_order
 
 if TYPE_CHECKING:
-    from .store import LeafRecord, Store
+    from .interfaces import CheckoutRepository
+    from .records import LeafRecord
 
 _INLINE_BYTES = 4 << 20  # below this, reading in threads costs more than it saves
 _RUN_BYTES = 4 << 20  # the most bytes one read_run reads: the shards it hashes after the copy are still in the cache
@@ -34,7 +35,7 @@ _RUN_BYTES = 4 << 20  # the most bytes one read_run reads: the shards it hashes 
 class BlobReader:
     """Reads tensor leaves of one commit for one checkout, in threads."""
 
-    def __init__(self, store: Store, cid: str, verify: bool, sparse: bool = False):
+    def __init__(self, store: CheckoutRepository, cid: str, verify: bool, sparse: bool = False):
         self.store = store
         self.cid = cid
         self.verify = verify
@@ -282,7 +283,7 @@ def restore(into: Any, plan: Plan, states: dict[str, ComponentState], registry: 
 # --- the protocol: resolve, select, read or restore ---------------------------------------------------
 
 
-def checkout_ref(store: Store, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True,
+def checkout_ref(store: CheckoutRepository, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True,
                  map_location: Any = None) -> Any:
     """:meth:`ckptstore.store.Store.checkout` (its docstring gives the arguments, the result and
     the errors), on either home: resolve ``ref``, select the leaves ``partial`` names, then
@@ -307,7 +308,7 @@ def checkout_ref(store: Store, ref: str, partial: Iterable[str] | str | None = N
         reader.close()
 
 
-def _select(store: Store, cid: str, partial: Iterable[str] | str | None, comps: dict[str, dict]) -> list[str] | None:
+def _select(store: CheckoutRepository, cid: str, partial: Iterable[str] | str | None, comps: dict[str, dict]) -> list[str] | None:
     """Normalise ``partial`` prefixes and check each matches something."""
     if partial is None:
         return None
@@ -339,7 +340,8 @@ def _select(store: Store, cid: str, partial: Iterable[str] | str | None, comps: 
         prefixes.append(p)
     return prefixes
 
-def _states(store: Store, cid: str, prefixes: list[str] | None, comps: dict[str, dict], reader: BlobReader) -> dict[str, ComponentState]:
+def _states(store: CheckoutRepository, cid: str, prefixes: list[str] | None, comps: dict[str, dict],
+            reader: BlobReader) -> dict[str, ComponentState]:
     if prefixes is not None and "" in prefixes:
         prefixes = None
     states: dict[str, ComponentState] = {}
@@ -366,7 +368,7 @@ def _states(store: Store, cid: str, prefixes: list[str] | None, comps: dict[str,
 TENSORDICTS = ("tensordict", "tensorclass")
 
 
-def _as_tensordict(store: Store, states: dict[str, ComponentState], reader: BlobReader, map_location: Any = None) -> Any:
+def _as_tensordict(store: CheckoutRepository, states: dict[str, ComponentState], reader: BlobReader, map_location: Any = None) -> Any:
     from tensordict import TensorDict
 
     reader.read_many([(lt, None) for s in states.values() for lt in s.lazy()], states=list(states.values()))

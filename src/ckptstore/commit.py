@@ -14,9 +14,11 @@ captured state to the manifest, its shards hashed and the new ones written.
    looked up, the others written again, and the step retried), indexes the commit and moves
    the tags.
 
-:class:`CommitEngine` is the part of :class:`ckptstore.store.Store` that does steps 1 to 3
-and calls the home for step 4, with Python's collector paused
-(:func:`ckptstore.collector.paused_gc`).
+:class:`Committer` does steps 1 to 3 and calls the home for step 4, with Python's collector
+paused (:func:`ckptstore.collector.paused_gc`). It is an object the store owns (``Store._committer``;
+the store's ``commit``, ``commit_async``, ``commit_components``, ``commit_manifest`` and
+``prepare_shared_commit`` delegate to it), constructed with the repository it commits to,
+typed as what it needs of it (:class:`ckptstore.interfaces.CommitRepository`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import replace
@@ -45,6 +48,8 @@ if TYPE_CHECKING:
 
     from .adapters import Registry
     from .adapters.base import Captured
+    from .catalog import Catalog
+    from .interfaces import CommitRepository
 
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
 
@@ -75,27 +80,36 @@ def given_stored(written: dict[tuple[bytes, int], BlobLoc], given_packs) -> int:
 _background = threading.local()  # .active: this thread runs an asynchronous commit
 
 
-class CommitEngine:
-    """Steps 1 to 3 of the commit protocol, as part of :class:`ckptstore.store.Store`, with
-    what they keep between commits: the threads (``workers``, :attr:`pool`, the
+class Committer:
+    """Steps 1 to 3 of the commit protocol for one repository (a :class:`ckptstore.store.Store`),
+    with what they keep between commits: the threads (``workers``, :attr:`pool`, the
     asynchronous commits' thread), the adapter :attr:`registry` and the digest cache
-    (``reuse_hashes``, :mod:`ckptstore.digests`). The store provides ``shard_bytes``,
-    ``catalog``, ``_open``, ``resolve``, ``pack_writer``, ``forget_hashes`` and its ``home``
-    (the index step ``index_commit``, ``relocate_reused``, ``before_commit``, ``dated``,
-    ``prepare_shared_commit``)."""
+    (``reuse_hashes``, :mod:`ckptstore.digests`). What it needs of the repository (its
+    ``shard_bytes``, catalog, pack writer, dedup lookup and the home's index step) is
+    :class:`ckptstore.interfaces.CommitRepository`. It holds the repository weakly (the
+    repository owns it: no reference cycle, so a store dropped without ``close`` still frees
+    its catalog connection at once); an asynchronous commit keeps it alive until it ran."""
 
-    def __init__(self, workers: int | None, registry: Registry | None, reuse_hashes: bool):
-        """``workers`` threads (default: CPU count), the adapter ``registry`` (default: the
-        global one), ``reuse_hashes``: as :class:`ckptstore.store.Store` takes them."""
+    def __init__(self, repo: CommitRepository, workers: int | None, registry: Registry | None, reuse_hashes: bool):
+        """``repo``: the repository committed to; ``workers`` threads (default: CPU count), the
+        adapter ``registry`` (default: the global one), ``reuse_hashes``: as
+        :class:`ckptstore.store.Store` takes them."""
+        self._repo_ref = weakref.ref(repo)
         self.workers = workers or os.cpu_count() or 1
         self._registry = registry
         self.reuse_hashes = reuse_hashes
-        self._digests = DigestCache()
+        #: The digest cache (:mod:`ckptstore.digests`): shard hashes and blob ids of live objects this repository committed.
+        self.digests = DigestCache()
         self._pool: ThreadPoolExecutor | None = None
-        self._committer: ThreadPoolExecutor | None = None  # runs asynchronous commits, one at a time
+        self._async: ThreadPoolExecutor | None = None  # runs asynchronous commits, one at a time
         self._pending: Future | None = None
         self._snapshots: dict[str, torch.Tensor] = {}
         self._last_paths: tuple[str, tuple[str, ...]] = ("", ())  # the last commit's id and component paths (its leaf paths checked)
+
+    @property
+    def _repo(self) -> CommitRepository:
+        """The repository committed to (held weakly)."""
+        return self._repo_ref()
 
     @property
     def registry(self) -> Registry:
@@ -113,14 +127,18 @@ class CommitEngine:
             self._pool = Pool(self.workers, thread_name_prefix="ckptstore")
         return self._pool
 
-    def _stop(self) -> None:
-        """Wait for asynchronous commits, then release the threads."""
-        if self._committer is not None:
-            self._committer.shutdown(wait=True)
-            self._committer = None
+    def stop(self) -> None:
+        """Wait for asynchronous commits, then release the threads (the store's ``close``)."""
+        if self._async is not None:
+            self._async.shutdown(wait=True)
+            self._async = None
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+
+    def forget_hashes(self) -> None:
+        """Drop the digest cache (:meth:`ckptstore.store.Store.forget_hashes`)."""
+        self.digests.clear()
 
     def commit(
         self,
@@ -206,13 +224,14 @@ class CommitEngine:
         t0 = time.perf_counter()
         with paused_gc():
             components = self._snapshot(self._capture(obj))
-        if self._committer is None:
-            self._committer = Pool(1, thread_name_prefix="ckptstore-commit")  # (a Pool: a forked child fails its futures)
-        future = self._committer.submit(self._commit_paused, components, tag, message, metadata, parents, t0)
+        if self._async is None:
+            self._async = Pool(1, thread_name_prefix="ckptstore-commit")  # (a Pool: a forked child fails its futures)
+        # (the repository is an argument so that the queued commit keeps it alive until it ran)
+        future = self._async.submit(self._commit_paused, self._repo, components, tag, message, metadata, parents, t0)
         self._pending = future
         return future
 
-    def _commit_paused(self, components, tag, message, metadata, parents, t0) -> CommitInfo:
+    def _commit_paused(self, repo, components, tag, message, metadata, parents, t0) -> CommitInfo:
         _background.active = True  # hash and write in this thread only (see _map)
         try:
             with paused_gc():
@@ -232,7 +251,7 @@ class CommitEngine:
         out = []
         stale: set[str] = set()
         for comp in components:
-            reused = as_reused(self._digests, comp, self.shard_bytes) if self.reuse_hashes else None
+            reused = as_reused(self.digests, comp, self._repo.shard_bytes) if self.reuse_hashes else None
             if reused is not None:  # unchanged as a whole: its rows are shared (its records and blob ids taken now)
                 out.append(reused)
                 continue
@@ -244,7 +263,7 @@ class CommitEngine:
                 token = comp.fingerprints.get(path)
                 if token is not None:
                     phys, _ = physical(value, path)
-                    p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+                    p = plan(tuple(phys.shape), value.dtype, self._repo.shard_bytes)
                     entry = self._cached(comp.owner, path, token)
                     if entry is not None and entry[0] == token and len(entry[1]) == p.count:
                         if sample_unchanged([d for d, _ in entry[1]], tensor_bytes(phys, path), p, path):
@@ -254,7 +273,7 @@ class CommitEngine:
                             leaves[path] = self._prehash(comp.path, path, value, entry[1], dict(enumerate(entry[1])))
                             continue
                         stale.add(path)  # the token lies: the background commit hashes the copy, the next one all of it
-                        self._digests.drop(comp.owner, path, token, self.shard_bytes)
+                        self.digests.drop(comp.owner, path, token, self._repo.shard_bytes)
                     elif entry is not None:
                         reuse = reusable(entry, token, value, p)
                         if reuse and not sample_unchanged({i: d for i, (d, _) in reuse.items()}, tensor_bytes(phys, path), p, path):
@@ -287,14 +306,14 @@ class CommitEngine:
         from .shards import dtype_name, physical, plan, tensor_bytes
 
         phys, stride = physical(value, path)
-        p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+        p = plan(tuple(phys.shape), value.dtype, self._repo.shard_bytes)
         mv = tensor_bytes(phys, path)
         views = [mv[a : a + p.shard_bytes] for a in range(0, p.nbytes, p.shard_bytes)] or [mv]
         record = LeafRecord(path, component, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
         if known is not None:
             shards = [(known[i][0], view) if i in known else (b"", memoryview(bytearray(view))) for i, view in enumerate(views)]
             return _Prehashed(record, shards, {i: blob for i, (_, blob) in known.items()}, last)
-        hashed = self._map(digest, views) if p.nbytes > _INLINE_HASH_BYTES else [digest(v) for v in views]
+        hashed = self.map(digest, views) if p.nbytes > _INLINE_HASH_BYTES else [digest(v) for v in views]
         reused, shards = {}, []
         for i, (d, view) in enumerate(zip(hashed, views)):
             if i < len(last) and d == last[i][0]:
@@ -327,13 +346,13 @@ class CommitEngine:
         tags = list(dict.fromkeys(check_tag(t) for t in tags))
         metadata = check_message(message, metadata)
         parents = [parents] if isinstance(parents, str) else parents
-        explicit_parents = None if parents is None else [self.resolve(p) for p in parents]
+        explicit_parents = None if parents is None else [self._repo.resolve(p) for p in parents]
         captured = components
         for c in components:
             if type(c) is not Reused and records.ESCAPED in c.meta:
                 raise AdapterError(f"{c.path or '<root>'}: adapter {c.adapter} returned meta key {records.ESCAPED!r}, which ckptstore reserves")
         if share and self.reuse_hashes and not reuse_checked:
-            components = [(as_reused(self._digests, c, self.shard_bytes) or c) if type(c) is not Reused else c for c in components]
+            components = [(as_reused(self.digests, c, self._repo.shard_bytes) or c) if type(c) is not Reused else c for c in components]
         # paths in today's key encoding
         components = [c if type(c) is Reused else replace(c, meta={**c.meta, records.ESCAPED: True}) for c in components]
         slow = [c for c in components if type(c) is not Reused]
@@ -419,7 +438,7 @@ class CommitEngine:
                         copy = bytes(mv)
                         key = (digest(copy), len(copy))
                         if key not in known and key not in written:
-                            known.update(self._lookup([key]))
+                            known.update(self._repo._lookup([key]))
                             if key not in known:
                                 written[key] = writer.append(copy, key[0])
                         unique.setdefault(key, mv)
@@ -435,15 +454,15 @@ class CommitEngine:
             info, ids = self.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior,
                                              paths_checked=checked, prior_complete=not slow, retake=retake)
         except _Redo:
-            self._digests.components.clear()
+            self.digests.components.clear()
             captured = [self._unshared(c) if type(c) is Reused else c for c in captured]  # (an asynchronous commit's snapshot)
             return self.commit_components(captured, tags, message, metadata, parents, t0=t0, reuse_checked=reuse_checked, share=False)
         if unchanged and (retaken or any(ids[k] != b for k, b in prior.items())):  # blobs written again (a GC freed them): new ids
             unchanged = set()
         if own:  # (a commit of Reused components only has nothing new to keep)
-            self._digests.remember(own, views, tokens, ids, self.shard_bytes, unchanged)
+            self.digests.remember(own, views, tokens, ids, self._repo.shard_bytes, unchanged)
         if self.reuse_hashes:
-            keep_components(self._digests, components, leaves, keys, ids, info.id, self.shard_bytes)
+            keep_components(self.digests, components, leaves, keys, ids, info.id, self._repo.shard_bytes)
         self._last_paths = (info.id, paths)
         return info
 
@@ -494,7 +513,7 @@ class CommitEngine:
         :class:`~ckptstore.errors.IntegrityError`.
         Returns the CommitInfo and every address's blob id.
         """
-        self.home.before_commit()
+        self._repo.home.before_commit()
         self._open_for_commit()
         meta_json = jsonvalue.dumps(metadata, "metadata")
         # a store never accepts a commit it cannot check out
@@ -514,9 +533,9 @@ class CommitEngine:
                 raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
         known = dict(prior or {})
         unknown = [] if prior_complete else [k for k in dict.fromkeys(keys) if k not in known]
-        known.update(self._lookup(unknown))
+        known.update(self._repo._lookup(unknown))
         given, given_packs = written or ({}, [])
-        with self.pack_writer() as writer:
+        with self._repo.pack_writer() as writer:
             written = {k: loc for k, loc in given.items() if k not in known}
             todo = [k for k in unknown if k not in known and k not in written]
             relocated: set[tuple[bytes, int]] = set()
@@ -527,7 +546,7 @@ class CommitEngine:
                         advance(key[1])
                         return loc
 
-                    for key, loc in zip(todo, self._map(write_one, todo)):
+                    for key, loc in zip(todo, self.map(write_one, todo)):
                         written[key] = loc
                 torn = [k for k in todo if (written[k].digest, written[k].raw_len) != k]
                 if torn:  # bytes changed between their hash and their write (another thread)
@@ -538,7 +557,7 @@ class CommitEngine:
                 writer.finish()
                 try:
                     created_at = time.time() if origin is None else origin[2]
-                    cid, parent_ids, seconds, ids = self.home.index_commit(
+                    cid, parent_ids, seconds, ids = self._repo.home.index_commit(
                         components, leaves, keys, known, written, writer, tags, message, meta_json,
                         explicit_parents if origin is None else list(origin[1]), created_at, t0, None if origin is None else origin[0],
                         given_packs,
@@ -548,7 +567,7 @@ class CommitEngine:
                     for k in gone.keys:
                         known.pop(k, None)
                         written.pop(k, None)
-                    again = self.home.relocate_reused([k for k in gone.keys if k not in relocated])  # once per blob: then written
+                    again = self._repo.home.relocate_reused([k for k in gone.keys if k not in relocated])  # once per blob: then written
                     relocated.update(again)
                     known.update(again)
                     todo = [k for k in gone.keys if k not in again]
@@ -566,7 +585,7 @@ class CommitEngine:
             shards_new=len(written),
             seconds=seconds,
         )
-        return self.home.dated(info), ids
+        return self._repo.home.dated(info), ids
 
     def prepare_shared_commit(self) -> None:
         """Ready the store for a commit whose blobs other processes write first (the ranks
@@ -579,12 +598,13 @@ class CommitEngine:
                 permissions, a full disk).
         """
         self._open_for_commit()
-        self.home.prepare_shared_commit()
+        self._repo.home.prepare_shared_commit()
 
     def _open_for_commit(self) -> None:
         """Open the store for a commit, creating it if missing; StoreWriteError if it cannot be written here."""
-        if not self._open(create=True).writable:
-            raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+        if not self._repo._open(create=True).writable:
+            raise StoreWriteError(f"{self._repo.root} is read-only here (mount, permissions or a full disk): "
+                                  "it can be read, not committed to")
 
     def _leaves(self, components: list[Captured], checked: bool = False):
         """Manifest records; for each tensor leaf its shards' (digest, bytes);
@@ -646,7 +666,7 @@ class CommitEngine:
                             continue
                         stale = True  # the sample failed (and warned): hash it all
                     phys, stride = physical(value, path)
-                    p = plan(tuple(phys.shape), value.dtype, self.shard_bytes)
+                    p = plan(tuple(phys.shape), value.dtype, self._repo.shard_bytes)
                     rec = LeafRecord(path, comp.path, "tensor", dtype_name(value.dtype, path), tuple(value.shape), p.nbytes, p.shard_bytes, stride=stride)
                     mv = tensor_bytes(phys, path)
                     known: dict[int, tuple[bytes, int]] = {}
@@ -672,7 +692,7 @@ class CommitEngine:
                 views.append(shards)
         total = sum(len(views[i][s][1]) for i, s in todo)
         hash_one = lambda item: digest(views[item[0]][item[1]][1])
-        digests = self._map(hash_one, todo) if total > _INLINE_HASH_BYTES else [hash_one(item) for item in todo]
+        digests = self.map(hash_one, todo) if total > _INLINE_HASH_BYTES else [hash_one(item) for item in todo]
         for (i, s), d in zip(todo, digests):
             views[i][s] = (d, views[i][s][1])
         for i, last in previous.items():
@@ -686,9 +706,9 @@ class CommitEngine:
         size (:meth:`ckptstore.digests.DigestCache.get`); ``None`` without ``reuse_hashes``."""
         if token is None or not self.reuse_hashes:
             return None
-        return self._digests.get(owner, path, token, self.shard_bytes)
+        return self.digests.get(owner, path, token, self._repo.shard_bytes)
 
-    def _map(self, fn, items: list) -> list:
+    def map(self, fn, items: list) -> list:
         """``[fn(x) for x in items]`` across the thread pool, a few chunks per thread
         (one task per small item costs more in locking than the work). In the thread of
         an asynchronous commit, in that thread alone: the pool's threads would compete
@@ -716,18 +736,19 @@ class CommitEngine:
         wait(futures)
         return [y for f in futures for y in f.result()]
 
-    def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
-        """Blob ids of the addresses the catalog already holds, less those marked bad
-        (``bad_blobs``: a read or fsck found the copy damaged): dedup never reuses a bad blob;
-        the commit writes the address again and its index step points the row at the new copy."""
-        wanted = set(keys)
-        rows = self.catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
-        found = {(h, n): i for h, n, i in rows if (h, n) in wanted}
-        if found:  # (a few rows at most, almost always none: one probe; in the SQL above it cost 3x the lookup)
-            bad = {r[0] for r in self.catalog.rows("SELECT blob_id FROM bad_blobs", raw=True)}
-            if bad:
-                found = {k: i for k, i in found.items() if i not in bad}
-        return found
 
+def lookup_blobs(catalog: Catalog, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
+    """Blob ids of the addresses ``catalog`` already holds, less those marked bad
+    (``bad_blobs``: a read or fsck found the copy damaged): dedup never reuses a bad blob;
+    the commit writes the address again and its index step points the row at the new copy.
+    The store's ``_lookup`` (:class:`ckptstore.interfaces.CommitRepository`)."""
+    wanted = set(keys)
+    rows = catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
+    found = {(h, n): i for h, n, i in rows if (h, n) in wanted}
+    if found:  # (a few rows at most, almost always none: one probe; in the SQL above it cost 3x the lookup)
+        bad = {r[0] for r in catalog.rows("SELECT blob_id FROM bad_blobs", raw=True)}
+        if bad:
+            found = {k: i for k, i in found.items() if i not in bad}
+    return found
 
-__all__ = ["CommitEngine", "CommitInfo", "ReusedBlobsGone", "given_stored", "ints_json", "paused_gc"]
+__all__ = ["CommitInfo", "Committer", "ReusedBlobsGone", "given_stored", "ints_json", "lookup_blobs", "paused_gc"]

@@ -34,7 +34,7 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 import zstandard
@@ -45,6 +45,9 @@ from .layout import check_path
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc
 from .records import Component, LeafRecord, check_paths, check_tag, recreate
 from .shards import DTYPES, ShardPlan, address, check_shape, dense_order
+
+if TYPE_CHECKING:
+    from .interfaces import ArchiveRepository
 
 FORMAT = "ckptstore-export"
 VERSION = 1
@@ -84,7 +87,7 @@ class _Leaf:
 # --- export ----------------------------------------------------------------------------
 
 
-def export_commit(store, ref: str, dest: str | os.PathLike) -> Path:
+def export_commit(store: ArchiveRepository, ref: str, dest: str | os.PathLike) -> Path:
     """Write commit ``ref`` to ``dest``: a ZIP archive if it ends in ``.zip``, else a folder.
 
     Blobs are copied as stored (compressed ones stay compressed) after their
@@ -552,7 +555,7 @@ def _verified(source: _Source, src: Path, registry):
     return commit, comps, leaves, fetch
 
 
-def import_commit(store, src: str | os.PathLike, tag: str | None = None, message: str | None = None):
+def import_commit(store: ArchiveRepository, src: str | os.PathLike, tag: str | None = None, message: str | None = None):
     """Import an export (ZIP archive or folder) as a new commit of ``store``.
 
     The commit keeps its provenance: the exported id, time, parents (which this

@@ -10,8 +10,12 @@ reference anywhere: what B costs on top of A. Nothing is read from the packs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from . import jsonvalue
+
+if TYPE_CHECKING:
+    from .interfaces import DiffRepository
 
 
 @dataclass
@@ -42,7 +46,7 @@ class DiffReport:
         return sum(1 for leaf in self.leaves if leaf.status == status)
 
 
-def _leaves(store, cid: str) -> dict[str, dict]:
+def _leaves(store: DiffRepository, cid: str) -> dict[str, dict]:
     rows = store.catalog.rows("SELECT path, kind, dtype, shape, stride, value FROM commit_leaves WHERE commit_id = ?", (cid,))
     out = {r["path"]: {**dict(r), "blobs": []} for r in rows}
     for r in store.catalog.rows(
@@ -54,7 +58,7 @@ def _leaves(store, cid: str) -> dict[str, dict]:
     return out
 
 
-def diff_commits(store, a: str, b: str) -> DiffReport:
+def diff_commits(store: DiffRepository, a: str, b: str) -> DiffReport:
     """Compare commit ids ``a`` and ``b`` (see the module docstring)."""
     with store.catalog.read():
         left, right = _leaves(store, a), _leaves(store, b)

@@ -44,11 +44,15 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from . import progress
-from .commit import paused_gc
+from .collector import paused_gc
 from .errors import BlobMissingError, InvalidArgumentError
 from .layout import address
+
+if TYPE_CHECKING:
+    from .interfaces import FsckRepository
 
 
 @dataclass
@@ -146,7 +150,7 @@ def check_sample(sample: float) -> float:
     return sample
 
 
-def run(store, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
+def run(store: FsckRepository, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
     """``fsck`` on either home: ``sample`` < 1 implies ``deep``, ``repair`` implies it too.
 
     Raises:
@@ -160,7 +164,7 @@ def run(store, deep: bool = False, sample: float = 1.0, repair: bool = False) ->
         return check(store, deep=deep or sample < 1 or repair, sample=sample, repair=repair)
 
 
-def verify(store, ref: str) -> FsckReport:
+def verify(store: FsckRepository, ref: str) -> FsckReport:
     """Check one commit (a tag or a commit id, resolved by the home's ``resolve``)
     and reread every blob of it; ``report.ok`` tells."""
     side = store.home.fsck_side()
@@ -169,7 +173,7 @@ def verify(store, ref: str) -> FsckReport:
         return check(store, deep=True, commit=side.resolve(ref))
 
 
-def check(store, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None,
+def check(store: FsckRepository, deep: bool = False, sample: float = 1.0, commit: str | None = None, seed: int | None = None,
           repair: bool = False) -> FsckReport:
     """Check ``store`` (or only commit id ``commit``, for ``verify``) on its side (the module's docstring).
 

@@ -49,10 +49,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import GCLockedError, InvalidArgumentError, StoreWriteError
 from .layout import RANDOM
 from .packs import PACK_HEADER
+
+if TYPE_CHECKING:
+    from .interfaces import GCRepository
 
 DEFAULT_GRACE = 3600.0
 REPACK_BELOW = 0.5
@@ -199,8 +203,8 @@ def unlocked(path: Path) -> int | None:
 class Collector:
     """One GC run over ``store`` (see the module docstring)."""
 
-    def __init__(self, store, keep_last: int, keep_tags: list[str], keep_within: float | None, grace: float, repack_below: float,
-                 small_pack_bytes: int = SMALL_PACK_BYTES):
+    def __init__(self, store: GCRepository, keep_last: int, keep_tags: list[str], keep_within: float | None, grace: float,
+                 repack_below: float, small_pack_bytes: int = SMALL_PACK_BYTES):
         if type(keep_last) is not int or keep_last < 1:
             raise InvalidArgumentError(f"invalid keep-last {keep_last!r}: must be a whole number >= 1 (a tag always keeps the commit it points to)")
         if not 0 <= repack_below <= 1:
@@ -488,7 +492,7 @@ def pending(report: GCReport, at_grace_0: GCReport) -> None:
     report.bytes_pending = max(0, at_grace_0.bytes_freed - report.bytes_freed)
 
 
-def collect(store, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...] = (), keep_within: str | float | None = None,
+def collect(store: GCRepository, *, keep_last: int = 1, keep_tags: list[str] | tuple[str, ...] = (), keep_within: str | float | None = None,
             grace: str | float | None = None, dry_run: bool = False, repack_below: float = REPACK_BELOW,
             small_pack_bytes: int = SMALL_PACK_BYTES) -> GCReport:
     """Run one GC over ``store``, on either home (the module docstring; :meth:`Store.gc`).

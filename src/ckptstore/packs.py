@@ -324,7 +324,7 @@ class PackWriter:
         ``digest``: the hash the caller took of ``raw`` earlier (for dedup). The returned
         location's ``digest`` is the hash of the bytes written: it differs from ``digest``
         when ``raw`` changed in between, and the caller must then file the blob under the
-        returned address (:meth:`ckptstore.commit.CommitEngine.commit_components` does).
+        returned address (:meth:`ckptstore.commit.Committer.commit_components` does).
         """
         staged = stage(raw)
         codec, payload = encode_blob(staged, self.level)

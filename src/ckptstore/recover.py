@@ -51,6 +51,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import jsonvalue
 from .backends.local import describe_mode, own_dir
@@ -72,6 +73,9 @@ from .packindex import index_key
 from .packs import CODEC_RAW, DEFAULT_PACK_BYTES, RECORD_MAGIC, PackReader, scan, walk_store
 from .records import KIND_COMMIT, KIND_REF, CommitRecord, commit_id, parse_commit, parse_ref
 from .bucketformat import fetch_record, parse_reflog, read_tag, repair_index
+
+if TYPE_CHECKING:
+    from .interfaces import RecoverRepository
 
 CATALOG = "catalog.sqlite"
 
@@ -387,7 +391,7 @@ def install(root: Path, new: Catalog, report: RecoverReport) -> None:
 # --- a store on object storage: its local cache, rebuilt from the bucket ---------------------------------
 
 
-def recover_bucket(probe, folder) -> RecoverReport:
+def recover_bucket(probe: RecoverRepository, folder: Path) -> RecoverReport:
     """Rebuild the local cache (the index) of a store on object storage
     from the bucket's objects alone, as ``recover`` rebuilds a local catalog from its packs.
 
@@ -429,7 +433,7 @@ def recover_bucket(probe, folder) -> RecoverReport:
     return report
 
 
-def _rebuild_cache(store, report: RecoverReport) -> None:
+def _rebuild_cache(store: RecoverRepository, report: RecoverReport) -> None:
     """Fill ``store``'s empty cache from its bucket; record what could not be restored in ``report``."""
     backend = store.backend
     store.refresh_index()

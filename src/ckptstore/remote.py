@@ -74,7 +74,7 @@ from .threads import Pool
 from .transfer import TransferReport, missing_lineage
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .interfaces import RemoteRepository
 
 CAS_ATTEMPTS = 20
 _CID = re.compile(r"[0-9a-f]{32}")
@@ -88,7 +88,7 @@ def _diverged(where: str, tag: str, theirs: str, ours: str) -> RefConflictError:
     )
 
 
-def push(local: Store, backend: Backend, ref: str, force: bool = False, pack_bytes: int = PACK_BYTES) -> TransferReport:
+def push(local: RemoteRepository, backend: Backend, ref: str, force: bool = False, pack_bytes: int = PACK_BYTES) -> TransferReport:
     """Copy ``ref`` of ``local`` (tag, commit id or unique prefix) and the ancestors the
     remote lacks to ``backend``, then move the remote tag (see the module docstring).
 
@@ -246,7 +246,7 @@ def resolve(backend: Backend, ref: str) -> tuple[str, str | None]:
     raise RefNotFoundError(unknown_ref(ref, backend.url, [t for t in backend.list_refs() if t.startswith(ref + "/")]))
 
 
-def pull(local: Store, backend: Backend, ref: str, force: bool = False) -> TransferReport:
+def pull(local: RemoteRepository, backend: Backend, ref: str, force: bool = False) -> TransferReport:
     """Copy ``ref`` of the remote ``backend`` and the ancestors ``local`` lacks into
     ``local`` (created if missing), then move the local tag (see the module docstring).
 

@@ -23,7 +23,7 @@ from . import records
 from .backends import as_backend, is_url
 from .catalog import Catalog, keep_reserve, release_reserve
 from .collector import paused_gc
-from .commit import CommitEngine, CommitInfo
+from .commit import CommitInfo, Committer, lookup_blobs
 from .errors import CatalogCorruptError, CkptStoreError, ForkedStoreError, InvalidArgumentError, NotAStoreError
 from .fsck import FsckReport
 from .fsck import run as run_fsck
@@ -40,12 +40,14 @@ from .refs import Refs
 from .threads import fail_inherited
 
 if TYPE_CHECKING:  # the adapters (and torch) load on first commit or checkout: catalog-only use never imports torch
+    from concurrent.futures import Future
+
     from .adapters import Registry
     from .backends import Backend
     from .transfer import TransferReport
 
 
-class Store(CommitEngine, Queries):
+class Store(Queries):
     """A content-addressed, versioned checkpoint store in one folder, or on object storage.
 
     Args:
@@ -113,7 +115,7 @@ class Store(CommitEngine, Queries):
             self.shard_bytes = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
             self.compression_level = 3 if compression_level is None else compression_level
             self.pack_bytes = home.pack_bytes if pack_bytes is None else pack_bytes
-            CommitEngine.__init__(self, workers, registry, reuse_hashes)
+            self._committer = Committer(self, workers, registry, reuse_hashes)  # (ckptstore.commit: the commits' threads and digest cache)
             self.io = IOStats()
             self._records: dict[str, records.CommitRecord] = {}  # verified commit records by id (immutable)
             self._catalog: Catalog | None = None
@@ -132,6 +134,64 @@ class Store(CommitEngine, Queries):
         except BaseException:
             home.close()
             raise
+
+    # --- commits (ckptstore.commit) ---------------------------------------------------------
+    # The commit engine is an object the store owns: each line hands the call to it.
+
+    def commit(self, obj: Any, tag: str | Sequence[str] | None = None, message: str = "", metadata: dict | None = None,
+               parents: Sequence[str] | None = None) -> CommitInfo:
+        """Commit ``obj`` and move ``tag`` to the new commit (:meth:`ckptstore.commit.Committer.commit`: arguments, result, errors)."""
+        return self._committer.commit(obj, tag, message, metadata, parents)
+
+    def commit_async(self, obj: Any, tag: str | Sequence[str] | None = None, message: str = "", metadata: dict | None = None,
+                     parents: Sequence[str] | None = None) -> Future:
+        """Snapshot ``obj`` now, commit it in the background (:meth:`ckptstore.commit.Committer.commit_async`)."""
+        return self._committer.commit_async(obj, tag, message, metadata, parents)
+
+    def commit_components(self, components: list, tag: str | Sequence[str] | None = None, message: str = "", metadata: dict | None = None,
+                          parents: Sequence[str] | None = None, *, t0: float | None = None, reuse_checked: bool = False,
+                          share: bool = True) -> CommitInfo:
+        """Commit components already captured (:meth:`ckptstore.commit.Committer.commit_components`)."""
+        return self._committer.commit_components(components, tag, message, metadata, parents, t0=t0, reuse_checked=reuse_checked,
+                                                 share=share)
+
+    def commit_manifest(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None,
+                        written=None, paths_checked=False, prior_complete=False, retake=None):
+        """Steps 3 and 4 of a commit for a manifest already built (:meth:`ckptstore.commit.Committer.commit_manifest`)."""
+        return self._committer.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior,
+                                               origin, written, paths_checked, prior_complete, retake)
+
+    def prepare_shared_commit(self) -> None:
+        """Ready the store for a commit whose blobs other processes write (:meth:`ckptstore.commit.Committer.prepare_shared_commit`)."""
+        self._committer.prepare_shared_commit()
+
+    @property
+    def registry(self) -> Registry:
+        """The adapter registry (imports the adapters, and torch, on first use)."""
+        return self._committer.registry
+
+    @property
+    def workers(self) -> int:
+        """Threads for hashing, compression and I/O."""
+        return self._committer.workers
+
+    @property
+    def reuse_hashes(self) -> bool:
+        """Whether unchanged tensors skip rehashing (``Store(reuse_hashes=)``)."""
+        return self._committer.reuse_hashes
+
+    @property
+    def _digests(self):  # the digest cache (ckptstore.digests), the committer's
+        return self._committer.digests
+
+    def _map(self, fn, items: list) -> list:  # [fn(x) for x in items] on the store's threads (a checkout's reads)
+        return self._committer.map(fn, items)
+
+    def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:  # dedup's lookup (tests patch it here)
+        return lookup_blobs(self.catalog, keys)
+
+    def _stop(self) -> None:  # close(): wait for asynchronous commits, release the threads
+        self._committer.stop()
 
     @property
     def catalog(self) -> Catalog:

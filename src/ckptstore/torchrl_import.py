@@ -76,7 +76,8 @@ from .errors import CkptStoreError, ContainerError
 from .shards import DTYPES, byte_view
 
 if TYPE_CHECKING:
-    from .store import CommitInfo, Store
+    from .interfaces import TorchRLImportRepository
+    from .records import CommitInfo
 
 __all__ = ["ImportReport", "import_torchrl"]
 
@@ -122,7 +123,7 @@ def _refuse_other_formats(source: _Source, path: Path) -> None:
 
 
 def import_torchrl(
-    store: Store, path: str | os.PathLike, tag: str | None = None, message: str | None = None
+    store: TorchRLImportRepository, path: str | os.PathLike, tag: str | None = None, message: str | None = None
 ) -> tuple[CommitInfo, ImportReport]:
     """Import a TorchRL replay-buffer dump or checkpoint as one commit of ``store``.
 

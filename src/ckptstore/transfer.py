@@ -32,7 +32,7 @@ from .packs import BLOB_HEADER, BlobLoc, PackWriter
 from .records import recreate
 
 if TYPE_CHECKING:
-    from .store import Store
+    from .interfaces import SourceRepository, TargetRepository
 
 
 @dataclass
@@ -86,11 +86,11 @@ def missing_lineage(cid: str, parents_of: Callable[[str], list[str] | None], hav
     return order
 
 
-def _ancestors(store: Store, cid: str) -> set[str]:
+def _ancestors(store: SourceRepository, cid: str) -> set[str]:
     return {c.id for c in store.log(cid)}
 
 
-def transfer(src: Store, dst: Store, ref: str, force: bool = False) -> TransferReport:
+def transfer(src: SourceRepository, dst: TargetRepository, ref: str, force: bool = False) -> TransferReport:
     """Copy ``ref`` (a tag, commit id or unique prefix of ``src``) into ``dst``; see the module docstring.
 
     Raises:
