@@ -120,8 +120,9 @@ from ckptstore.errors import (  # noqa: E402
 )
 
 from .stress import compare, leaf_paths, make_state, scramble  # noqa: E402
+from tests import paths  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = paths.REPO
 SRC = Path(ckptstore.__file__).resolve().parents[1]
 SHARD_BYTES = 8 << 10
 STEP_BLOCK = 10**6

@@ -95,8 +95,9 @@ from tensordict import TensorDict
 
 import ckptstore
 from ckptstore.errors import CatalogBusyError, GCLockedError, RefNotFoundError
+from tests import paths
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = paths.REPO
 SRC = Path(ckptstore.__file__).resolve().parents[1]  # children import the same ckptstore as we do
 SHARD_BYTES = 8 << 10  # small shards: a state of ~250 KiB has dozens of them, partly shared between steps
 TAGS = ("t0", "t1", "t2", "t3", "t4", "latest")
