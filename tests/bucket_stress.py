@@ -21,7 +21,8 @@ each with its own ``XDG_CACHE_HOME`` (a separate cache) or one shared by several
             several processes) and pushes its tag (``p0``, ``p1``) to the bucket; pulls any bucket
             tag into the local store (sometimes with ``force``) and checks it out from there.
 
-The coordinator SIGKILLs random processes at random instants (and starts forks in their place).
+The coordinator SIGKILLs random processes at random instants (and starts forks in their place:
+the loop of tests/harness_base.py, shared with the folder's harness tests/stress.py).
 Between rounds, with no process running, it damages or deletes random objects: a flipped byte in
 a pack's blob (``pack-flip``), a truncated or deleted pack (``pack-trunc``, ``pack-del``), a flipped
 byte in / truncated / deleted ``.idx`` (``idx-flip``, ``idx-trunc``, ``idx-del``), a flipped byte in or
@@ -33,7 +34,7 @@ a flipped byte in a local pack's blob (``local-flip``). The damage stays through
 
 The model
 ---------
-Every committed state is :func:`tests.stress.make_state` of a step number stored as
+Every committed state is :func:`tests.harness_base.make_state` of a step number stored as
 ``metadata={"step": N}`` (unique: ``worker id * 10**6 + counter``); a commit's record is
 checked against its id, so its step says what any checkout must return, bit for bit. The
 coordinator keeps a ledger of the damage it did and the original bytes. From the bucket's
@@ -134,6 +135,7 @@ from .harness_base import (  # noqa: E402  the model and the round loop, shared 
     redirect_output,
     run_round_loop,
     scramble,
+    unlogged_moves,
     wait_for_go,
 )
 from .harness_base import seed_from_env as _seed_from_env  # noqa: E402
@@ -872,14 +874,14 @@ class Harness(Coordinator):
             # no lost move: every commit a worker saw return under a tag is in the reflog
             if events:
                 try:
-                    moves = {(m["tag"], m["new_commit"]) for m in s.reflog()}
+                    reflog = s.reflog()
                 except CkptStoreError as exc:
                     if not self.ledger:
                         raise self.failure(index, f"{when}: reflog(): {_exc(exc)}: {exc}") from exc
-                    moves = None
-                if moves is not None:
+                    reflog = None
+                if reflog is not None:
                     # retention governs the reflog: the move of a commit GC has dropped (its record gone) may go with it
-                    gone = [f"{t} -> {e[1]}" for e in events for t in e[2].split(",") if (t, e[1]) not in moves and s.has_commit(e[1])]
+                    gone = unlogged_moves(events, reflog, still_there=s.has_commit)
                     if gone:
                         raise self.failure(index, f"{when}: {len(gone)} tag moves that returned are not in the reflog: {gone[:4]}", loss=True)
             self.fsck(index, f"{when}, fresh cache", s, sv)

@@ -15,6 +15,7 @@ home pushing to it). What they share lives here (after the tests' move: tests/ha
   give some a kill instant, SIGKILL them then, replace some by forks) and the reading of the
   workers' logs; a home's harness says, through small hooks, what differs (how it spawns, when a
   process is replaced, at what instant a replacement dies);
+* :func:`unlogged_moves`: the invariant "every tag move a worker saw return is in the reflog";
 * :func:`run_round_loop` (rounds until the stop conditions), :func:`counts` and :func:`seed_from_env`.
 
 What stays with each home: how a store is opened, the workers' roles and operations, what a
@@ -479,6 +480,28 @@ class Coordinator:
                 else:
                     self.on_log_line(parts, events)
         return events
+
+
+def unlogged_moves(events, reflog: list[dict], still_there: Callable[[str], bool] | None = None) -> list[str]:
+    """The invariant "no acknowledged move is lost", on both homes: what workers saw return and the reflog lacks.
+
+    ``events``: the workers' ``D cid tags step`` (a commit that returned, ``tags`` comma-separated or
+    ``-``), ``T tag cid`` (a tag moved) and ``X tag cid`` (a tag deleted) lines; ``reflog``: the store's
+    ``reflog()`` rows. ``still_there(cid)``: false for a commit whose moves retention may have dropped
+    with it (its record collected). Returns one line per missing move (empty: none lost)."""
+    moves = {(r["tag"], r["new_commit"]) for r in reflog}
+    deletes = {(r["tag"], r["old_commit"]) for r in reflog if r.get("action") == "delete"}
+    lost = []
+    for ev in events:
+        if ev[0] == "D" and ev[2] != "-":
+            missing = [f"commit {ev[1]} tag {t}" for t in ev[2].split(",") if (t, ev[1]) not in moves]
+            if missing and (still_there is None or still_there(ev[1])):
+                lost += missing
+        elif ev[0] == "T" and (ev[1], ev[2]) not in moves:
+            lost.append(f"tag {ev[1]} -> {ev[2]}")
+        elif ev[0] == "X" and (ev[1], ev[2]) not in deletes:
+            lost.append(f"delete of tag {ev[1]} (at {ev[2]})")
+    return lost
 
 
 def run_round_loop(h, rounds: int | None, enough: Callable[[], bool], max_seconds: float | None) -> None:

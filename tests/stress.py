@@ -52,6 +52,13 @@ runs ``gc(grace=0)`` and checks again (tags unchanged, no orphan packs or tmp fi
 If ``Store.recover`` exists as a class or static method, some rounds then delete the catalog
 files and rebuild it with ``Store.recover(path)``; every tag must check out exactly again.
 
+What is shared
+--------------
+The model, the worker's plumbing, the kill/restart loop and the reading of the workers' logs
+are tests/harness_base.py's, shared with the harness of the store on object storage
+(tests/bucket_stress.py); this module keeps what a store folder needs: its topologies and
+roles, what it tolerates, and its checks (the reflog, ``gc(grace=0)``, ``Store.recover``).
+
 Replaying a seed
 ----------------
 The seed decides everything the harness chooses: topologies, worker roles, operation
@@ -114,6 +121,7 @@ from .harness_base import (  # the model and the round loop, shared with the buc
     run_round_loop,
     scramble,
     tensor_record,
+    unlogged_moves,
     wait_for_go,
 )
 from .harness_base import seed_from_env as _seed_from_env
@@ -680,16 +688,7 @@ class Harness(Coordinator):
     def check_durable(self, s: ckptstore.Store, index: int, events: list[tuple]) -> None:
         """No durable change a worker saw return is lost; every tag is where its newest reflog row says."""
         reflog = s.reflog()  # newest first
-        moves = {(r["tag"], r["new_commit"]) for r in reflog}
-        deletes = {(r["tag"], r["old_commit"]) for r in reflog if r["action"] == "delete"}
-        lost = []
-        for ev in events:
-            if ev[0] == "D" and ev[2] != "-":
-                lost += [f"commit {ev[1]} tag {t}" for t in ev[2].split(",") if (t, ev[1]) not in moves]
-            elif ev[0] == "T" and (ev[1], ev[2]) not in moves:
-                lost.append(f"tag {ev[1]} -> {ev[2]}")
-            elif ev[0] == "X" and (ev[1], ev[2]) not in deletes:
-                lost.append(f"delete of tag {ev[1]} (at {ev[2]})")
+        lost = unlogged_moves(events, reflog)
         tags = s.tags()
         newest: dict[str, dict] = {}
         for r in reflog:
