@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import ckptstore
+from tests import paths
 
 
 @pytest.fixture(autouse=True)
 def _quiet_torchrl():
     logging.getLogger("torchrl").setLevel(logging.WARNING)
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = paths.REPO
 
 
 @pytest.fixture

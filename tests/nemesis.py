@@ -74,11 +74,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from tests import paths
 
 RUN = "exp"
 LATEST = f"{RUN}/latest"
 ROWS, COLS = 64, 32  # 8 KiB of float32 a step
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = paths.REPO
 
 
 class NemesisFailure(AssertionError):

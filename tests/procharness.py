@@ -108,10 +108,11 @@ from tensordict import TensorDict
 
 import ckptstore
 from ckptstore.errors import CkptStoreError, RunBusyError
+from tests import paths
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = paths.REPO
 SRC = Path(ckptstore.__file__).resolve().parents[1]  # children import the same ckptstore as we do
-FIXTURES = ROOT / "tests" / "fixtures"
+FIXTURES = paths.FIXTURES
 #: fixture stores of every older schema: name -> schema version (procharness_schema_v1/v2: 40 commits,
 #: 11 tags, written by tools/make_procharness_fixtures.py with the code of that schema)
 MIGRATION_FIXTURES = {"c26_schema_v1": 1, "procharness_schema_v1": 1, "procharness_schema_v2": 2, "schema_v3": 3,

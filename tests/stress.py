@@ -52,6 +52,13 @@ runs ``gc(grace=0)`` and checks again (tags unchanged, no orphan packs or tmp fi
 If ``Store.recover`` exists as a class or static method, some rounds then delete the catalog
 files and rebuild it with ``Store.recover(path)``; every tag must check out exactly again.
 
+What is shared
+--------------
+The model, the worker's plumbing, the kill/restart loop and the reading of the workers' logs
+are tests/harness_base.py's, shared with the harness of the store on object storage
+(tests/bucket_stress.py); this module keeps what a store folder needs: its topologies and
+roles, what it tolerates, and its checks (the reflog, ``gc(grace=0)``, ``Store.recover``).
+
 Replaying a seed
 ----------------
 The seed decides everything the harness chooses: topologies, worker roles, operation
@@ -73,9 +80,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import inspect
-import itertools
 import os
 import random
 import shutil
@@ -87,194 +92,66 @@ import threading
 import time
 import traceback
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tensordict import TensorDict
 
 import ckptstore
 from ckptstore.errors import CatalogBusyError, GCLockedError, RefNotFoundError
+from tests import paths
 
-ROOT = Path(__file__).resolve().parents[1]
+from .harness_base import (  # the model and the round loop, shared with the bucket harness
+    FAIL_CODE,
+    STEP_BLOCK,
+    BaseWorker,
+    Coordinator,
+    HarnessFailure,
+    Mismatch,
+    Proc,
+    Round,
+    _flatten,
+    compare,
+    counts,
+    expected_leaves,
+    leaf_paths,
+    make_state,
+    raw_bytes,
+    redirect_output,
+    run_round_loop,
+    scramble,
+    tensor_record,
+    unlogged_moves,
+    wait_for_go,
+)
+from .harness_base import seed_from_env as _seed_from_env
+
+__all__ = ["SLOW", "StressFailure", "format_stats", "run_rounds", "seed_from_env", "make_state", "compare", "leaf_paths",
+           "scramble", "expected_leaves", "raw_bytes", "tensor_record", "Mismatch", "FAIL_CODE", "STEP_BLOCK"]
+
+ROOT = paths.REPO
 SRC = Path(ckptstore.__file__).resolve().parents[1]  # children import the same ckptstore as we do
 SHARD_BYTES = 8 << 10  # small shards: a state of ~250 KiB has dozens of them, partly shared between steps
 TAGS = ("t0", "t1", "t2", "t3", "t4", "latest")
-FAIL_CODE = 17
-STEP_BLOCK = 10**6  # step = worker id * STEP_BLOCK + counter: unique across workers
 TOLERATED = (RefNotFoundError, GCLockedError, CatalogBusyError)
 TOPOLOGIES = ("singles", "double", "threads", "cron", "cli", "mixed")
 ROLES = ("single", "double", "threads", "cron")
 CATALOG_FILES = ("catalog.sqlite", "catalog.sqlite-wal", "catalog.sqlite-shm")
 
 
-class StressFailure(AssertionError):
+class StressFailure(HarnessFailure):
     """A failure found by the harness; the message starts with the seed. ``stats`` so far attached."""
-
-    def __init__(self, message: str, stats: dict | None = None):
-        super().__init__(message)
-        self.stats = stats
-
-
-class Mismatch(Exception):
-    """A worker read something other than what was committed (or fsck / verify was not clean)."""
-
-
-# --- the model: the state of step N ------------------------------------------------------
-
-
-def _gen(*key: int) -> torch.Generator:
-    seed = 0x9E3779B97F4A7C15
-    for k in key:
-        seed = (seed * 1_000_003 + k + 1) % (1 << 63)
-    return torch.Generator().manual_seed(seed)
-
-
-def make_state(step: int) -> dict:
-    """The objects committed at ``step``: a deterministic function of it.
-
-    Some leaves never change (dedup across every commit), some change every few steps,
-    row blocks of ``blocks`` change at different rates (dedup at shard level), and the
-    rest change every step. Dtypes: float32/64/16, bfloat16, complex64, int64, uint8,
-    bool; a transposed (non-contiguous) tensor, a zero-element one, NaN payloads and
-    -0.0; a nested dict, a TensorDict, an ``nn.Module`` and JSON values.
-    """
-    blocks = torch.cat([torch.randn(32, 64, generator=_gen(1, j, step // (j + 1))) for j in range(8)])
-    weird = torch.randn(64, generator=_gen(9, step))
-    bits = weird.view(torch.int32)
-    bits[0] = 0x7FC00000 | (step % 0x3FFFFF)  # a NaN with a payload
-    bits[1] = -(1 << 31)  # -0.0
-    weird[2] = float("inf")
-    net = torch.nn.Linear(8, 4)
-    with torch.no_grad():
-        g = _gen(8, step)
-        for p in net.parameters():
-            p.copy_(torch.randn(p.shape, generator=g))
-    return {
-        "shared": torch.randn(16384, generator=_gen(0)),
-        "blocks": blocks,
-        "model": {
-            "w": torch.randn(64, 32, generator=_gen(2, step // 3)),
-            "b": torch.arange(3, dtype=torch.float64) * step,
-            "nest": {"i": torch.randint(-(1 << 40), 1 << 40, (40,), generator=_gen(3, step))},
-        },
-        "half": torch.randn(300, generator=_gen(4, step % 7)).to(torch.bfloat16),
-        "f16": torch.randn(33, generator=_gen(4, step)).half(),
-        "cplx": torch.randn(17, dtype=torch.complex64, generator=_gen(5, step // 2)),
-        "mask": torch.rand(123, generator=_gen(6, step)) > 0.5,
-        "u8": torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=_gen(7, step // 2)),
-        "perm": torch.randn(16, 24, generator=_gen(10, step)).t(),
-        "weird": weird,
-        "empty": torch.zeros(0, 3),
-        "td": TensorDict({"a": torch.randn(4, 2, generator=_gen(11, step)), "n": {"x": torch.arange(4) + step}}, [4]),
-        "net": net,
-        "meta": {"step": step, "name": f"s{step}", "vals": [step, step / 7, True, None], "pair": (step % 5, "x"), "keys": {3: "three"}},
-    }
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    """The bytes of a contiguous copy: exact for NaN payloads, -0.0, bool, complex, bfloat16."""
-    t = t.detach().cpu().contiguous()
-    start = t.storage_offset() * t.element_size()
-    storage = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-    return storage[start : start + t.numel() * t.element_size()].numpy().tobytes()
-
-
-def tensor_record(t: torch.Tensor) -> tuple:
-    stride = tuple(t.stride()) if t.numel() else None  # a zero-element tensor's strides are arbitrary
-    return ("t", str(t.dtype), tuple(t.shape), stride, raw_bytes(t))
-
-
-def _flatten(obj, prefix: str, out: dict) -> None:
-    if isinstance(obj, torch.Tensor):
-        out[prefix] = tensor_record(obj)
-    elif isinstance(obj, torch.nn.Module):
-        for name, t in obj.state_dict().items():
-            out[f"{prefix}/{name.replace('.', '/')}"] = tensor_record(t)
-    elif isinstance(obj, TensorDict):
-        for key in obj.keys(include_nested=True, leaves_only=True):
-            key = key if isinstance(key, tuple) else (key,)
-            out["/".join((prefix, *key))] = tensor_record(obj.get(key))
-    elif isinstance(obj, dict) and all(isinstance(k, str) for k in obj):
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}/{k}" if prefix else k, out)
-    else:
-        out[prefix] = ("j", repr(obj))
-
-
-@functools.lru_cache(maxsize=256)
-def expected_leaves(step: int) -> dict:
-    """``{leaf path: record}`` of step ``step``; records hold dtype, shape, strides and bytes."""
-    out: dict = {}
-    _flatten(make_state(step), "", out)
-    return out
-
-
-def leaf_paths(step: int) -> list[str]:
-    """Every leaf path and every component prefix: targets for a partial checkout."""
-    paths = set(expected_leaves(step))
-    for p in list(paths):
-        parts = p.split("/")
-        paths.update("/".join(parts[:i]) for i in range(1, len(parts)))
-    return sorted(paths)
-
-
-def compare(step: int, td, prefix: str | None = None) -> str | None:
-    """``None`` when ``td`` (a checkout) holds exactly step ``step``'s leaves under ``prefix``; else what differs."""
-    want = expected_leaves(step)
-    if prefix is not None:
-        want = {p: r for p, r in want.items() if p == prefix or p.startswith(prefix + "/")}
-    if not isinstance(td, TensorDict):
-        return f"checkout returned a {type(td).__name__}, not a TensorDict"
-    got_tensors = set()
-    for key in td.keys(include_nested=True, leaves_only=True):
-        got_tensors.add("/".join(key) if isinstance(key, tuple) else key)
-    want_tensors = {p for p, r in want.items() if r[0] == "t"}
-    if got_tensors != want_tensors:
-        return f"tensor leaves differ: missing {sorted(want_tensors - got_tensors)}, unexpected {sorted(got_tensors - want_tensors)}"
-    for path, rec in want.items():
-        key = tuple(path.split("/"))
-        if rec[0] == "t":
-            got = tensor_record(td.get(key))
-            if got != rec:
-                what = [n for n, a, b in zip(("kind", "dtype", "shape", "stride", "bytes"), got, rec) if a != b]
-                return f"leaf {path}: {', '.join(what)} differ (got {got[1]} {got[2]} {got[3]}, want {rec[1]} {rec[2]} {rec[3]})"
-        else:
-            try:
-                got = repr(td.get_non_tensor(key))
-            except KeyError:
-                return f"JSON leaf {path} is missing"
-            if got != rec[1]:
-                return f"JSON leaf {path}: got {got}, want {rec[1]}"
-    return None
-
-
-def scramble(state: dict) -> None:
-    """Overwrite every live tensor and JSON list of ``state`` (after ``commit_async`` returned)."""
-    with torch.no_grad():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                v.zero_() if v.dtype != torch.bool else v.logical_not_()
-            elif isinstance(v, torch.nn.Module):
-                for p in v.parameters():
-                    p.fill_(12345.0)
-            elif isinstance(v, TensorDict):
-                v.apply_(lambda t: t.zero_())
-            elif isinstance(v, dict):
-                scramble(v)
-                if isinstance(v.get("vals"), list):
-                    v["vals"].append("scrambled")
 
 
 def _exc_name(exc: BaseException) -> str:
     mod = type(exc).__module__
-    return type(exc).__qualname__ if mod in ("__main__", __name__, "builtins") else f"{mod}.{type(exc).__qualname__}"
+    return type(exc).__qualname__ if mod in ("__main__", __name__, Mismatch.__module__, "builtins") else f"{mod}.{type(exc).__qualname__}"
 
 
 # --- the worker ----------------------------------------------------------------------------
 
 
-class Worker:
+class Worker(BaseWorker):
     """One worker process: loops random operations on the store until ``<round dir>/stop-<wid>`` exists
     (a ``single`` worker also retires by itself now and then: it closes its Store and exits 0).
 
@@ -288,41 +165,28 @@ class Worker:
         "gc": 5, "fsck": 4, "verify": 5, "export_import": 4,
     }
 
+    FAIL_TAG = "STRESS-FAIL"
+
     def __init__(self, store: str, seed: int, wid: int, role: str, rdir: str, graces: tuple[float, ...], second_stores: bool):
-        self.path, self.seed, self.wid, self.role = Path(store), seed, wid, role
-        self.rdir = Path(rdir)
+        super().__init__(seed, wid, role, rdir)
+        self.path = Path(store)
         self.graces = graces
         self.second_stores = second_stores
-        self.stop_file = self.rdir / f"stop-{wid}"
         self.retired = False
-        self.counter = itertools.count()
-        self.log_fd = os.open(self.rdir / f"p{wid}.ops", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    # - plumbing -
-
-    def log(self, line: str) -> None:
-        os.write(self.log_fd, (line + "\n").encode())
+    # - plumbing (the rest: BaseWorker) -
 
     def stopped(self) -> bool:
-        return self.retired or self.stop_file.exists()
-
-    def next_step(self) -> int:
-        return self.wid * STEP_BLOCK + next(self.counter)
+        return self.retired or super().stopped()
 
     def open_store(self) -> ckptstore.Store:
         return ckptstore.Store(self.path, shard_bytes=SHARD_BYTES, workers=2, create=True)  # a writer: creates it if missing
 
+    def describe(self, exc: BaseException) -> str:
+        return f"{_exc_name(exc)}: {exc}"
+
     def fail(self, ctx: dict, exc: BaseException) -> None:
-        detail = " ".join(f"{k}={v}" for k, v in ctx.items())
-        msg = f"{_exc_name(exc)}: {exc}".replace("\n", " | ")
-        line = f"STRESS-FAIL seed={self.seed} worker={self.wid} role={self.role} thread={threading.current_thread().name} {detail}: {msg}"
-        with contextlib.suppress(Exception):
-            self.log("F " + line)
-            print(line, flush=True)
-            traceback.print_exc()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(FAIL_CODE)
+        super().fail(ctx, exc, where=f"thread={threading.current_thread().name} ")
 
     def run_op(self, name: str, fn, *args) -> None:
         """Run one operation; tolerate the legitimate races, exit 17 on anything else."""
@@ -441,11 +305,8 @@ class Worker:
 
     # - roles -
 
-    def run(self) -> int:
-        torch.set_num_threads(1)
-        rng = random.Random(f"{self.seed}:{self.wid}:main")
-        getattr(self, f"role_{self.role}")(rng)
-        return 0
+    def play(self) -> None:
+        getattr(self, f"role_{self.role}")(random.Random(f"{self.seed}:{self.wid}:main"))
 
     def _thread(self, name: str, fn, *args) -> threading.Thread:
         def body():
@@ -475,12 +336,7 @@ class Worker:
         s.close()
 
     def _open(self) -> ckptstore.Store:
-        box: list[ckptstore.Store] = []
-        while not box:  # retried after CatalogBusyError (another process creating the store)
-            if self.stopped():
-                os._exit(0)  # the round ended before the store could be opened
-            self.run_op("open", lambda ctx: box.append(self.open_store()))
-        return box[0]
+        return self.open_until_stopped(self.open_store)  # retried after CatalogBusyError (another process creating the store)
 
     def _second_store(self, ctx: dict, s: ckptstore.Store, rng: random.Random) -> None:
         ctx["second"] = "open"
@@ -539,63 +395,11 @@ class Worker:
 
 def worker_main(store: str, seed: int, wid: int, role: str, rdir: str, graces: tuple[float, ...], second_stores: bool) -> int:
     """Entry point of a worker (in a fresh interpreter or a fork): ready, wait for go, run."""
-    rd = Path(rdir)
-    (rd / f"ready-{wid}").touch()
-    while not (rd / "go").exists():
-        time.sleep(0.005)
+    wait_for_go(rdir, wid)
     return Worker(store, seed, wid, role, rdir, graces, second_stores).run()
 
 
 # --- the coordinator -------------------------------------------------------------------------
-
-
-@dataclass
-class Proc:
-    """A process of a round: a worker (exec or fork) or a CLI run."""
-
-    wid: int
-    role: str
-    method: str  # "exec", "fork" or "cli"
-    pid: int
-    out: Path
-    popen: subprocess.Popen | None = None
-    kill_at: float | None = None
-    code: int | None = None
-    killed: bool = False
-
-    def poll(self) -> int | None:
-        if self.code is None:
-            if self.popen is not None:
-                self.code = self.popen.poll()
-            else:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-                if pid:
-                    self.code = os.waitstatus_to_exitcode(status)
-        return self.code
-
-    def wait(self, timeout: float | None = None) -> int | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                return None
-            time.sleep(0.01)
-        return self.code
-
-    def kill(self) -> bool:
-        """SIGKILL; true when the signal ended a running process (not one that had already exited)."""
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
-        self.wait()
-        self.killed = self.code == -signal.SIGKILL
-        return self.killed
-
-    def diagnostic(self) -> str:
-        text = self.out.read_text(errors="replace") if self.out.exists() else ""
-        fails = [line for line in text.splitlines() if line.startswith("STRESS-FAIL")]
-        if fails:
-            return fails[0]
-        return "output tail: " + " | ".join(text.strip().splitlines()[-12:])
 
 
 def _env() -> dict:
@@ -617,10 +421,7 @@ def _fork_worker(args: tuple, out: Path) -> int:
         return pid
     code = 70  # pragma: no cover - the child
     try:
-        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        sys.stdout = sys.stderr = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+        redirect_output(out)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         code = worker_main(*args)
     except BaseException:
@@ -668,19 +469,8 @@ class Options:
 SLOW = {"workers": 4, "kill_rate": 0.9, "respawn": 0.9, "exec_share": 0.15, "run_time": (2.0, 5.0)}
 
 
-@dataclass
-class Round:
-    """Bookkeeping of one round."""
-
-    index: int
-    rdir: Path
-    rng: random.Random  # every choice made within the round: one round's timing cannot shift the next one's plan
-    procs: list[Proc] = field(default_factory=list)
-    collected: bool = False
-
-
-class Harness:
-    """State of one :func:`run_rounds` call (see its docstring)."""
+class Harness(Coordinator):
+    """State of one :func:`run_rounds` call (see its docstring); the round loop is :class:`Coordinator`'s."""
 
     def __init__(self, root: Path, seed: int, options: Options, verbose: bool, replay: str):
         self.root = Path(root)
@@ -729,7 +519,7 @@ class Harness:
             with out.open("wb") as f:
                 popen = subprocess.Popen([*_cli_command(), "fsck", "--deep", "--store", str(self.store)], cwd=ROOT, env=_env(),
                                          stdout=f, stderr=subprocess.STDOUT)
-            proc = Proc(wid, role, "cli", popen.pid, out, popen)
+            proc = Proc(wid, role, "cli", out, popen)
         else:
             method = method or ("exec" if rnd.rng.random() < self.o.exec_share else "fork")
             args = (str(self.store), self.seed, wid, role, str(rnd.rdir), self.o.graces, self.o.second_stores)
@@ -738,9 +528,9 @@ class Harness:
                        ",".join(map(str, self.o.graces)), str(int(self.o.second_stores))]
                 with out.open("wb") as f:
                     popen = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
-                proc = Proc(wid, role, method, popen.pid, out, popen)
+                proc = Proc(wid, role, method, out, popen)
             else:
-                proc = Proc(wid, role, method, _fork_worker(args, out), out)
+                proc = Proc(wid, role, method, out, _fork_worker(args, out))
         rnd.procs.append(proc)
         self.live.append(proc)
         self.stats["processes"] += 1
@@ -770,11 +560,27 @@ class Harness:
             self.abort()
             raise self.failure(rnd.index, f"process {proc.wid} ({proc.role}, {proc.method}) exited {code}: {proc.diagnostic()}")
 
-    def abort(self) -> None:
-        """SIGKILL every process still running."""
-        for p in list(self.live):
-            p.kill()
-            self.live.remove(p)
+    # - the hooks of Coordinator's loop -
+
+    def may_replace_killed(self, p: Proc) -> bool:
+        return p.role != "cli"
+
+    def replace(self, rnd: Round, p: Proc) -> Proc:
+        return self.spawn(rnd, p.role, "fork")
+
+    def on_exit(self, rnd: Round, p: Proc, now: float, end: float) -> None:
+        """A worker that retired (exit 0), or a CLI run that ended: a worker may be replaced by a fork."""
+        if p.method != "cli" and rnd.rng.random() < self.o.respawn and end - now > 0.3:
+            self.spawn(rnd, p.role, "fork")
+
+    def on_tick(self, rnd: Round, now: float, end: float) -> None:
+        if self._topology == "cli" and self._clis < self.o.cli_max and not any(p.method == "cli" for p in self.live) and end - now > 2:
+            self.spawn(rnd, "cli")
+            self._clis += 1
+
+    def on_log_line(self, parts: list[str], events: list) -> None:
+        if parts[0] in ("D", "T", "X") and len(parts) in (3, 4):
+            events.append(tuple(parts))
 
     # - one round -
 
@@ -809,47 +615,14 @@ class Harness:
         roles = self.roles(topology, rng)
         run_for = rng.uniform(*self.o.run_time)
         procs = [self.spawn(rnd, role) for role in roles]
-        deadline = time.monotonic() + 120
-        while not all((rnd.rdir / f"ready-{p.wid}").exists() for p in procs):  # torch imports in fresh interpreters
-            for p in procs:
-                if p.code is None and p.poll() is not None:
-                    self.reap(rnd, p)
-                    raise self.failure(index, f"process {p.wid} ({p.role}, {p.method}) exited {p.code} before it was ready")
-            if time.monotonic() > deadline:
-                self.abort()
-                raise self.failure(index, "workers did not start within 120 s")
-            time.sleep(0.02)
-        (rnd.rdir / "go").touch()
-        t0 = time.monotonic()
-        end = t0 + run_for
-        for p in procs:
-            if rng.random() < self.o.kill_rate:
-                p.kill_at = t0 + rng.uniform(0, run_for)
-        clis = 0
+        self._topology, self._clis = topology, 0
+        _, end = self.start_round(rnd, procs, run_for)
         if topology == "cli":
             self.spawn(rnd, "cli")
-            clis = 1
+            self._clis = 1
         if self.verbose:
             print(f"round {index}: {topology} {roles} store={self.store.name} for {run_for:.1f} s", flush=True)
-        while time.monotonic() < end:
-            now = time.monotonic()
-            for p in list(self.live):
-                if p.kill_at is not None and now >= p.kill_at and p.code is None:
-                    if p.kill():
-                        self.stats["kills"] += 1
-                    self.reap(rnd, p)
-                    if p.role != "cli" and rng.random() < self.o.respawn and end - now > 0.3:
-                        q = self.spawn(rnd, p.role, "fork")
-                        if rng.random() < self.o.kill_rate:
-                            q.kill_at = now + rng.uniform(0, end - now)
-                elif p.poll() is not None:
-                    self.reap(rnd, p)  # a worker that retired (exit 0), or a CLI run that ended
-                    if p.method != "cli" and rng.random() < self.o.respawn and end - now > 0.3:
-                        self.spawn(rnd, p.role, "fork")
-            if topology == "cli" and clis < self.o.cli_max and not any(p.method == "cli" for p in self.live) and end - now > 2:
-                self.spawn(rnd, "cli")
-                clis += 1
-            time.sleep(0.005)
+        self.drive(rnd, end)
         if rng.random() < 0.3:  # kill everything left at the round's end
             for p in list(self.live):
                 if p.kill():
@@ -871,24 +644,7 @@ class Harness:
 
     def collect_logs(self, rnd: Round) -> list[tuple]:
         """Add the round's operation counts to the stats; return its durable events."""
-        rnd.collected = True
-        events = []
-        for p in rnd.procs:
-            f = rnd.rdir / f"p{p.wid}.ops"
-            if not f.exists():
-                continue
-            for line in f.read_text(errors="replace").splitlines():
-                parts = line.split()
-                if not parts:
-                    continue
-                if parts[0] == "O" and len(parts) == 2:
-                    self.stats["ops"] += 1
-                    self.stats["ops_by_kind"][parts[1]] += 1
-                elif parts[0] == "R" and len(parts) == 3:
-                    self.stats["races"] += 1
-                    self.stats["races_by_kind"][f"{parts[1]}:{parts[2]}"] += 1
-                elif parts[0] in ("D", "T", "X") and len(parts) in (3, 4):
-                    events.append(tuple(parts))
+        events = super().collect_logs(rnd)
         self.stats["durable_events"] += len(events)
         return events
 
@@ -932,16 +688,7 @@ class Harness:
     def check_durable(self, s: ckptstore.Store, index: int, events: list[tuple]) -> None:
         """No durable change a worker saw return is lost; every tag is where its newest reflog row says."""
         reflog = s.reflog()  # newest first
-        moves = {(r["tag"], r["new_commit"]) for r in reflog}
-        deletes = {(r["tag"], r["old_commit"]) for r in reflog if r["action"] == "delete"}
-        lost = []
-        for ev in events:
-            if ev[0] == "D" and ev[2] != "-":
-                lost += [f"commit {ev[1]} tag {t}" for t in ev[2].split(",") if (t, ev[1]) not in moves]
-            elif ev[0] == "T" and (ev[1], ev[2]) not in moves:
-                lost.append(f"tag {ev[1]} -> {ev[2]}")
-            elif ev[0] == "X" and (ev[1], ev[2]) not in deletes:
-                lost.append(f"delete of tag {ev[1]} (at {ev[2]})")
+        lost = unlogged_moves(events, reflog)
         tags = s.tags()
         newest: dict[str, dict] = {}
         for r in reflog:
@@ -1037,14 +784,7 @@ def run_rounds(
     h.root.mkdir(parents=True, exist_ok=True)
     print(f"stress seed {seed} (replay: {replay}); Store.recover {'exercised' if h.can_recover else 'absent: skipped'}", flush=True)
     try:
-        for index in itertools.count():
-            if rounds is not None and index >= rounds and h.stats["kills"] >= min_kills:
-                break
-            if rounds is None and h.stats["kills"] >= min_kills:
-                break
-            if max_seconds is not None and time.monotonic() - h.started > max_seconds:
-                break
-            h.run_round(index)
+        run_round_loop(h, rounds, lambda: h.stats["kills"] >= min_kills, max_seconds)
     finally:
         h.abort()
     h.stats["seconds"] = round(time.monotonic() - h.started, 1)
@@ -1053,9 +793,6 @@ def run_rounds(
 
 def format_stats(stats: dict) -> str:
     """One readable block of the stats."""
-    def counts(c) -> str:
-        return ", ".join(f"{k} {v}" for k, v in sorted(c.items())) or "-"
-
     return (
         f"stress seed {stats['seed']}: {stats['rounds']} rounds in {stats['seconds']} s; kills {stats['kills']} "
         f"(+{stats['end_of_round_kills']} at round ends, {stats['stragglers']} stragglers); processes {stats['processes']} "
@@ -1068,8 +805,7 @@ def format_stats(stats: dict) -> str:
 
 def seed_from_env() -> int:
     """``CKPT_STRESS_SEED`` if set, else a new random seed (printed by :func:`run_rounds`)."""
-    env = os.environ.get("CKPT_STRESS_SEED")
-    return int(env) if env else random.SystemRandom().randrange(1 << 31)
+    return _seed_from_env("CKPT_STRESS_SEED")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,8 +14,9 @@ import pytest
 from benchmarks import compare
 from benchmarks.measure import read_raw_into, write_raw
 from benchmarks.spec import FLOOR, PEERS, SYSTEMS, WARM_OPS, WORKLOADS
+from tests import paths
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = paths.REPO
 
 
 @pytest.fixture(scope="module")

@@ -30,6 +30,7 @@ from ckptstore.packindex import encode_index, index_key, pack_key
 from . import bucket_workers
 from .delay_proxy import DelayProxy
 from .test_bucket_store import _assert_state, _committed, _fresh, _raw_put, _sleep_past
+from tests import paths
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def _worker(code: str, env: dict | None = None, skew: float = 0.0) -> subprocess
         from tests import bucket_workers
     """)
     return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(code)], env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=paths.REPO)
 
 
 def _done(proc: subprocess.Popen, timeout: float = 120) -> str:

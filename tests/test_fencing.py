@@ -37,8 +37,9 @@ import torch
 
 import ckptstore
 from ckptstore import errors
+from tests import paths
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(paths.SRC)
 SECONDS = 3.0  # lease_seconds of every holder here (the figure)
 TAKEN = getattr(errors, "RunTakenOverError", errors.RunBusyError)
 

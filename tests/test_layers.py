@@ -11,8 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests import paths
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = paths.SRC
 
 
 def test_import_contracts_are_kept():

@@ -39,7 +39,7 @@ import torch
 
 import ckptstore
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = next(p for p in Path(__file__).resolve().parents if p.name == "tests") / "fixtures"  # at any depth (also run as a script)
 #: (fixture, its schema version, share of the trials): the schema-1 stores need the record backfill.
 OLD_STORES = [("schema_v1_many", 1, 6), ("c26_schema_v1", 1, 2), ("schema_v3", 3, 1), ("default_run_before_runs", 3, 1)]
 

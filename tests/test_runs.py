@@ -24,8 +24,9 @@ from ckptstore.packs import BLOB_HEADER
 from ckptstore.run import runs
 
 from .test_cli import cli
+from tests import paths
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+SRC = str(paths.SRC)
 
 
 def _ckpt(store, objects, **kw) -> Checkpointer:
@@ -144,7 +145,7 @@ def test_runs_lists_latest_step_commits_and_bytes(tmp_path, monkeypatch, capsys)
 #:     ckpt = ckptstore.Checkpointer(path, {"w": w, "rng": rng}, every_n_steps=100, on_signal=())
 #:     for _ in range(5): w.add_(torch.randn(64)); ckpt.step(100)
 #: and beside it the raw float32 bytes of w at step 500 and of the next 8 draws of torch.randn.
-BEFORE_RUNS = Path(__file__).parent / "fixtures" / "default_run_before_runs"
+BEFORE_RUNS = paths.FIXTURES / "default_run_before_runs"
 
 
 def test_a_store_written_before_runs_existed_resumes_exactly(tmp_path):

@@ -6,7 +6,6 @@ per shard again; GC moves the rows to a kept sharer when it drops their owner.""
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +14,10 @@ import ckptstore
 from ckptstore.catalog import SCHEMA_VERSION
 
 from .conftest import assert_bit_equal
+from tests import paths
 
 SHARD = 256 << 10
-FIXTURE = Path(__file__).parent / "fixtures" / "schema_v3"
+FIXTURE = paths.FIXTURES / "schema_v3"
 
 
 def state(seed: int = 0) -> dict:

@@ -27,10 +27,11 @@ import ckptstore
 from ckptstore.errors import BackendError, CkptStoreError, PushFailedWarning
 
 from .delay_proxy import DelayProxy, free_port
+from tests import paths
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = paths.REPO
 FAST = {"max_retries": 1, "backoff": {"init_backoff": timedelta(milliseconds=20), "max_backoff": timedelta(milliseconds=50), "base": 2},
         "retry_timeout": timedelta(seconds=2)}
 

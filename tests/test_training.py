@@ -22,6 +22,7 @@ from ckptstore.errors import InvalidArgumentError
 
 from .conftest import assert_bit_equal
 from .test_faults import digest, fork, wait_ok
+from tests import paths
 
 N = 20
 
@@ -222,7 +223,7 @@ def test_trainer_hook(tmp_path):
     store.close()
 
 
-FIXTURE = Path(__file__).parent / "fixtures" / "c26_schema_v1"
+FIXTURE = paths.FIXTURES / "c26_schema_v1"
 
 
 def test_c26_frozen_v1_fixture_migrates(tmp_path):

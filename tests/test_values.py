@@ -22,6 +22,7 @@ from ckptstore import Progress, Store
 from ckptstore.errors import NotAStoreError, UnsupportedTypeError
 
 from .conftest import assert_bit_equal, commit_edited, raw_bytes, run_fresh
+from tests import paths
 
 
 def _builtin_names() -> list[str]:
@@ -457,12 +458,10 @@ def _exported_parts() -> dict[str, type]:
 
 
 def test_every_exported_torchrl_storage_sampler_and_writer_is_covered_and_listed_in_the_docs():
-    from pathlib import Path
-
     exported = _exported_parts()
     assert set(exported) == set(_supported()) | set(_refused()), sorted(set(exported) ^ (set(_supported()) | set(_refused())))
     table = {}
-    for line in (Path(__file__).parents[1] / "docs" / "adapters.md").read_text().splitlines():
+    for line in (paths.DOCS / "adapters.md").read_text().splitlines():
         cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
         if len(cells) >= 3 and cells[0] in exported:
             table[cells[0]] = cells[2]
