@@ -255,38 +255,52 @@ def test_grace_counts_from_the_write_not_from_the_servers_whole_second(tmp_path,
     """S3 (and moto) give object times in whole seconds: an object written at x.5 reads as
     written at x.0. Half a second later (at x+1.05), under a grace period of 1 s, a pack
     no commit uses is not dead yet and a GC mark is not old enough to sweep: the grace
-    period is never cut short by the clock's step. Once it has passed, both go."""
+    period is never cut short by the clock's step. Once it has passed, both go.
+
+    The scenario needs its writes inside one second and its first GC to read the clock
+    before x+2 (after that the pack is truly older than the grace period); on a machine too
+    loaded for that it runs again on a fresh prefix (at most 4 times), and says so."""
+    for attempt in range(4):
+        if _grace_scenario(f"{url}/attempt-{attempt}"):
+            return
+        print(f"attempt {attempt}: the machine was too slow for the scenario's timing; again on a fresh prefix")
+    pytest.skip("the machine was too slow 4 times for this timing scenario (no GC outcome was checked)")
+
+
+def _grace_scenario(url: str) -> bool:
+    """One run of the scenario above; False if the machine was too slow for its timing (nothing asserted)."""
     import json
 
     from ckptstore.backends import open_backend
     from ckptstore.packindex import pack_key
 
     meta = {"w": 6, "i": 0, "n": 16, "alt": 0}
-    s = ckptstore.Store(url)
-    s.commit(bucket_workers.state(meta), tag="t", metadata=meta)  # makes the store
-    b = open_backend(url)
-    time.sleep(1.5 - time.time() % 1)  # x.5
-    before = time.time()
-    writer = s.pack_writer()  # a pack whose writer died before its commit: no record uses it
-    writer.append(memoryview(b"orphan" * 100))
-    writer.finish()
-    (pid, _), = writer.pack_ids
-    mark = f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json"
-    b.put_new(mark, json.dumps({"at": time.time(), "commits": [], "objects": [], "packs": [pid]}).encode())
-    after = time.time()
-    assert int(after) == int(before) and after - before < 0.3, "the writes straddled a second: the machine is too slow for this test"
-    assert b.head(pack_key(pid)).mtime == b.head(mark).mtime == int(before)
-    time.sleep(int(before) + 1.05 - time.time())
-    assert s.gc(grace=1.0, dry_run=True).packs_deleted == 0  # the pack is 0.6 s old, not 1
-    report = s.gc(grace=1.0)
-    assert time.time() < before + 1.0, "the GC took too long for this test"
-    assert report.packs_deleted == 0 and b.head(pack_key(pid)) is not None and b.head(mark) is not None
-    time.sleep(int(before) + 2.1 - time.time())
-    report = s.gc(grace=1.0)
-    assert report.packs_deleted == 1 and b.head(pack_key(pid)) is None and b.head(mark) is None
-    _assert_state(s.checkout("t"), meta, "the tag beside them")
-    b.close()
-    s.close()
+    with ckptstore.Store(url) as s, open_backend(url) as b:
+        s.commit(bucket_workers.state(meta), tag="t", metadata=meta)  # makes the store
+        time.sleep(1.5 - time.time() % 1)  # x.5
+        before = time.time()
+        writer = s.pack_writer()  # a pack whose writer died before its commit: no record uses it
+        writer.append(memoryview(b"orphan" * 100))
+        writer.finish()
+        (pid, _), = writer.pack_ids
+        mark = f"gc/{time.time_ns():020d}-{uuid.uuid4().hex}.json"
+        b.put_new(mark, json.dumps({"at": time.time(), "commits": [], "objects": [], "packs": [pid]}).encode())
+        after = time.time()
+        if int(after) != int(before):
+            return False  # the writes straddled a second
+        assert b.head(pack_key(pid)).mtime == b.head(mark).mtime == int(before)
+        time.sleep(max(0.0, int(before) + 1.05 - time.time()))
+        dry = s.gc(grace=1.0, dry_run=True)
+        report = s.gc(grace=1.0)
+        if time.time() >= int(before) + 2:
+            return False  # a GC may have read the clock once the pack was truly older than the grace period
+        assert dry.packs_deleted == 0  # the pack is at most 1.5 s old by the server's clock, its time says 1 to 2 s
+        assert report.packs_deleted == 0 and b.head(pack_key(pid)) is not None and b.head(mark) is not None
+        time.sleep(max(0.0, int(before) + 2.1 - time.time()))
+        report = s.gc(grace=1.0)
+        assert report.packs_deleted == 1 and b.head(pack_key(pid)) is None and b.head(mark) is None
+        _assert_state(s.checkout("t"), meta, "the tag beside them")
+    return True
 
 
 def test_a_pack_stays_while_a_record_that_needs_it_stays(tmp_path, url):
