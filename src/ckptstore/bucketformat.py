@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -43,14 +42,11 @@ from .layout import address, digest
 from .packindex import decode_index, encode_index, index_key, pack_key, scan_pack
 from .packs import (
     BLOB_MAGIC,
-    CODEC_RAW,
-    PACK_HEADER,
-    RECORD_MAGIC,
     BlobLoc,
     Entry,
+    EntryWriter,
+    OpenPack,
     check_entry,
-    encode_blob,
-    entry_header,
     pack_header,
 )
 from .records import CommitRecord, commit_id, parse_commit
@@ -447,17 +443,15 @@ class RemoteIndex:
 # --- writing packs --------------------------------------------------------------------------
 
 
-class _MemPack:
+class _MemPack(OpenPack):
     def __init__(self):
-        self.id = uuid.uuid4().hex
-        self.parts: list = [pack_header()]
-        self.entries: list[Entry] = []
-        self.size = PACK_HEADER.size
+        super().__init__(uuid.uuid4().hex)
+        self.parts: list | None = [pack_header()]  # None once handed to its upload
 
 
-class BucketPackWriter:
-    """:class:`~ckptstore.packs.PackWriter`'s interface for object storage (a bucket store's
-    commits, and push); thread-safe.
+class BucketPackWriter(EntryWriter):
+    """The :class:`~ckptstore.packs.EntryWriter` into object storage (a bucket store's
+    commits, and push), with :class:`~ckptstore.packs.PackWriter`'s interface; thread-safe.
 
     Entries are appended to a pack held in memory; a pack past ``pack_bytes`` is
     uploaded in the background (create-only PUT of the pack, then of its ``.idx``) while
@@ -476,54 +470,30 @@ class BucketPackWriter:
     """
 
     def __init__(self, backend: Backend, level: int, pack_bytes: int, uploads: ThreadPoolExecutor):
-        self.backend, self.level, self.pack_bytes, self._uploads = backend, level, pack_bytes, uploads
-        self._lock = threading.Lock()
-        self._open: _MemPack | None = None
+        super().__init__(level, pack_bytes)
+        self.backend, self._uploads = backend, uploads
         self._futures: list[Future] = []
-        self._ids: list[tuple[str, int]] = []
-        self.stored_bytes = 0
         self.objects_uploaded = 0  # packs and .idx handed to the uploads (durable once finish() returns)
         self.bytes_uploaded = 0
 
-    def append(self, raw: memoryview, digest_: bytes | None = None) -> BlobLoc:
-        """Write one blob and return its location, as :meth:`ckptstore.packs.PackWriter.append`:
-        ``raw`` is copied once (the copy is what the pack holds until it is uploaded, unless it
-        compresses), and the copy is hashed and encoded; the returned location's ``digest``
-        is the copy's hash, which differs from ``digest_`` (the caller's earlier hash of
-        ``raw``) when another thread changed ``raw`` in between."""
-        staged = raw if isinstance(raw, bytes) else bytes(raw)
-        codec, payload = encode_blob(memoryview(staged), self.level)
-        return self.append_encoded(digest(staged), len(staged), codec, payload)
+    def _stage(self, raw) -> memoryview:
+        """A copy of its own (the pack holds it until it is uploaded, unless it compresses)."""
+        return memoryview(raw if isinstance(raw, bytes) else bytes(raw))
 
-    def append_record(self, kind: int, raw: bytes) -> BlobLoc:
-        """Write one record (``kind``, its text's bytes) and return its location."""
-        return self.append_encoded(digest(raw), len(raw), CODEC_RAW, raw, RECORD_MAGIC, kind)
+    def _new_pack(self) -> _MemPack:
+        return _MemPack()
 
-    def append_encoded(self, digest_: bytes, raw_len: int, codec: int, payload, magic: bytes = BLOB_MAGIC, kind: int = 0) -> BlobLoc:
-        """Write an entry already encoded (verified by the caller) as it is."""
-        header = entry_header(digest_, raw_len, codec, len(payload), magic, kind)
-        need = len(header) + len(payload)
-        with self._lock:
-            pack = self._open
-            if pack is None or (pack.entries and pack.size + need > self.pack_bytes):
-                if pack is not None:
-                    self._ship(pack)
-                pack = self._open = _MemPack()
-            loc = BlobLoc(digest_, raw_len, pack.id, pack.size, len(payload), codec)
-            pack.parts += (header, payload)
-            pack.entries.append(Entry(loc, kind, magic))
-            pack.size += need
-            self.stored_bytes += need
-        return loc
+    def _place(self, pack: _MemPack, header: bytes, payload) -> None:
+        pack.parts += (header, payload)
 
-    def _ship(self, pack: _MemPack) -> None:
-        self._ids.append((pack.id, pack.size))
+    def _seal(self, pack: _MemPack) -> None:
         idx = encode_index(pack.entries)
+        parts, pack.parts = pack.parts, None
         self.objects_uploaded += 2
         self.bytes_uploaded += pack.size + len(idx)
 
         def upload() -> None:
-            self.backend.put_new(pack_key(pack.id), pack.parts)
+            self.backend.put_new(pack_key(pack.id), parts)
             self.backend.put_new(index_key(pack.id), idx)
 
         self._futures.append(self._uploads.submit(upload))
@@ -531,18 +501,12 @@ class BucketPackWriter:
         if len(busy) > UPLOADS:  # memory: wait for one to land (its error, if any, is raised by finish)
             wait(busy, return_when=FIRST_COMPLETED)
 
-    @property
-    def pack_ids(self) -> list[tuple[str, int]]:
-        """``(pack id, size in bytes)`` of every pack written so far."""
-        with self._lock:
-            return list(self._ids) + ([(self._open.id, self._open.size)] if self._open is not None else [])
-
     def finish(self) -> None:
         """Upload the open pack and wait until every pack and ``.idx`` is on the bucket."""
         with self._lock:
-            if self._open is not None:
-                self._ship(self._open)
-                self._open = None
+            if self._packs and not self._packs[-1].sealed:
+                self._packs[-1].sealed = True
+                self._seal(self._packs[-1])
             futures, self._futures = self._futures, []
         for f in futures:
             f.result()
@@ -553,15 +517,10 @@ class BucketPackWriter:
 
     def close(self) -> None:
         with self._lock:
-            futures, self._futures, self._open = self._futures, [], None
+            futures, self._futures = self._futures, []
+            self._packs = [p for p in self._packs if p.sealed]  # the open pack is dropped, never uploaded
         for f in futures:
             f.exception()
-
-    def __enter__(self) -> BucketPackWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 __all__ = ["FORMAT_VERSION", "MARKER", "MARKER_COPY", "PACK_BYTES", "REQUESTS", "UPLOADS", "BucketPackWriter", "PackEntries", "RemoteIndex", "commit_key",
