@@ -26,6 +26,7 @@ import re
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .backends import Backend
@@ -360,20 +361,128 @@ def repair_index(backend, pid: str, entries) -> None:
     backend.put_new(index_key(pid), encode_index(entries))
 
 
+# --- the GC marks ---------------------------------------------------------------------------
+
+
+#: The key prefix of the GC marks: ``gc/<20-digit ns time>-<uuid>.json``.
+GC_PREFIX = "gc"
+
+
+@dataclass(frozen=True)
+class GCMarks:
+    """The GC marks of a store, read at one moment, and the one rule for a mark that cannot be read.
+
+    A mark names what a GC deletes a grace period later if it is still unneeded then: on a
+    bucket ``gc/<time>-<uuid>.json`` = ``{"at", "packs", "commits", "objects", "reflog"}``
+    (:func:`read_gc_marks`); in a folder a pack's ``retired_at`` in the catalog
+    (:func:`ckptstore.localhome.retired_marks`). A mark is *readable* when it is a JSON
+    object whose ``packs`` and ``commits`` are lists of strings (``objects`` and
+    ``reflog``, when present, lists; their malformed items are dropped), or, in a folder,
+    a finite number. **A mark that cannot be read** (damaged bytes, another shape, a key
+    listed but gone when fetched: a GC swept it, and what it named may be gone too)
+    **withholds every pack it may name, and deletes none**:
+
+    * writers (a commit's dedup, push) reuse no blob from a pack it may name, and write
+      those blobs again: on a bucket, where its names are in its unreadable bytes, that is
+      every pack (:meth:`withholds`); in a folder, the pack whose row holds it;
+    * a GC deletes nothing on its account: a sweep goes only by readable marks a grace
+      period old (:meth:`oldest`), and removes a damaged mark itself (a bucket's sweep
+      deletes the object; a folder's GC marks the pack again), so the next GC marks again
+      whatever is still dead.
+
+    Attributes:
+        marks: ``(time, key, mark)`` of every readable mark: the time it was made (the
+            server's, seconds), its key (the pack id in a folder), the mark's fields
+            ``{"packs", "commits", "objects", "reflog"}`` (lists).
+        unreadable: ``(key, packs)`` of every damaged mark: ``packs`` the ones it may name
+            (``None``: any pack).
+        vanished: keys of marks listed but gone when fetched.
+    """
+
+    marks: tuple = ()
+    unreadable: tuple = ()
+    vanished: tuple = ()
+
+    @cached_property
+    def packs(self) -> frozenset:
+        """The pack ids the readable marks name."""
+        return frozenset(p for _, _, mark in self.marks for p in mark["packs"])
+
+    @property
+    def withholds_all(self) -> bool:
+        """Does a mark that cannot be read withhold every pack?"""
+        return bool(self.vanished) or any(names is None for _, names in self.unreadable)
+
+    def withholds(self, pack: str) -> bool:
+        """May a writer not reuse blobs from pack ``pack`` (a mark names it, or may)?"""
+        return pack in self.packs or self.withholds_all or any(pack in names for _, names in self.unreadable)
+
+    __contains__ = withholds
+
+    def oldest(self, field_: str = "packs") -> dict:
+        """``{name: time of the oldest readable mark naming it}`` for one field of the marks
+        (``"packs"``, ``"commits"``): what a sweep goes by."""
+        out: dict = {}
+        for at, _, mark in self.marks:
+            for x in mark[field_]:
+                out[x] = min(out.get(x, at), at)
+        return out
+
+
+def parse_gc_mark(raw: bytes) -> dict | None:
+    """The fields of a bucket's GC mark from its bytes, ``{"packs", "commits", "objects",
+    "reflog"}`` (lists), or ``None`` when it cannot be read (see :class:`GCMarks`)."""
+    try:
+        mark = json.loads(raw)
+    except ValueError:
+        return None
+    if type(mark) is not dict:
+        return None
+    packs, commits, objects, reflog = mark.get("packs"), mark.get("commits"), mark.get("objects", []), mark.get("reflog", [])
+    if not (type(packs) is list and type(commits) is list and type(objects) is list and type(reflog) is list):
+        return None
+    if not all(type(p) is str for p in packs + commits):
+        return None
+    return {"packs": packs, "commits": commits, "objects": [x for x in objects if type(x) is str],
+            "reflog": [x for x in reflog if type(x) is list and len(x) == 3 and type(x[0]) is str and x[0].startswith("reflog/")]}
+
+
+def read_gc_marks(backend: Backend) -> GCMarks:
+    """Every GC mark on the bucket (``gc/*``, listed then fetched), by the rule of :class:`GCMarks`:
+    what the GC's sweep goes by, and what a commit (:meth:`ckptstore.bucket.BucketHome.marked_packs`)
+    and a push (:meth:`RemoteIndex.read_marks`) must not reuse.
+
+    Raises:
+        BackendError: the storage failed.
+    """
+    marks, unreadable, vanished = [], [], []
+    for o in backend.list(GC_PREFIX):
+        try:
+            mark = parse_gc_mark(backend.get(o.key))
+        except ObjectNotFoundError:
+            vanished.append(o.key)
+            continue
+        if mark is None:
+            unreadable.append((o.key, None))
+        else:
+            marks.append((o.mtime, o.key, mark))
+    return GCMarks(tuple(marks), tuple(unreadable), tuple(vanished))
+
+
 class RemoteIndex:
     """Which blobs the remote holds, and where: read from every ``blobs/<xx>/<id>.idx``.
 
     A pack whose ``.idx`` is missing or damaged is walked instead (:func:`pack_entries`). Blobs in packs
     listed by a GC mark (``gc/<run id>.json``, ``{"packs": [pack ids], ...}``) are not
-    offered for reuse (:meth:`reusable`); an unreadable mark withholds every pack.
+    offered for reuse (:meth:`reusable`); a mark that cannot be read withholds every pack
+    (the rule of :class:`GCMarks`).
     """
 
     def __init__(self, backend: Backend, workers: int = 8):
         self.backend = backend
         self.workers = workers
         self.blobs: dict[tuple[bytes, int], BlobLoc] = {}
-        self.marked: set[str] = set()
-        self.all_marked = False
+        self.marks = GCMarks()
 
     def refresh(self) -> RemoteIndex:
         """List ``blobs/`` and ``gc/`` and learn every pack's entries (:func:`pack_entries`:
@@ -398,22 +507,20 @@ class RemoteIndex:
         self.read_marks()
         return self
 
-    def read_marks(self) -> set[str]:
-        """Re-read the GC marks; returns the pack ids they name."""
-        marked: set[str] = set()
-        for o in self.backend.list("gc"):
-            try:
-                mark = json.loads(self.backend.get(o.key))
-                marked.update(p for p in mark["packs"] if type(p) is str)
-            except (ValueError, KeyError, TypeError, ObjectNotFoundError):
-                self.all_marked = True
-        self.marked = marked
-        return marked
+    def read_marks(self) -> GCMarks:
+        """Re-read the GC marks (:func:`read_gc_marks`); ``pack in`` the result: a mark names it, or may."""
+        self.marks = read_gc_marks(self.backend)
+        return self.marks
+
+    @property
+    def all_marked(self) -> bool:
+        """Does a mark that cannot be read withhold every pack (as last read)?"""
+        return self.marks.withholds_all
 
     def reusable(self, key: tuple[bytes, int]) -> BlobLoc | None:
-        """Where the remote holds blob ``key`` in a pack no GC mark names, or ``None``."""
+        """Where the remote holds blob ``key`` in a pack no GC mark names (nor may name), or ``None``."""
         loc = self.blobs.get(key)
-        if loc is None or self.all_marked or loc.pack in self.marked:
+        if loc is None or self.marks.withholds(loc.pack):
             return None
         return loc
 
@@ -523,6 +630,6 @@ class BucketPackWriter(EntryWriter):
             f.exception()
 
 
-__all__ = ["FORMAT_VERSION", "MARKER", "MARKER_COPY", "PACK_BYTES", "REQUESTS", "UPLOADS", "BucketPackWriter", "PackEntries", "RemoteIndex", "commit_key",
+__all__ = ["FORMAT_VERSION", "MARKER", "MARKER_COPY", "PACK_BYTES", "REQUESTS", "UPLOADS", "BucketPackWriter", "GCMarks", "PackEntries", "RemoteIndex", "commit_key",
            "complete_marker", "ensure_marker", "fetch_record", "marker_bytes", "marker_problem", "pack_entries", "parse_marker",
-           "parse_reflog", "read_marker", "read_tag", "read_tag_hint", "ref_payload", "reflog_bytes", "repair_index", "repair_marker"]
+           "parse_gc_mark", "parse_reflog", "read_gc_marks", "read_marker", "read_tag", "read_tag_hint", "ref_payload", "reflog_bytes", "repair_index", "repair_marker"]
