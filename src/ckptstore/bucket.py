@@ -249,13 +249,14 @@ class BucketHome(BucketCache, Home):
         whatever the grace period and however slow the commit was until now."""
         where = self.store.locate(list(known)) if known else {}
         packs = ({loc.pack for loc in where.values()} | {loc.pack for loc in written.values()}) - {UNLOCATED}
-        marked = self.marked_packs() if packs else set()
+        marked = self.marked_packs() if packs else GCMarks()
         if len(packs) > REQUESTS:  # one listing costs less than many HEADs
-            listed = {o.key for o in self.backend.list("blobs")}
-            present = {p: pack_key(p) in listed for p in packs}
+            listed = {o.key: o for o in self.backend.list("blobs")}
+            present = {p: listed.get(pack_key(p)) for p in packs}
         else:
-            present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)) is not None, packs)))
-        bad = {p for p in packs if p in marked or not present[p]} | {UNLOCATED}  # a blob never located: found again, or written again
+            present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)), packs)))
+        # (a pack made after a damaged mark, as this commit's rewrite, is one it cannot name)
+        bad = {p for p in packs if not present[p] or marked.withholds(p, present[p].mtime)} | {UNLOCATED}  # a blob never located: found again, or written again
         gone = [k for k in known if k not in where or where[k].pack in bad] + [k for k, loc in written.items() if loc.pack in bad]
         if gone:
             raise ReusedBlobsGone(gone)

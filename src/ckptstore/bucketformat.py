@@ -383,8 +383,10 @@ class GCMarks:
     **withholds every pack it may name, and deletes none**:
 
     * writers (a commit's dedup, push) reuse no blob from a pack it may name, and write
-      those blobs again: on a bucket, where its names are in its unreadable bytes, that is
-      every pack (:meth:`withholds`); in a folder, the pack whose row holds it;
+      those blobs again (:meth:`withholds`): on a bucket, where its names are in its
+      unreadable bytes, every pack created no later than the mark (a GC names only packs
+      it listed, older than its grace period: a pack written after the mark, such as the
+      writer's new copy, it cannot name); in a folder, the pack whose row holds it;
     * a GC deletes nothing on its account: a sweep goes only by readable marks a grace
       period old (:meth:`oldest`), and removes a damaged mark itself (a bucket's sweep
       deletes the object; a folder's GC marks the pack again), so the next GC marks again
@@ -394,9 +396,10 @@ class GCMarks:
         marks: ``(time, key, mark)`` of every readable mark: the time it was made (the
             server's, seconds), its key (the pack id in a folder), the mark's fields
             ``{"packs", "commits", "objects", "reflog"}`` (lists).
-        unreadable: ``(key, packs)`` of every damaged mark: ``packs`` the ones it may name
-            (``None``: any pack).
-        vanished: keys of marks listed but gone when fetched.
+        unreadable: ``(key, time, packs)`` of every damaged mark: the time it was made
+            (``None``: unknown) and the packs it may name (``None``: any pack made no later).
+        vanished: ``(key, time)`` of the marks listed but gone when fetched (they may have
+            named any pack made no later).
     """
 
     marks: tuple = ()
@@ -410,14 +413,20 @@ class GCMarks:
 
     @property
     def withholds_all(self) -> bool:
-        """Does a mark that cannot be read withhold every pack?"""
-        return bool(self.vanished) or any(names is None for _, names in self.unreadable)
+        """Does a mark that cannot be read withhold every pack (made no later than it)?"""
+        return bool(self.vanished) or any(names is None for _, _, names in self.unreadable)
 
-    def withholds(self, pack: str) -> bool:
-        """May a writer not reuse blobs from pack ``pack`` (a mark names it, or may)?"""
-        return pack in self.packs or self.withholds_all or any(pack in names for _, names in self.unreadable)
+    def withholds(self, pack: str, created: float | None = None) -> bool:
+        """May a writer not reuse blobs from pack ``pack`` (a mark names it, or may)?
+        ``created``: when the pack was made (the server's time, seconds; ``None``: unknown,
+        as old as any mark)."""
+        if pack in self.packs:
+            return True
+        may = [(at, names) for _, at, names in self.unreadable] + [(at, None) for _, at in self.vanished]
+        return any((names is None or pack in names) and (created is None or at is None or created <= at) for at, names in may)
 
-    __contains__ = withholds
+    def __contains__(self, pack: str) -> bool:
+        return self.withholds(pack)
 
     def oldest(self, field_: str = "packs") -> dict:
         """``{name: time of the oldest readable mark naming it}`` for one field of the marks
@@ -460,10 +469,10 @@ def read_gc_marks(backend: Backend) -> GCMarks:
         try:
             mark = parse_gc_mark(backend.get(o.key))
         except ObjectNotFoundError:
-            vanished.append(o.key)
+            vanished.append((o.key, o.mtime))
             continue
         if mark is None:
-            unreadable.append((o.key, None))
+            unreadable.append((o.key, o.mtime, None))
         else:
             marks.append((o.mtime, o.key, mark))
     return GCMarks(tuple(marks), tuple(unreadable), tuple(vanished))
@@ -483,6 +492,7 @@ class RemoteIndex:
         self.workers = workers
         self.blobs: dict[tuple[bytes, int], BlobLoc] = {}
         self.marks = GCMarks()
+        self.created: dict[str, float] = {}  # pack id -> when it was made (the server's time)
 
     def refresh(self) -> RemoteIndex:
         """List ``blobs/`` and ``gc/`` and learn every pack's entries (:func:`pack_entries`:
@@ -492,8 +502,10 @@ class RemoteIndex:
         Raises:
             BackendError: the storage failed.
         """
-        objects = {o.key: o.size for o in self.backend.list("blobs")}
+        listed = {o.key: o for o in self.backend.list("blobs")}
+        objects = {k: o.size for k, o in listed.items()}
         todo = [(k.rsplit("/", 1)[1][:-5], size) for k, size in objects.items() if k.endswith(".pack")]
+        self.created.update((k.rsplit("/", 1)[1][:-5], o.mtime) for k, o in listed.items() if k.endswith(".pack"))
 
         def load(job):
             pid, size = job
@@ -520,7 +532,7 @@ class RemoteIndex:
     def reusable(self, key: tuple[bytes, int]) -> BlobLoc | None:
         """Where the remote holds blob ``key`` in a pack no GC mark names (nor may name), or ``None``."""
         loc = self.blobs.get(key)
-        if loc is None or self.marks.withholds(loc.pack):
+        if loc is None or self.marks.withholds(loc.pack, self.created.get(loc.pack)):
             return None
         return loc
 

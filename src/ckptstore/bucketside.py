@@ -341,7 +341,7 @@ class BucketGC(GCSide):
         blind = sorted(c for c in named if needs.get(c) is None)
         needs = {c: keys for c, keys in needs.items() if keys is not None}
         marks = read_gc_marks(backend)  # (one listed but gone meanwhile: another GC swept it)
-        return _GCState(refs, now, objects, packs, entries, bad_indexes, needs, blind, list(marks.marks), [k for k, _ in marks.unreadable])
+        return _GCState(refs, now, objects, packs, entries, bad_indexes, needs, blind, list(marks.marks), [k for k, _, _ in marks.unreadable])
 
     def snapshot(self):
         return self.store.catalog.read()  # one snapshot: a writer sharing this cache folder may add commits meanwhile

@@ -319,7 +319,7 @@ def retired_marks(rows) -> GCMarks:
         if type(at) in (int, float) and math.isfinite(at):
             marks.append((float(at), pid, {"packs": [pid], "commits": [], "objects": [], "reflog": []}))
         else:
-            unreadable.append((pid, frozenset((pid,))))
+            unreadable.append((pid, None, frozenset((pid,))))
     return GCMarks(tuple(marks), tuple(unreadable))
 
 
