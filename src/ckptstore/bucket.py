@@ -297,7 +297,8 @@ class BucketHome(BucketCache, Home):
 
     def marked_packs(self) -> GCMarks:
         """The GC marks (``gc/*.json``, :func:`~ckptstore.bucketformat.read_gc_marks`): ``pack in``
-        the result when a mark names it, or may (a mark that cannot be read withholds every pack)."""
+        the result when a mark names it, or may (a mark that cannot be read withholds every pack
+        made no later than it: :meth:`~ckptstore.bucketformat.GCMarks.withholds`)."""
         return read_gc_marks(self.backend)
 
     def index_commit(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0,

@@ -271,7 +271,7 @@ class _GCState:
     needs: dict  # commit id -> blob addresses, for every record on the bucket and every commit a tag names
     blind: list  # commits a tag names whose record cannot be read: what they need is unknown, so no pack goes
     marks: list  # (mtime, key, mark dict) of every readable gc/*.json
-    unreadable_marks: list  # keys of marks that do not parse (deleted by the sweep; writers treat every pack as marked)
+    unreadable_marks: list  # keys of marks that cannot be read (deleted by the sweep; writers reuse no pack made no later: GCMarks)
 
 
 class BucketGC(GCSide):
