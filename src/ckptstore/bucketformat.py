@@ -16,7 +16,10 @@ knows only that interface: no path, no S3 client, no protocol. It holds:
 - a commit record fetched and checked against its id (:func:`fetch_record`, :func:`commit_key`);
 - the entries of a pack, from its ``.idx`` or the pack walked (:func:`pack_entries`,
   :func:`repair_index`), and every pack's entries with the GC marks (:class:`RemoteIndex`);
-- packs assembled in memory and uploaded whole, then their ``.idx`` (:class:`BucketPackWriter`).
+- the GC marks, read once for the GC, commits and push, with the rule for a mark that cannot
+  be read (:func:`read_gc_marks`, :class:`GCMarks`);
+- packs assembled in memory and uploaded whole, then their ``.idx`` (:class:`BucketPackWriter`,
+  the upload sink of :class:`~ckptstore.packs.EntryWriter`).
 """
 
 from __future__ import annotations

@@ -23,6 +23,10 @@ is addressed by the hash of its bytes, so any copy of it can be checked.
 A blob is zstandard-compressed (RFC 8878) only when a probe of its start
 (1/32 of it, 4 to 32 KiB) shrinks by more than 25 % and the whole blob then does too.
 
+Entries are written by one :class:`EntryWriter` (stage, hash, encode, header, offsets,
+rollover, the index of entries) with two sinks: :class:`PackWriter` (pack files, below)
+and :class:`~ckptstore.bucketformat.BucketPackWriter` (packs uploaded to object storage).
+
 While a commit is in flight its process holds an exclusive ``flock`` on each
 of its pack files; GC never removes a locked pack, and the lock vanishes with
 the process, so a pack orphaned by a crash becomes collectable. A pack is
