@@ -76,20 +76,10 @@ from __future__ import annotations
 import os
 import sys
 
-
-def _apply_skew(skew: float) -> None:
-    """Shift this process's wall clock by ``skew`` seconds (before ckptstore is imported)."""
-    if not skew:
-        return
-    import time as _time
-
-    real_time, real_ns = _time.time, _time.time_ns
-    _time.time = lambda: real_time() + skew
-    _time.time_ns = lambda: real_ns() + int(skew * 1e9)
-
+from .clock import shift_clock  # before ckptstore: a worker's clock skew must reach it
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "worker":  # a fresh worker: skew first
-    _apply_skew(float(os.environ.get("CKPT_BSTRESS_SKEW", "0") or 0))
+    shift_clock(float(os.environ.get("CKPT_BSTRESS_SKEW", "0") or 0))
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
@@ -373,7 +363,7 @@ def worker_main(spec_path: str) -> int:
 def _fork_entry(spec_path: str, env: dict, out: str) -> None:  # pragma: no cover - in the forked child
     redirect_output(out)
     os.environ.update(env)
-    _apply_skew(float(env.get("CKPT_BSTRESS_SKEW", "0") or 0))
+    shift_clock(float(env.get("CKPT_BSTRESS_SKEW", "0") or 0))
     code = 70
     try:
         code = worker_main(spec_path)

@@ -69,12 +69,13 @@ import signal
 import stat
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from tests import paths
+
+from .clock import shift_clock
 
 RUN = "exp"
 LATEST = f"{RUN}/latest"
@@ -96,23 +97,6 @@ def state_of(step: int):
 # --- the processes ---------------------------------------------------------------------------
 
 
-def _wrap_clock(path: str) -> None:
-    """Let ``path`` (a float, seconds) shift this process's wall clock, read every 50 ms."""
-    offset = [0.0]
-    real_time, real_ns = time.time, time.time_ns
-
-    def follow():
-        while True:
-            with contextlib.suppress(OSError, ValueError):
-                offset[0] = float(Path(path).read_text() or 0)
-            real_sleep(0.05)
-
-    real_sleep = time.sleep
-    time.time = lambda: real_time() + offset[0]
-    time.time_ns = lambda: real_ns() + int(offset[0] * 1e9)
-    threading.Thread(target=follow, daemon=True).start()
-
-
 class _Log:
     def __init__(self, path: str):
         self.f = open(path, "a", buffering=1)  # noqa: SIM115 - one line per event, flushed
@@ -124,7 +108,7 @@ class _Log:
 def contender(a) -> None:
     """Contend for run ``exp`` until the stop file appears; commit steps while holding it."""
     if a.clock:
-        _wrap_clock(a.clock)
+        shift_clock(a.clock)
     import torch  # noqa: F401
 
     from ckptstore import Checkpointer

@@ -46,7 +46,6 @@ and the objects' bytes (:mod:`ckptstore.bucketformat`, shared with push and pull
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -66,9 +65,11 @@ from .bucketformat import (
     REQUESTS,
     UPLOADS,
     BucketPackWriter,
+    GCMarks,
     commit_key,
     complete_marker,
     ensure_marker,
+    read_gc_marks,
     read_marker,
 )
 from .bucketio import BucketReader
@@ -77,7 +78,6 @@ from .errors import (
     CkptStoreError,
     IntegrityError,
     NotAStoreError,
-    ObjectNotFoundError,
     RefBusyError,
     RefConflictError,
 )
@@ -249,13 +249,14 @@ class BucketHome(BucketCache, Home):
         whatever the grace period and however slow the commit was until now."""
         where = self.store.locate(list(known)) if known else {}
         packs = ({loc.pack for loc in where.values()} | {loc.pack for loc in written.values()}) - {UNLOCATED}
-        marked = self.marked_packs() if packs else set()
+        marked = self.marked_packs() if packs else GCMarks()
         if len(packs) > REQUESTS:  # one listing costs less than many HEADs
-            listed = {o.key for o in self.backend.list("blobs")}
-            present = {p: pack_key(p) in listed for p in packs}
+            listed = {o.key: o for o in self.backend.list("blobs")}
+            present = {p: listed.get(pack_key(p)) for p in packs}
         else:
-            present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)) is not None, packs)))
-        bad = {p for p in packs if p in marked or not present[p]} | {UNLOCATED}  # a blob never located: found again, or written again
+            present = dict(zip(packs, self.requests.map(lambda p: self.backend.head(pack_key(p)), packs)))
+        # (a pack made after a damaged mark, as this commit's rewrite, is one it cannot name)
+        bad = {p for p in packs if not present[p] or marked.withholds(p, present[p].mtime)} | {UNLOCATED}  # a blob never located: found again, or written again
         gone = [k for k in known if k not in where or where[k].pack in bad] + [k for k, loc in written.items() if loc.pack in bad]
         if gone:
             raise ReusedBlobsGone(gone)
@@ -270,7 +271,9 @@ class BucketHome(BucketCache, Home):
             BackendError: the storage failed.
         """
         marked = self.marked_packs()
-        self.refresh_index(avoid=marked)
+        if marked.withholds_all:  # no pack may be reused: every blob is written again
+            return {}
+        self.refresh_index(avoid=marked.packs)
         where = self.store.locate(list(keys))
         held = {o.key for o in self.backend.list("blobs")}  # a row may still name a pack gone from the bucket
         return self.store._lookup([k for k, loc in where.items() if loc.pack not in marked and pack_key(loc.pack) in held])
@@ -292,18 +295,11 @@ class BucketHome(BucketCache, Home):
         self.refresh_index()
         return super().replace_copy(loc, good)
 
-    def marked_packs(self) -> set[str]:
-        """Pack ids a GC mark (``gc/*.json``) names; every listed pack if a mark is unreadable."""
-        out: set[str] = set()
-        for o in self.backend.list("gc"):
-            try:
-                mark = json.loads(self.backend.get(o.key))
-                out.update(p for p in mark["packs"] if type(p) is str)
-            except ObjectNotFoundError:
-                continue  # swept and removed meanwhile
-            except (ValueError, KeyError, TypeError):
-                return {r[0] for r in self.store.catalog.rows("SELECT id FROM packs", raw=True)}
-        return out
+    def marked_packs(self) -> GCMarks:
+        """The GC marks (``gc/*.json``, :func:`~ckptstore.bucketformat.read_gc_marks`): ``pack in``
+        the result when a mark names it, or may (a mark that cannot be read withholds every pack
+        made no later than it: :meth:`~ckptstore.bucketformat.GCMarks.withholds`)."""
+        return read_gc_marks(self.backend)
 
     def index_commit(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0,
                      expect=None, given_packs=()):

@@ -16,17 +16,20 @@ knows only that interface: no path, no S3 client, no protocol. It holds:
 - a commit record fetched and checked against its id (:func:`fetch_record`, :func:`commit_key`);
 - the entries of a pack, from its ``.idx`` or the pack walked (:func:`pack_entries`,
   :func:`repair_index`), and every pack's entries with the GC marks (:class:`RemoteIndex`);
-- packs assembled in memory and uploaded whole, then their ``.idx`` (:class:`BucketPackWriter`).
+- the GC marks, read once for the GC, commits and push, with the rule for a mark that cannot
+  be read (:func:`read_gc_marks`, :class:`GCMarks`);
+- packs assembled in memory and uploaded whole, then their ``.idx`` (:class:`BucketPackWriter`,
+  the upload sink of :class:`~ckptstore.packs.EntryWriter`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-import threading
 import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from .backends import Backend
@@ -43,14 +46,11 @@ from .layout import address, digest
 from .packindex import decode_index, encode_index, index_key, pack_key, scan_pack
 from .packs import (
     BLOB_MAGIC,
-    CODEC_RAW,
-    PACK_HEADER,
-    RECORD_MAGIC,
     BlobLoc,
     Entry,
+    EntryWriter,
+    OpenPack,
     check_entry,
-    encode_blob,
-    entry_header,
     pack_header,
 )
 from .records import CommitRecord, commit_id, parse_commit
@@ -364,20 +364,138 @@ def repair_index(backend, pid: str, entries) -> None:
     backend.put_new(index_key(pid), encode_index(entries))
 
 
+# --- the GC marks ---------------------------------------------------------------------------
+
+
+#: The key prefix of the GC marks: ``gc/<20-digit ns time>-<uuid>.json``.
+GC_PREFIX = "gc"
+
+
+@dataclass(frozen=True)
+class GCMarks:
+    """The GC marks of a store, read at one moment, and the one rule for a mark that cannot be read.
+
+    A mark names what a GC deletes a grace period later if it is still unneeded then: on a
+    bucket ``gc/<time>-<uuid>.json`` = ``{"at", "packs", "commits", "objects", "reflog"}``
+    (:func:`read_gc_marks`); in a folder a pack's ``retired_at`` in the catalog
+    (:func:`ckptstore.localhome.retired_marks`). A mark is *readable* when it is a JSON
+    object whose ``packs`` and ``commits`` are lists of strings (``objects`` and
+    ``reflog``, when present, lists; their malformed items are dropped), or, in a folder,
+    a finite number. **A mark that cannot be read** (damaged bytes, another shape, a key
+    listed but gone when fetched: a GC swept it, and what it named may be gone too)
+    **withholds every pack it may name, and deletes none**:
+
+    * writers (a commit's dedup, push) reuse no blob from a pack it may name, and write
+      those blobs again (:meth:`withholds`): on a bucket, where its names are in its
+      unreadable bytes, every pack created no later than the mark (a GC names only packs
+      it listed, older than its grace period: a pack written after the mark, such as the
+      writer's new copy, it cannot name); in a folder, the pack whose row holds it;
+    * a GC deletes nothing on its account: a sweep goes only by readable marks a grace
+      period old (:meth:`oldest`), and removes a damaged mark itself (a bucket's sweep
+      deletes the object; a folder's GC marks the pack again), so the next GC marks again
+      whatever is still dead.
+
+    Attributes:
+        marks: ``(time, key, mark)`` of every readable mark: the time it was made (the
+            server's, seconds), its key (the pack id in a folder), the mark's fields
+            ``{"packs", "commits", "objects", "reflog"}`` (lists).
+        unreadable: ``(key, time, packs)`` of every damaged mark: the time it was made
+            (``None``: unknown) and the packs it may name (``None``: any pack made no later).
+        vanished: ``(key, time)`` of the marks listed but gone when fetched (they may have
+            named any pack made no later).
+    """
+
+    marks: tuple = ()
+    unreadable: tuple = ()
+    vanished: tuple = ()
+
+    @cached_property
+    def packs(self) -> frozenset:
+        """The pack ids the readable marks name."""
+        return frozenset(p for _, _, mark in self.marks for p in mark["packs"])
+
+    @property
+    def withholds_all(self) -> bool:
+        """Does a mark that cannot be read withhold every pack (made no later than it)?"""
+        return bool(self.vanished) or any(names is None for _, _, names in self.unreadable)
+
+    def withholds(self, pack: str, created: float | None = None) -> bool:
+        """May a writer not reuse blobs from pack ``pack`` (a mark names it, or may)?
+        ``created``: when the pack was made (the server's time, seconds; ``None``: unknown,
+        as old as any mark)."""
+        if pack in self.packs:
+            return True
+        may = [(at, names) for _, at, names in self.unreadable] + [(at, None) for _, at in self.vanished]
+        return any((names is None or pack in names) and (created is None or at is None or created <= at) for at, names in may)
+
+    def __contains__(self, pack: str) -> bool:
+        return self.withholds(pack)
+
+    def oldest(self, field_: str = "packs") -> dict:
+        """``{name: time of the oldest readable mark naming it}`` for one field of the marks
+        (``"packs"``, ``"commits"``): what a sweep goes by."""
+        out: dict = {}
+        for at, _, mark in self.marks:
+            for x in mark[field_]:
+                out[x] = min(out.get(x, at), at)
+        return out
+
+
+def parse_gc_mark(raw: bytes) -> dict | None:
+    """The fields of a bucket's GC mark from its bytes, ``{"packs", "commits", "objects",
+    "reflog"}`` (lists), or ``None`` when it cannot be read (see :class:`GCMarks`)."""
+    try:
+        mark = json.loads(raw)
+    except ValueError:
+        return None
+    if type(mark) is not dict:
+        return None
+    packs, commits, objects, reflog = mark.get("packs"), mark.get("commits"), mark.get("objects", []), mark.get("reflog", [])
+    if not (type(packs) is list and type(commits) is list and type(objects) is list and type(reflog) is list):
+        return None
+    if not all(type(p) is str for p in packs + commits):
+        return None
+    return {"packs": packs, "commits": commits, "objects": [x for x in objects if type(x) is str],
+            "reflog": [x for x in reflog if type(x) is list and len(x) == 3 and type(x[0]) is str and x[0].startswith("reflog/")]}
+
+
+def read_gc_marks(backend: Backend) -> GCMarks:
+    """Every GC mark on the bucket (``gc/*``, listed then fetched), by the rule of :class:`GCMarks`:
+    what the GC's sweep goes by, and what a commit (:meth:`ckptstore.bucket.BucketHome.marked_packs`)
+    and a push (:meth:`RemoteIndex.read_marks`) must not reuse.
+
+    Raises:
+        BackendError: the storage failed.
+    """
+    marks, unreadable, vanished = [], [], []
+    for o in backend.list(GC_PREFIX):
+        try:
+            mark = parse_gc_mark(backend.get(o.key))
+        except ObjectNotFoundError:
+            vanished.append((o.key, o.mtime))
+            continue
+        if mark is None:
+            unreadable.append((o.key, o.mtime, None))
+        else:
+            marks.append((o.mtime, o.key, mark))
+    return GCMarks(tuple(marks), tuple(unreadable), tuple(vanished))
+
+
 class RemoteIndex:
     """Which blobs the remote holds, and where: read from every ``blobs/<xx>/<id>.idx``.
 
     A pack whose ``.idx`` is missing or damaged is walked instead (:func:`pack_entries`). Blobs in packs
     listed by a GC mark (``gc/<run id>.json``, ``{"packs": [pack ids], ...}``) are not
-    offered for reuse (:meth:`reusable`); an unreadable mark withholds every pack.
+    offered for reuse (:meth:`reusable`); a mark that cannot be read withholds every pack
+    (the rule of :class:`GCMarks`).
     """
 
     def __init__(self, backend: Backend, workers: int = 8):
         self.backend = backend
         self.workers = workers
         self.blobs: dict[tuple[bytes, int], BlobLoc] = {}
-        self.marked: set[str] = set()
-        self.all_marked = False
+        self.marks = GCMarks()
+        self.created: dict[str, float] = {}  # pack id -> when it was made (the server's time)
 
     def refresh(self) -> RemoteIndex:
         """List ``blobs/`` and ``gc/`` and learn every pack's entries (:func:`pack_entries`:
@@ -387,8 +505,10 @@ class RemoteIndex:
         Raises:
             BackendError: the storage failed.
         """
-        objects = {o.key: o.size for o in self.backend.list("blobs")}
+        listed = {o.key: o for o in self.backend.list("blobs")}
+        objects = {k: o.size for k, o in listed.items()}
         todo = [(k.rsplit("/", 1)[1][:-5], size) for k, size in objects.items() if k.endswith(".pack")]
+        self.created.update((k.rsplit("/", 1)[1][:-5], o.mtime) for k, o in listed.items() if k.endswith(".pack"))
 
         def load(job):
             pid, size = job
@@ -402,22 +522,20 @@ class RemoteIndex:
         self.read_marks()
         return self
 
-    def read_marks(self) -> set[str]:
-        """Re-read the GC marks; returns the pack ids they name."""
-        marked: set[str] = set()
-        for o in self.backend.list("gc"):
-            try:
-                mark = json.loads(self.backend.get(o.key))
-                marked.update(p for p in mark["packs"] if type(p) is str)
-            except (ValueError, KeyError, TypeError, ObjectNotFoundError):
-                self.all_marked = True
-        self.marked = marked
-        return marked
+    def read_marks(self) -> GCMarks:
+        """Re-read the GC marks (:func:`read_gc_marks`); ``pack in`` the result: a mark names it, or may."""
+        self.marks = read_gc_marks(self.backend)
+        return self.marks
+
+    @property
+    def all_marked(self) -> bool:
+        """Does a mark that cannot be read withhold every pack (as last read)?"""
+        return self.marks.withholds_all
 
     def reusable(self, key: tuple[bytes, int]) -> BlobLoc | None:
-        """Where the remote holds blob ``key`` in a pack no GC mark names, or ``None``."""
+        """Where the remote holds blob ``key`` in a pack no GC mark names (nor may name), or ``None``."""
         loc = self.blobs.get(key)
-        if loc is None or self.all_marked or loc.pack in self.marked:
+        if loc is None or self.marks.withholds(loc.pack, self.created.get(loc.pack)):
             return None
         return loc
 
@@ -447,17 +565,15 @@ class RemoteIndex:
 # --- writing packs --------------------------------------------------------------------------
 
 
-class _MemPack:
+class _MemPack(OpenPack):
     def __init__(self):
-        self.id = uuid.uuid4().hex
-        self.parts: list = [pack_header()]
-        self.entries: list[Entry] = []
-        self.size = PACK_HEADER.size
+        super().__init__(uuid.uuid4().hex)
+        self.parts: list | None = [pack_header()]  # None once handed to its upload
 
 
-class BucketPackWriter:
-    """:class:`~ckptstore.packs.PackWriter`'s interface for object storage (a bucket store's
-    commits, and push); thread-safe.
+class BucketPackWriter(EntryWriter):
+    """The :class:`~ckptstore.packs.EntryWriter` into object storage (a bucket store's
+    commits, and push), with :class:`~ckptstore.packs.PackWriter`'s interface; thread-safe.
 
     Entries are appended to a pack held in memory; a pack past ``pack_bytes`` is
     uploaded in the background (create-only PUT of the pack, then of its ``.idx``) while
@@ -476,54 +592,30 @@ class BucketPackWriter:
     """
 
     def __init__(self, backend: Backend, level: int, pack_bytes: int, uploads: ThreadPoolExecutor):
-        self.backend, self.level, self.pack_bytes, self._uploads = backend, level, pack_bytes, uploads
-        self._lock = threading.Lock()
-        self._open: _MemPack | None = None
+        super().__init__(level, pack_bytes)
+        self.backend, self._uploads = backend, uploads
         self._futures: list[Future] = []
-        self._ids: list[tuple[str, int]] = []
-        self.stored_bytes = 0
         self.objects_uploaded = 0  # packs and .idx handed to the uploads (durable once finish() returns)
         self.bytes_uploaded = 0
 
-    def append(self, raw: memoryview, digest_: bytes | None = None) -> BlobLoc:
-        """Write one blob and return its location, as :meth:`ckptstore.packs.PackWriter.append`:
-        ``raw`` is copied once (the copy is what the pack holds until it is uploaded, unless it
-        compresses), and the copy is hashed and encoded; the returned location's ``digest``
-        is the copy's hash, which differs from ``digest_`` (the caller's earlier hash of
-        ``raw``) when another thread changed ``raw`` in between."""
-        staged = raw if isinstance(raw, bytes) else bytes(raw)
-        codec, payload = encode_blob(memoryview(staged), self.level)
-        return self.append_encoded(digest(staged), len(staged), codec, payload)
+    def _stage(self, raw) -> memoryview:
+        """A copy of its own (the pack holds it until it is uploaded, unless it compresses)."""
+        return memoryview(raw if isinstance(raw, bytes) else bytes(raw))
 
-    def append_record(self, kind: int, raw: bytes) -> BlobLoc:
-        """Write one record (``kind``, its text's bytes) and return its location."""
-        return self.append_encoded(digest(raw), len(raw), CODEC_RAW, raw, RECORD_MAGIC, kind)
+    def _new_pack(self) -> _MemPack:
+        return _MemPack()
 
-    def append_encoded(self, digest_: bytes, raw_len: int, codec: int, payload, magic: bytes = BLOB_MAGIC, kind: int = 0) -> BlobLoc:
-        """Write an entry already encoded (verified by the caller) as it is."""
-        header = entry_header(digest_, raw_len, codec, len(payload), magic, kind)
-        need = len(header) + len(payload)
-        with self._lock:
-            pack = self._open
-            if pack is None or (pack.entries and pack.size + need > self.pack_bytes):
-                if pack is not None:
-                    self._ship(pack)
-                pack = self._open = _MemPack()
-            loc = BlobLoc(digest_, raw_len, pack.id, pack.size, len(payload), codec)
-            pack.parts += (header, payload)
-            pack.entries.append(Entry(loc, kind, magic))
-            pack.size += need
-            self.stored_bytes += need
-        return loc
+    def _place(self, pack: _MemPack, header: bytes, payload) -> None:
+        pack.parts += (header, payload)
 
-    def _ship(self, pack: _MemPack) -> None:
-        self._ids.append((pack.id, pack.size))
+    def _seal(self, pack: _MemPack) -> None:
         idx = encode_index(pack.entries)
+        parts, pack.parts = pack.parts, None
         self.objects_uploaded += 2
         self.bytes_uploaded += pack.size + len(idx)
 
         def upload() -> None:
-            self.backend.put_new(pack_key(pack.id), pack.parts)
+            self.backend.put_new(pack_key(pack.id), parts)
             self.backend.put_new(index_key(pack.id), idx)
 
         self._futures.append(self._uploads.submit(upload))
@@ -531,18 +623,12 @@ class BucketPackWriter:
         if len(busy) > UPLOADS:  # memory: wait for one to land (its error, if any, is raised by finish)
             wait(busy, return_when=FIRST_COMPLETED)
 
-    @property
-    def pack_ids(self) -> list[tuple[str, int]]:
-        """``(pack id, size in bytes)`` of every pack written so far."""
-        with self._lock:
-            return list(self._ids) + ([(self._open.id, self._open.size)] if self._open is not None else [])
-
     def finish(self) -> None:
         """Upload the open pack and wait until every pack and ``.idx`` is on the bucket."""
         with self._lock:
-            if self._open is not None:
-                self._ship(self._open)
-                self._open = None
+            if self._packs and not self._packs[-1].sealed:
+                self._packs[-1].sealed = True
+                self._seal(self._packs[-1])
             futures, self._futures = self._futures, []
         for f in futures:
             f.result()
@@ -553,17 +639,12 @@ class BucketPackWriter:
 
     def close(self) -> None:
         with self._lock:
-            futures, self._futures, self._open = self._futures, [], None
+            futures, self._futures = self._futures, []
+            self._packs = [p for p in self._packs if p.sealed]  # the open pack is dropped, never uploaded
         for f in futures:
             f.exception()
 
-    def __enter__(self) -> BucketPackWriter:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-__all__ = ["FORMAT_VERSION", "MARKER", "MARKER_COPY", "PACK_BYTES", "REQUESTS", "UPLOADS", "BucketPackWriter", "PackEntries", "RemoteIndex", "commit_key",
+__all__ = ["FORMAT_VERSION", "MARKER", "MARKER_COPY", "PACK_BYTES", "REQUESTS", "UPLOADS", "BucketPackWriter", "GCMarks", "PackEntries", "RemoteIndex", "commit_key",
            "complete_marker", "ensure_marker", "fetch_record", "marker_bytes", "marker_problem", "pack_entries", "parse_marker",
-           "parse_reflog", "read_marker", "read_tag", "read_tag_hint", "ref_payload", "reflog_bytes", "repair_index", "repair_marker"]
+           "parse_gc_mark", "parse_reflog", "read_gc_marks", "read_marker", "read_tag", "read_tag_hint", "ref_payload", "reflog_bytes", "repair_index", "repair_marker"]

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 
 from .bucketformat import (
     MARKER,
+    GCMarks,
     commit_key,
     fetch_record,
     marker_problem,
     pack_entries,
     parse_reflog,
+    read_gc_marks,
     read_tag,
     repair_index,
     repair_marker,
@@ -269,7 +271,7 @@ class _GCState:
     needs: dict  # commit id -> blob addresses, for every record on the bucket and every commit a tag names
     blind: list  # commits a tag names whose record cannot be read: what they need is unknown, so no pack goes
     marks: list  # (mtime, key, mark dict) of every readable gc/*.json
-    unreadable_marks: list  # keys of marks that do not parse (deleted by the sweep; writers treat every pack as marked)
+    unreadable_marks: list  # keys of marks that cannot be read (deleted by the sweep; writers reuse no pack made no later: GCMarks)
 
 
 class BucketGC(GCSide):
@@ -338,31 +340,15 @@ class BucketGC(GCSide):
         needs.update(requests.map(needed, [c for c in set(ids) | named if c not in needs]))
         blind = sorted(c for c in named if needs.get(c) is None)
         needs = {c: keys for c, keys in needs.items() if keys is not None}
-        marks, unreadable = [], []
-        for o in backend.list("gc"):
-            try:
-                mark = json.loads(backend.get(o.key))
-                mark = {"packs": [p for p in mark["packs"] if type(p) is str], "commits": [x for x in mark["commits"] if type(x) is str],
-                        "objects": [x for x in mark.get("objects", []) if type(x) is str],
-                        "reflog": [x for x in mark.get("reflog", []) if type(x) is list and len(x) == 3 and type(x[0]) is str
-                                   and x[0].startswith("reflog/")]}
-                marks.append((o.mtime, o.key, mark))
-            except ObjectNotFoundError:
-                continue  # another GC swept it
-            except (ValueError, KeyError, TypeError):
-                unreadable.append(o.key)
-        return _GCState(refs, now, objects, packs, entries, bad_indexes, needs, blind, marks, unreadable)
+        marks = read_gc_marks(backend)  # (one listed but gone meanwhile: another GC swept it)
+        return _GCState(refs, now, objects, packs, entries, bad_indexes, needs, blind, list(marks.marks), [k for k, _, _ in marks.unreadable])
 
     def snapshot(self):
         return self.store.catalog.read()  # one snapshot: a writer sharing this cache folder may add commits meanwhile
 
     def _marked(self, field_: str) -> dict:
         """``{name: time of the oldest mark naming it}`` for one field of the marks."""
-        out: dict = {}
-        for mtime, _, mark in self.st.marks:
-            for x in mark[field_]:
-                out[x] = min(out.get(x, mtime), mtime)
-        return out
+        return GCMarks(tuple(self.st.marks)).oldest(field_)
 
     def commits(self, keep: set) -> dict:
         marked = self._marked("commits")

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import progress, records
 from .backends.local import ForeignEntryError, describe_mode, lstat_beneath, open_dir, open_regular, unlink_beneath
+from .bucketformat import GCMarks
 from .catalog import drop_commit_rows, rebuild_record
 from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, ResourceLimitError, StoreWriteError
 from .fsck import FsckReport, FsckSide
@@ -304,6 +305,28 @@ _BATCH_PACKS = 500
 _SUPERSEDED = f"kind = {KIND_REF} AND seq < (SELECT MAX(r.seq) FROM records r WHERE r.kind = {KIND_REF} AND r.name = records.name)"
 
 
+def retired_marks(rows) -> GCMarks:
+    """A folder's GC marks, by the rule of :class:`~ckptstore.bucketformat.GCMarks`: each pack's
+    ``retired_at`` in the catalog (``rows``: ``(pack id, retired_at)`` pairs, ``NULL`` ones
+    left out or not). A finite number is a mark made then that names the pack; anything else
+    (text, an infinity: a damaged row) is a mark that cannot be read: it withholds that pack
+    (``withholds``: its name is the row's) and deletes nothing (``oldest`` leaves it out: the
+    GC marks the pack again if it is dead, and sweeps it a grace period later)."""
+    marks, unreadable = [], []
+    for pid, at in rows:
+        if at is None:
+            continue
+        if type(at) in (int, float) and math.isfinite(at):
+            marks.append((float(at), pid, {"packs": [pid], "commits": [], "objects": [], "reflog": []}))
+        else:
+            unreadable.append((pid, None, frozenset((pid,))))
+    return GCMarks(tuple(marks), tuple(unreadable))
+
+
+#: A pack row whose ``retired_at`` is no readable mark (:func:`retired_marks`): the GC may mark it (again).
+_UNMARKED = "(retired_at IS NULL OR typeof(retired_at) NOT IN ('integer', 'real') OR abs(retired_at) = 9e999)"
+
+
 class LocalGC(GCSide):
     """The primitives of the GC protocol (:mod:`ckptstore.gc`) on a folder: ``gc.lock``
     (``flock``), this machine's clock, the catalog as the index. Commits, and the blob rows
@@ -368,10 +391,11 @@ class LocalGC(GCSide):
                 f"SELECT pack, COUNT(*), SUM(stored_len + {h}) FROM records WHERE NOT ({record_dies}) GROUP BY pack", raw=True)}
             packs = self.cat.rows("SELECT id, size, created_at, retired_at FROM packs", raw=True)
         out = []
-        for pid, size, created, retired in packs:
+        marked = retired_marks((pid, retired) for pid, _, _, retired in packs).oldest()
+        for pid, size, created, _ in packs:
             n, live, dies, dies_bytes = blobs.get(pid, (0, 0, 0, 0))
             rn, rlive = recs.get(pid, (0, 0))
-            out.append(PackStat(pid, size, created, retired, n + rn, live + rlive, size, dies, dies_bytes))
+            out.append(PackStat(pid, size, created, marked.get(pid), n + rn, live + rlive, size, dies, dies_bytes))
         return out
 
     @contextmanager
@@ -473,7 +497,7 @@ class LocalGC(GCSide):
 
     def mark(self, plan, report: GCReport) -> None:
         with self.cat.write():  # (the copied packs were retired with their copy)
-            self.cat.chunked(f"UPDATE packs SET retired_at = {self._now!r} WHERE retired_at IS NULL AND id IN ({{}}) "
+            self.cat.chunked(f"UPDATE packs SET retired_at = {self._now!r} WHERE {_UNMARKED} AND id IN ({{}}) "
                              "AND NOT EXISTS (SELECT 1 FROM blobs b WHERE b.pack = packs.id) "
                              "AND NOT EXISTS (SELECT 1 FROM records r WHERE r.pack = packs.id)", [p.id for p in plan.dead])
 

@@ -23,6 +23,10 @@ is addressed by the hash of its bytes, so any copy of it can be checked.
 A blob is zstandard-compressed (RFC 8878) only when a probe of its start
 (1/32 of it, 4 to 32 KiB) shrinks by more than 25 % and the whole blob then does too.
 
+Entries are written by one :class:`EntryWriter` (stage, hash, encode, header, offsets,
+rollover, the index of entries) with two sinks: :class:`PackWriter` (pack files, below)
+and :class:`~ckptstore.bucketformat.BucketPackWriter` (packs uploaded to object storage).
+
 While a commit is in flight its process holds an exclusive ``flock`` on each
 of its pack files; GC never removes a locked pack, and the lock vanishes with
 the process, so a pack orphaned by a crash becomes collectable. A pack is
@@ -53,7 +57,7 @@ from pathlib import Path
 import xxhash
 import zstandard
 
-from .backends.local import describe_mode, open_dir, open_regular, own_dir
+from .backends.local import describe_mode, fsync_dir, open_dir, open_regular, own_dir
 from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, ResourceLimitError, StoreWriteError
 from .layout import address
 from .layout import digest as xxh3
@@ -177,14 +181,6 @@ def _guarded(entries, rel: str) -> list:
         return []
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 _local = threading.local()
 
 #: ``(path, st_dev, st_ino)`` of the ``blobs/<xx>`` folders whose name this process has seen
@@ -259,11 +255,122 @@ def stage(raw) -> memoryview:
     return view
 
 
-class _OpenPack:
+class OpenPack:
+    """One pack an :class:`EntryWriter` fills: its ``id`` (32 hex), ``size`` (the bytes reserved
+    in it so far, its 16-byte header included), ``entries`` (what its index lists, in order)
+    and ``sealed`` (a newer pack took over, or it was made durable: no entry goes in any more)."""
+
+    def __init__(self, pack_id: str):
+        self.id = pack_id
+        self.size = PACK_HEADER.size
+        self.entries: list[Entry] = []
+        self.sealed = False
+
+
+class EntryWriter:
+    """The one writer of pack entries; thread-safe. It stages and hashes a blob
+    (:func:`stage`, XXH3-128), encodes it (:func:`encode_blob`: zstandard when that pays),
+    builds its 40-byte entry header, reserves its offset in the open pack under a lock
+    (rolling over to a new pack past ``pack_bytes``, a pack holding at least one entry)
+    and keeps every pack's index of entries. Where the bytes go is its sink's, a subclass:
+    :class:`PackWriter` (pack files under ``blobs/``) or
+    :class:`~ckptstore.bucketformat.BucketPackWriter` (packs uploaded to object storage).
+
+    The sink's interface (called by this class; the ones marked *locked* under its lock):
+
+    * ``_new_pack()`` *locked*: a new :class:`OpenPack` whose header is written or held;
+    * ``_place(pack, header, payload)`` *locked*: an entry was just reserved at the end of
+      ``pack`` (``pack.size`` already counts it);
+    * ``_write(pack, offset, header, payload)``: write the entry's bytes at ``offset``
+      (outside the lock: entries of one pack are written in parallel);
+    * ``_seal(pack)`` *locked*: ``pack`` is full, a newer one takes over;
+    * ``_stage(raw)``: the private copy of a blob to hash and encode (default :func:`stage`,
+      the thread's staging buffer, valid until the thread's next append);
+    * ``finish``, ``discard``, ``close``: make the packs durable, undo, release.
+    """
+
+    def __init__(self, level: int, pack_bytes: int):
+        self.level = level
+        self.pack_bytes = pack_bytes
+        self._lock = threading.Lock()
+        self._packs: list[OpenPack] = []
+        self.stored_bytes = 0
+
+    def _stage(self, raw) -> memoryview:
+        return stage(raw)
+
+    def append(self, raw: memoryview, digest: bytes | None = None) -> BlobLoc:
+        """Write one blob and return its location: ``raw`` (bytes-like, typically a view of a
+        live tensor's memory) is copied once (:meth:`_stage`), and that copy is hashed,
+        encoded and written, so the entry always hashes to the address recorded with it
+        (invariant 14), whatever other threads write into ``raw`` meanwhile.
+
+        ``digest``: the hash the caller took of ``raw`` earlier (for dedup). The returned
+        location's ``digest`` is the hash of the bytes written: it differs from ``digest``
+        when ``raw`` changed in between, and the caller must then file the blob under the
+        returned address (:meth:`ckptstore.commit.Committer.commit_components` does).
+        """
+        staged = self._stage(raw)
+        codec, payload = encode_blob(staged, self.level)
+        return self.append_encoded(xxh3(staged), len(staged), codec, payload)
+
+    def append_record(self, kind: int, raw: bytes) -> BlobLoc:
+        """Write one record (``kind``, JSON bytes) and return its location; see :mod:`ckptstore.records`."""
+        return self.append_encoded(xxh3(raw), len(raw), CODEC_RAW, raw, RECORD_MAGIC, kind)
+
+    def append_encoded(self, digest: bytes, raw_len: int, codec: int, payload, magic: bytes = BLOB_MAGIC, kind: int = 0) -> BlobLoc:
+        """Write an entry already encoded (verified by the caller) as it is; returns its location."""
+        header = entry_header(digest, raw_len, codec, len(payload), magic, kind)
+        need = len(header) + len(payload)
+        with self._lock:
+            pack = self._packs[-1] if self._packs else None
+            if pack is None or pack.sealed or (pack.entries and pack.size + need > self.pack_bytes):
+                if pack is not None and not pack.sealed:
+                    pack.sealed = True
+                    self._seal(pack)
+                pack = self._new_pack()
+                self._packs.append(pack)
+            loc = BlobLoc(digest, raw_len, pack.id, pack.size, len(payload), codec)
+            pack.entries.append(Entry(loc, kind, magic))
+            pack.size += need
+            self.stored_bytes += need
+            self._place(pack, header, payload)
+        self._write(pack, loc.offset, header, payload)
+        return loc
+
+    @property
+    def pack_ids(self) -> list[tuple[str, int]]:
+        """``(pack id, size in bytes)`` of every pack written so far."""
+        with self._lock:
+            return [(p.id, p.size) for p in self._packs]
+
+    def _new_pack(self) -> OpenPack:
+        raise NotImplementedError
+
+    def _place(self, pack: OpenPack, header: bytes, payload) -> None:
+        pass
+
+    def _write(self, pack: OpenPack, offset: int, header: bytes, payload) -> None:
+        pass
+
+    def _seal(self, pack: OpenPack) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class _FilePack(OpenPack):
     def __init__(self, root: Path):
         own_dir(root, root / "tmp")  # a link or file named tmp is not written through (invariant 13)
         while True:
-            self.id = uuid.uuid4().hex
+            super().__init__(uuid.uuid4().hex)
             self.tmp = root / "tmp" / f"{self.id}.pack.tmp"
             self.final = pack_path(root, self.id)
             self.fd = os.open(self.tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
@@ -271,11 +378,9 @@ class _OpenPack:
             if os.fstat(self.fd).st_nlink:  # a GC may unlink it between create and lock: then take a new name
                 break
             os.close(self.fd)
-        os.pwrite(self.fd, PACK_HEADER.pack(PACK_MAGIC, FORMAT_VERSION, 0, 0), 0)
-        self.size = PACK_HEADER.size
+        os.pwrite(self.fd, pack_header(), 0)
         self.renamed = False
-        self.writing = 0  # blob writes reserved in this pack and not yet done
-        self.sealed = False  # a newer pack took over: no more reservations
+        self.writing = 0  # entry writes reserved in this pack and not yet done
         self.flushing = False  # its early flush has started
         self.flushed = 0  # its size when its write-back was last started
 
@@ -295,8 +400,9 @@ def _pwrite_all(fd: int, parts: list, offset: int) -> None:
             parts[0] = parts[0][n:]
 
 
-class PackWriter:
-    """Appends new blobs of one commit to pack files; thread-safe.
+class PackWriter(EntryWriter):
+    """The :class:`EntryWriter` into pack files: appends new blobs of one commit to packs in
+    ``root/tmp/``; thread-safe.
 
     ``append`` may be called from many threads: offsets are reserved under a
     lock and the bytes written with ``pwritev`` outside it. ``finish`` makes
@@ -308,48 +414,23 @@ class PackWriter:
     """
 
     def __init__(self, root: Path, level: int = 3, pack_bytes: int = DEFAULT_PACK_BYTES):
+        super().__init__(level, pack_bytes)
         self.root = root
-        self.level = level
-        self.pack_bytes = pack_bytes
-        self._lock = threading.Lock()
-        self._packs: list[_OpenPack] = []
-        self.stored_bytes = 0
 
-    def append(self, raw: memoryview, digest: bytes | None = None) -> BlobLoc:
-        """Write one blob and return its location: ``raw`` (bytes-like, typically a view of a
-        live tensor's memory) is copied once into this thread's staging buffer, and that copy
-        is hashed, encoded and written, so the entry always hashes to the address recorded
-        with it (invariant 14), whatever other threads write into ``raw`` meanwhile.
+    def _failed(self, exc: OSError) -> StoreWriteError:
+        return StoreWriteError(f"writing a blob to {self.root / 'tmp'} failed: {exc}")
 
-        ``digest``: the hash the caller took of ``raw`` earlier (for dedup). The returned
-        location's ``digest`` is the hash of the bytes written: it differs from ``digest``
-        when ``raw`` changed in between, and the caller must then file the blob under the
-        returned address (:meth:`ckptstore.commit.Committer.commit_components` does).
-        """
-        staged = stage(raw)
-        codec, payload = encode_blob(staged, self.level)
-        return self.append_encoded(xxh3(staged), len(staged), codec, payload)
-
-    def append_record(self, kind: int, raw: bytes) -> BlobLoc:
-        """Write one record (``kind``, JSON bytes) and return its location; see :mod:`ckptstore.records`."""
-        return self.append_encoded(xxh3(raw), len(raw), CODEC_RAW, raw, RECORD_MAGIC, kind)
-
-    def append_encoded(self, digest: bytes, raw_len: int, codec: int, payload, magic: bytes = BLOB_MAGIC, kind: int = 0) -> BlobLoc:
-        """Write a blob already encoded (verified by the caller) as it is."""
-        header = BLOB_HEADER.pack(magic, FORMAT_VERSION, codec, kind, raw_len, len(payload), digest)
-        need = len(header) + len(payload)
+    def _new_pack(self) -> _FilePack:
         try:
-            with self._lock:
-                pack = self._packs[-1] if self._packs else None
-                if pack is None or pack.sealed or (pack.size > PACK_HEADER.size and pack.size + need > self.pack_bytes):
-                    if pack is not None:
-                        pack.sealed = True
-                    pack = _OpenPack(self.root)
-                    self._packs.append(pack)
-                offset = pack.size
-                pack.size += need
-                pack.writing += 1
-                self.stored_bytes += need
+            return _FilePack(self.root)
+        except OSError as exc:
+            raise self._failed(exc) from exc
+
+    def _place(self, pack: _FilePack, header: bytes, payload) -> None:
+        pack.writing += 1
+
+    def _write(self, pack: _FilePack, offset: int, header: bytes, payload) -> None:
+        try:
             try:
                 _pwrite_all(pack.fd, [header, payload], offset)
             finally:
@@ -369,13 +450,7 @@ class PackWriter:
             if early:
                 _start_writeback(pack.fd)
         except OSError as exc:
-            raise StoreWriteError(f"writing a blob to {self.root / 'tmp'} failed: {exc}") from exc
-        return BlobLoc(digest, raw_len, pack.id, offset, len(payload), codec)
-
-    @property
-    def pack_ids(self) -> list[tuple[str, int]]:
-        """``(pack id, size in bytes)`` of every pack written so far."""
-        return [(p.id, p.size) for p in self._packs]
+            raise self._failed(exc) from exc
 
     def finish(self) -> None:
         """fsync each pack, rename it into ``blobs/``, fsync the folders."""
@@ -429,12 +504,6 @@ class PackWriter:
                     pass
             os.close(pack.fd)
         self._packs = []
-
-    def __enter__(self) -> PackWriter:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 Locate = Callable[[BlobLoc], "BlobLoc | None"]

@@ -16,7 +16,6 @@ import fcntl
 import json
 import os
 import socket
-import stat
 import threading
 import time
 import uuid
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .backends.base import ref_segment
+from .backends.local import ForeignEntryError, fsync_dir, open_regular
 from .errors import (
     ForkedStoreError,
     IntegrityError,
@@ -225,22 +225,15 @@ class FileLease(Lease):
 
         Raises:
             StoreWriteError: the folder or the file is not what ckptstore makes there."""
-        fd = -1
         try:
-            if not stat.S_ISDIR(os.lstat(self.folder).st_mode):
-                raise OSError(errno.ELOOP, "not a folder")
-            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.ELOOP, "not a regular file")
-            os.set_blocking(fd, True)
-            return fd
+            fd = open_regular(self.folder.parent, Path(path), flags)
         except OSError as exc:
-            if fd >= 0:
-                os.close(fd)
-            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            if isinstance(exc, ForeignEntryError) or exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
                 raise StoreWriteError(f"{path} is not a lease file made by ckptstore (a symbolic link, a FIFO, a socket, "
                                       "a device or a folder): left alone; the run cannot be leased until it is removed") from None
             raise
+        os.set_blocking(fd, True)
+        return fd
 
     def acquire(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -316,11 +309,7 @@ class FileLease(Lease):
             finally:
                 os.close(fd)
             os.replace(tmp, self.token_path)
-            dfd = os.open(self.folder, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            fsync_dir(self.folder)
             self.token = token
 
     def _poll(self) -> None:

@@ -155,22 +155,34 @@ def lstat_beneath(root: Path, path: Path) -> os.stat_result:
         os.close(dfd)
 
 
-def open_regular(root: Path, path: Path, flags: int = 0) -> int:
+def open_regular(root: Path, path: Path, flags: int = 0, mode: int = 0o644) -> int:
     """A read-only descriptor (plus ``flags``) of the regular file ``path`` below ``root``,
     reached without following a symbolic link and without opening anything else (a FIFO,
-    socket or device is never opened: it would block or act).
+    socket or device is never opened: it would block or act). The descriptor is
+    non-blocking (``O_NONBLOCK``; ``os.set_blocking`` undoes it). With ``os.O_CREAT`` in
+    ``flags`` a missing file is created (permissions ``mode``).
 
     Raises:
-        FileNotFoundError: it is missing.
+        FileNotFoundError: it is missing (and not created), or a folder above it is.
         ForeignEntryError: it, or a folder above it, is not what ckptstore makes there.
     """
     path = Path(path)
     dfd = open_dir(root, path.parent)
     try:
-        st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode):
-            raise foreign("/".join(_parts(root, path)), st.st_mode)
-        fd = os.open(path.name, _READ_FLAGS | flags, dir_fd=dfd)
+        try:
+            st = os.stat(path.name, dir_fd=dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            if not flags & os.O_CREAT:
+                raise
+        else:
+            if not stat.S_ISREG(st.st_mode):
+                raise foreign("/".join(_parts(root, path)), st.st_mode)
+        try:
+            fd = os.open(path.name, _READ_FLAGS | flags, mode, dir_fd=dfd)
+        except OSError as exc:  # replaced by a link (ELOOP) or a FIFO without a reader (ENXIO) meanwhile
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise
+            raise foreign("/".join(_parts(root, path)), os.stat(path.name, dir_fd=dfd, follow_symlinks=False).st_mode) from None
     finally:
         os.close(dfd)
     st = os.fstat(fd)
@@ -244,7 +256,11 @@ _VERSION_DIGITS = 20
 _READ_ATTEMPTS = 100
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """``fsync`` folder ``path``: the names created, renamed or removed in it are durable.
+
+    Raises:
+        OSError: it cannot be opened or synced."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -310,7 +326,7 @@ class LocalBackend(Backend):
                 os.link(tmp, final)
             except FileExistsError:
                 return False
-            _fsync_dir(final.parent)
+            fsync_dir(final.parent)
             return True
         finally:
             try:
