@@ -86,7 +86,8 @@ from .packindex import pack_key
 from .packs import BLOB_HEADER
 from .refs import CAS_SECONDS, BucketRefs, guarded
 from .refs import resolve_on_bucket as resolve_remote
-from .home import Home, ReusedBlobsGone, weakly
+from .home import Home, weakly
+from .indexstep import ReusedBlobsGone
 from .records import CommitInfo
 from .threads import Pool
 

@@ -23,7 +23,7 @@ from typing import Any
 from . import jsonvalue
 from .bucketformat import REQUESTS, commit_key, fetch_record, pack_entries
 from .errors import BlobMissingError, IntegrityError, InvalidArgumentError, InvalidNameError, RefNotFoundError, StoreWriteError
-from .home import ReusedBlobsGone
+from .indexstep import ReusedBlobsGone
 from .layout import address, check_shape, digest, itemsize
 from .packindex import index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, BlobLoc, Entry

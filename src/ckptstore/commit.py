@@ -38,7 +38,7 @@ from .packs import BlobLoc, PackWriter
 from .records import CommitInfo, LeafRecord, check_message, check_tag
 from .reuse import Prehashed as _Prehashed
 from .reuse import Reused, as_reused, keep_components, logical_bytes
-from .home import ReusedBlobsGone, given_stored, ints_json  # noqa: F401 (declared in the home layer, which raises and reads them)
+from .indexstep import ReusedBlobsGone, given_stored, ints_json  # noqa: F401 (declared in the home layer, whose index step raises and reads them)
 from .threads import Pool
 
 if TYPE_CHECKING:

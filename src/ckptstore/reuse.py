@@ -16,7 +16,7 @@ from . import jsonvalue, records
 from .digests import DigestCache
 from .layout import ShardPlan, changed_parts, sample_unchanged, shard_count
 from .records import LeafRecord
-from .home import Reused, logical_bytes, per_component  # noqa: F401 (declared in the home layer, whose index step reads them)
+from .indexstep import Reused, logical_bytes, per_component  # noqa: F401 (declared in the home layer, whose index step reads them)
 
 if TYPE_CHECKING:
     from .adapters.base import Captured
