@@ -804,4 +804,14 @@ class Home:
         """Bytes of pack ``pack`` (an id) as the store holds it now, or ``None`` if it holds no such pack."""
         raise NotImplementedError
 
+    # --- the maintenance protocols' sides (each home's own: :mod:`ckptstore.upkeep`) --------------
+
+    def gc_side(self):
+        """This home's primitives of the GC protocol (an :class:`ckptstore.upkeep.GCSide`)."""
+        raise NotImplementedError
+
+    def fsck_side(self):
+        """This home's primitives of the fsck protocol (an :class:`ckptstore.upkeep.FsckSide`)."""
+        raise NotImplementedError
+
 __all__ = ["CATALOG", "Home", "weakly"]
