@@ -85,9 +85,10 @@ from .layout import RANDOM
 from .packindex import pack_key
 from .packs import BLOB_HEADER
 from .refs import CAS_SECONDS, BucketRefs, guarded
-from .remote import resolve as resolve_remote
-from .commit import CommitInfo, ReusedBlobsGone
+from .refs import resolve_on_bucket as resolve_remote
 from .home import Home, weakly
+from .indexstep import ReusedBlobsGone
+from .records import CommitInfo
 from .threads import Pool
 
 #: Seconds: a cached commit the bucket's listing lacks is forgotten only once this old (its record may be in flight).
@@ -124,7 +125,8 @@ class BucketHome(BucketCache, Home):
     pack_bytes = PACK_BYTES
     disposable_index = True
 
-    def __init__(self, store, path: str, create: bool | None, cache: str | os.PathLike | None, backend: Backend | None):
+    def __init__(self, path: str, create: bool | None, cache: str | os.PathLike | None, backend: Backend | None,
+                 shard_bytes: int | None = None, compression_level: int | None = None, pack_bytes: int | None = None):
         self.backend = backend if backend is not None else open_backend(path)
         self.url = self.backend.url
         try:
@@ -137,7 +139,7 @@ class BucketHome(BucketCache, Home):
         except BaseException:
             self.backend.close()
             raise
-        super().__init__(store, Path(cache or cache_folder(self.url)))
+        super().__init__(Path(cache or cache_folder(self.url)), shard_bytes, compression_level, pack_bytes)
         self._index_lock = threading.Lock()
         self._indexed = False  # refresh_index ran in this object
         self._copying = threading.local()  # .on: this thread copies a commit of the bucket into the cache
@@ -167,7 +169,7 @@ class BucketHome(BucketCache, Home):
 
     def make_refs(self) -> BucketRefs:
         """Tags on the bucket (``refs/<tag>``), mirrored into the cache."""
-        return BucketRefs(self.backend, *weakly(self.store, "catalog"), self.root, self.requests,
+        return BucketRefs(self.backend, *weakly(self, "catalog"), self.root, self.requests,
                           *weakly(self, "_has_store", "_need_store", "_packs_of"))
 
     @property
@@ -176,7 +178,8 @@ class BucketHome(BucketCache, Home):
         return self.url
 
     def close(self) -> None:
-        """Release the upload and request threads and the client."""
+        """Release the catalog connection, the upload and request threads and the client."""
+        super().close()
         self.uploads.shutdown()
         self.requests.shutdown()
         self.backend.close()
@@ -194,7 +197,7 @@ class BucketHome(BucketCache, Home):
     # --- objects -----------------------------------------------------------------------------
 
     def pack_writer(self) -> BucketPackWriter:
-        return BucketPackWriter(self.backend, self.store.compression_level, self.store.pack_bytes, self.uploads)
+        return BucketPackWriter(self.backend, self.compression_level, self.pack_bytes, self.uploads)
 
     def pack_reader(self, sparse: bool = False) -> BucketReader:
         return BucketReader(self)
@@ -217,12 +220,12 @@ class BucketHome(BucketCache, Home):
         """The commit's time as its record says: dated when it was built, after its parents were read."""
         if getattr(self._copying, "on", False):
             return info
-        at = self.store.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (info.id,), raw=True)[0][0]
+        at = self.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (info.id,), raw=True)[0][0]
         return replace(info, created_at=at)
 
     def has_commit(self, cid: str) -> bool:
         """Does the bucket hold commit ``cid`` (a full id)?"""
-        return self.store.has_cached(cid) or (type(cid) is str and bool(_CID.fullmatch(cid)) and self.backend.head(commit_key(cid)) is not None)
+        return self.has_cached(cid) or (type(cid) is str and bool(_CID.fullmatch(cid)) and self.backend.head(commit_key(cid)) is not None)
 
     # --- commit ------------------------------------------------------------------------------
 
@@ -236,7 +239,7 @@ class BucketHome(BucketCache, Home):
             BackendError: the storage failed.
         """
         if self.marker is None:
-            ensure_marker(self.backend, self.store)
+            ensure_marker(self.backend, self)
             self.marker = read_marker(self.backend)
         self.refresh_index()
 
@@ -247,7 +250,7 @@ class BucketHome(BucketCache, Home):
         and written again. Checked after the record exists, a pack no mark names now can
         be marked only by a GC that lists the record at its sweep and so keeps the pack,
         whatever the grace period and however slow the commit was until now."""
-        where = self.store.locate(list(known)) if known else {}
+        where = self.locate(list(known)) if known else {}
         packs = ({loc.pack for loc in where.values()} | {loc.pack for loc in written.values()}) - {UNLOCATED}
         marked = self.marked_packs() if packs else GCMarks()
         if len(packs) > REQUESTS:  # one listing costs less than many HEADs
@@ -274,9 +277,9 @@ class BucketHome(BucketCache, Home):
         if marked.withholds_all:  # no pack may be reused: every blob is written again
             return {}
         self.refresh_index(avoid=marked.packs)
-        where = self.store.locate(list(keys))
+        where = self.locate(list(keys))
         held = {o.key for o in self.backend.list("blobs")}  # a row may still name a pack gone from the bucket
-        return self.store._lookup([k for k, loc in where.items() if loc.pack not in marked and pack_key(loc.pack) in held])
+        return self.lookup([k for k, loc in where.items() if loc.pack not in marked and pack_key(loc.pack) in held])
 
     def mark_bad(self, bad: list) -> int:
         """As :meth:`ckptstore.home.Home.mark_bad`, in this machine's cache; then the cache is
@@ -310,19 +313,19 @@ class BucketHome(BucketCache, Home):
             return super().index_commit(components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents,
                                         created_at, t0, expect, given_packs)
         if self.marker is None:
-            ensure_marker(self.backend, self.store)
+            ensure_marker(self.backend, self)
             self.marker = read_marker(self.backend)
         elif not self._marker_complete:  # once per process: the first writer may have been killed between the copy and the marker
             complete_marker(self.backend)
         self._marker_complete = True
-        if known and self.store.catalog.rows("SELECT 1 FROM blobs WHERE pack = ? LIMIT 1", (UNLOCATED,), raw=True) and self._located(known)[1]:
+        if known and self.catalog.rows("SELECT 1 FROM blobs WHERE pack = ? LIMIT 1", (UNLOCATED,), raw=True) and self._located(known)[1]:
             self.refresh_index()  # reused blobs a listing copied without their places: located before the record goes out
         if written:  # blobs written again after a GC marked their old pack: the cache points here now
-            with self.store.catalog.write():
-                self.store.catalog.db["packs"].insert_all(  # first: a blob row must name a known pack (foreign key)
+            with self.catalog.write():
+                self.catalog.db["packs"].insert_all(  # first: a blob row must name a known pack (foreign key)
                     ({"id": pid, "size": size, "created_at": created_at} for pid, size in writer.pack_ids), ignore=True
                 )
-                self.store.catalog.conn.executemany(
+                self.catalog.conn.executemany(
                     "UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE hash = ? AND raw_len = ?",
                     [(loc.pack, loc.offset, loc.stored_len, loc.codec, loc.digest, loc.raw_len) for loc in written.values()],
                 )
@@ -333,7 +336,7 @@ class BucketHome(BucketCache, Home):
         while True:
             # Every tag is re-read each attempt: one moved by an earlier attempt is moved on to this attempt's record,
             # so that all of them name one commit when the call returns. Our own earlier records are no parents.
-            current = self.store.refs.versions(tags)
+            current = self.refs.versions(tags)
             if explicit_parents is not None:
                 parents = explicit_parents
             else:
@@ -343,7 +346,7 @@ class BucketHome(BucketCache, Home):
             cid, parent_ids, seconds, ids = super().index_commit(components, leaves, keys, known, written, writer, [], message, meta_json,
                                                                  parents, created_at, t0, expect, given_packs)
             ours.add(cid)
-            text = self.store.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
+            text = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))[0][0]
             self.backend.put_new(commit_key(cid), text.encode())
             self._check_packs(known, written)
             packs = self._packs_of(cid)
@@ -356,7 +359,7 @@ class BucketHome(BucketCache, Home):
                     if old == cid:
                         continue
                     try:
-                        self.store.refs.swap(t, old, version, cid, "commit", packs)  # dated when sent, not the commit's time
+                        self.refs.swap(t, old, version, cid, "commit", packs)  # dated when sent, not the commit's time
                     except RefConflictError:
                         lost = True
                         break
@@ -368,7 +371,7 @@ class BucketHome(BucketCache, Home):
                                    f"commit {cid} is stored but they may not all name it")
             time.sleep(delay * RANDOM.uniform(0.5, 1.5))
             delay = min(delay * 2, 1.0)
-        self.store.refs.mirror({t: cid for t in tags})
+        self.refs.mirror({t: cid for t in tags})
         return cid, parent_ids, seconds, ids
 
     def _packs_of(self, cid: str | None) -> list[str]:
@@ -386,9 +389,9 @@ class BucketHome(BucketCache, Home):
         Raises:
             BackendError: the storage failed.
         """
-        keys = [k for leaf in self.store.record(cid).leaves for k in leaf.keys]
+        keys = [k for leaf in self.record(cid).leaves for k in leaf.keys]
         where, unlocated = self._located(keys)
-        hint = self.store.refs.hint(cid)
+        hint = self.refs.hint(cid)
         if unlocated and hint:
             self.refresh_index(hint)
             where, unlocated = self._located(keys)
@@ -401,13 +404,13 @@ class BucketHome(BucketCache, Home):
         """``{tag name: CommitInfo}`` as on the bucket now. A tag whose commit record is
         missing or damaged is listed all the same, its info saying so (``created_at`` 0,
         no parents, zero counts): listing tags never depends on the state of the commits."""
-        named = self.store.tags()
+        named = self.tags()
         for cid in dict.fromkeys(named.values()):
             try:
                 self._cache([cid])
             except IntegrityError:
                 pass  # listed all the same, below; checking it out raises the error, and fsck reports it
-        self.store.refs.mirror(named)
+        self.refs.mirror(named)
         infos = self.index_infos(list(set(named.values())))  # copied above: a damaged record is listed, not fetched again
         unreadable = "(the commit record is missing or damaged: see `ckptstore fsck --deep`)"
         return {name: infos.get(cid) or CommitInfo(cid, (name,), (), 0.0, unreadable, {}, 0, 0, 0, 0, 0, 0.0) for name, cid in named.items()}
@@ -415,7 +418,7 @@ class BucketHome(BucketCache, Home):
     def held(self, cid: str) -> str:
         """``cid`` (named by a tag), once its record is in the cache (copied from the bucket,
         reading only the indexes of the packs its tag names, if it named any)."""
-        self._cache([cid], packs=self.store.refs.hint(cid))
+        self._cache([cid], packs=self.refs.hint(cid))
         return cid
 
     def find_commit(self, ref: str) -> str:
@@ -425,19 +428,19 @@ class BucketHome(BucketCache, Home):
         return cid
 
     def info(self, ref: str):
-        cid = self.store.resolve(ref)
-        self.store.tags()
+        cid = self.resolve(ref)
+        self.tags()
         return self.index_infos([cid])[cid]  # resolve copied it
 
     def infos(self, ids: list[str]):
-        """As :meth:`~ckptstore.store.Store.infos`, the records of ``ids`` the cache lacks copied from the bucket
+        """As :meth:`~ckptstore.home.Home.infos`, the records of ``ids`` the cache lacks copied from the bucket
         first (one HEAD each; ids the bucket does not hold are left out).
 
         Raises:
             BackendError: the storage failed.
         """
         self._need_store()
-        todo = [c for c in dict.fromkeys(ids) if not self.store.has_cached(c) and self.has_commit(c)]
+        todo = [c for c in dict.fromkeys(ids) if not self.has_cached(c) and self.has_commit(c)]
         if todo:
             self._cache(todo)
         return self.index_infos(ids)
@@ -448,30 +451,30 @@ class BucketHome(BucketCache, Home):
         fetched and no pack index but those the tag names (:meth:`_cache`)."""
         if limit is not None and (type(limit) is not int or limit < 1):
             return super().log(ref, limit)  # the facade's error for a bad limit
-        refs = self.store.refs.read_all(strict=False) if self._has_store() else {}
+        refs = self.refs.read_all(strict=False) if self._has_store() else {}
         if ref is None:
             ids = [o.key.rsplit("/", 1)[1] for o in self.backend.list("commits")]
             self._cache([c for c in ids if _CID.fullmatch(c)])
             # A commit is indexed in the cache just before its record is put: in a cache folder shared with a writer,
             # only a commit older than FORGET_AFTER that the listing lacks is one the bucket lost.
-            rows = self.store.catalog.rows("SELECT id FROM commits WHERE created_at < ?", (time.time() - FORGET_AFTER,), raw=True)
+            rows = self.catalog.rows("SELECT id FROM commits WHERE created_at < ?", (time.time() - FORGET_AFTER,), raw=True)
             listed = set(ids)
             self.forget([r[0] for r in rows if r[0] not in listed])
-            self.store.refs.mirror(refs, complete=True)
+            self.refs.mirror(refs, complete=True)
             return [c for c in super().log(None) if c.id in listed][:limit]  # (a younger one the bucket lost is not listed either)
-        ref = self.store.resolve(ref)
+        ref = self.resolve(ref)
         self._cache([ref], lineage=True, limit=limit)
-        self.store.refs.mirror(refs, complete=True)
+        self.refs.mirror(refs, complete=True)
         return super().log(ref, limit)
 
     def show(self, ref: str) -> dict:
-        cid = self.store.resolve(ref)
+        cid = self.resolve(ref)
         try:
-            self._cache(list(self.store.record(cid).parents[:1]))  # its first parent, for shared_with_parent
+            self._cache(list(self.record(cid).parents[:1]))  # its first parent, for shared_with_parent
         except IntegrityError:
             pass  # not on the bucket (an imported commit, or dropped by a GC): nothing is shared
         out = super().show(cid)
-        unlocated = {r[0] for r in self.store.catalog.rows(
+        unlocated = {r[0] for r in self.catalog.rows(
             "SELECT DISTINCT l.path FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? AND b.pack = ?",
             (cid, UNLOCATED), raw=True)}
         for leaf in out["leaves"]:
@@ -480,14 +483,14 @@ class BucketHome(BucketCache, Home):
         return out
 
     def du(self) -> dict:
-        """Space accounting of the bucket, as :meth:`~ckptstore.store.Store.du`: ``pack_bytes`` sums the
+        """Space accounting of the bucket, as :meth:`~ckptstore.home.Home.du`: ``pack_bytes`` sums the
         packs and indexes under ``blobs/``, ``catalog_bytes`` the local cache, ``tmp_bytes`` 0."""
         self.log()  # every commit record cached, the ones the bucket lost forgotten
         self.refresh_index()
         listed = {o.key: o.size for o in self.backend.list("blobs")}
         packs = [k.rsplit("/", 1)[1][:-5] for k in listed if k.endswith(".pack")]
         usage = super().du()
-        b = self.store.catalog.chunked("SELECT COUNT(*), COALESCE(SUM(raw_len), 0), COALESCE(SUM(stored_len + ?), 0) FROM blobs WHERE pack IN ({})",
+        b = self.catalog.chunked("SELECT COUNT(*), COALESCE(SUM(raw_len), 0), COALESCE(SUM(stored_len + ?), 0) FROM blobs WHERE pack IN ({})",
                                  packs, (BLOB_HEADER.size,), raw=True) if packs else []
         n, raw, stored = (sum(r[i] for r in b) for i in range(3)) if b else (0, 0, 0)
         usage.update(packs=len(packs), pack_bytes=sum(listed.values()), blobs=n, unique_bytes=raw, stored_bytes=stored, tmp_bytes=0,
@@ -498,7 +501,7 @@ class BucketHome(BucketCache, Home):
         """Drop commits from the cache (the bucket no longer holds them)."""
         if not cids:
             return
-        cat = self.store.catalog
+        cat = self.catalog
         with cat.write():
             drop_commit_rows(cat, cids)  # (rows a kept commit shares move to it)
             cat.chunked("DELETE FROM tags WHERE commit_id IN ({})", cids)
@@ -506,7 +509,7 @@ class BucketHome(BucketCache, Home):
 
     def checkout_target(self, ref: str) -> str:
         """``ref`` resolved on the bucket (its record copied into the cache, its blobs located) before checkout reads it."""
-        cid = self.store.resolve(ref)
+        cid = self.resolve(ref)
         self._locate_commit(cid)
         return cid
 
@@ -516,7 +519,7 @@ class BucketHome(BucketCache, Home):
         """This home's primitives of the GC protocol (:class:`BucketGC`: no lock, a mark swept a
         grace period later; ``grace`` defaults to 24 hours)."""
         self._need_store()
-        return BucketGC(self.store)
+        return BucketGC(self)
 
     def fsck_side(self) -> BucketFsck:
         """This home's primitives of the fsck protocol (:class:`BucketFsck`)."""

@@ -20,12 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from . import jsonvalue
 from .bucketformat import REQUESTS, commit_key, fetch_record, pack_entries
-from .errors import BlobMissingError, IntegrityError, RefNotFoundError
-from .layout import address, digest
+from .errors import BlobMissingError, IntegrityError, InvalidArgumentError, InvalidNameError, RefNotFoundError, StoreWriteError
+from .indexstep import ReusedBlobsGone
+from .layout import address, check_shape, digest, itemsize
 from .packindex import index_key, pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, BlobLoc, Entry
-from .records import recreate
+from .records import path_problem, recreate
 
 #: The pack of a cache ``blobs`` row whose blob no ``.idx`` this cache has read holds yet: a
 #: commit record copied for a listing (``log``, ``tagged``, ``info``) is cached without reading
@@ -41,9 +43,16 @@ def cache_folder(url: str) -> Path:
     return Path(base) / "ckptstore" / digest(f"{os.environ.get('AWS_ENDPOINT_URL', '')}|{url}".encode()).hex()
 
 
+class _NoPacks:
+    """The pack writer of an index step that writes no blob (a record copied into the cache)."""
+
+    pack_ids: tuple = ()
+    stored_bytes = 0
+
+
 class BucketCache:
     """The cache-filling part of :class:`~ckptstore.bucket.BucketHome` (one of its base
-    classes, never used alone): it uses the home's ``store``, ``backend``, ``url``,
+    classes, never used alone): it uses the home's catalog and queries, ``backend``, ``url``,
     ``requests`` (a thread pool), ``_index_lock``, ``_indexed``, ``_copying`` and
     ``pack_problems``, set by ``BucketHome.__init__``."""
 
@@ -65,7 +74,7 @@ class BucketCache:
             BackendError: the storage failed.
         """
         with self._index_lock:
-            cat = self.store.catalog
+            cat = self.catalog
             seen = {r[0] for r in cat.rows("SELECT id FROM packs", raw=True)}
             if only is not None and len(only) > REQUESTS:
                 only = None  # a long hint costs more HEADs than one listing
@@ -126,7 +135,7 @@ class BucketCache:
         """In the refresh's transaction: a row marked bad (``bad_blobs``: a read here failed)
         whose address ``rows`` (newest pack first) hold in another place moves to the newest
         such copy, and its mark goes (a read of that copy marks it again if it is bad too)."""
-        conn = self.store.catalog.conn
+        conn = self.catalog.conn
         marked = {(bytes(h), n): (i, p, o) for i, h, n, p, o in conn.execute(
             "SELECT b.id, b.hash, b.raw_len, x.pack, x.offset FROM bad_blobs x JOIN blobs b ON b.id = x.blob_id").fetchall()}
         if not marked:
@@ -164,10 +173,10 @@ class BucketCache:
             new = [c for c in dict.fromkeys(batch) if c not in seen]
             seen.update(new)
             for c in new:
-                if self.store.has_cached(c):
-                    t = self.store.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (c,), raw=True)[0][0]
+                if self.has_cached(c):
+                    t = self.catalog.rows("SELECT created_at FROM commits WHERE id = ?", (c,), raw=True)[0][0]
                     heapq.heappush(heap, (-t, c))
-            for c, rec in self.requests.map(fetch, [c for c in new if not self.store.has_cached(c)]):
+            for c, rec in self.requests.map(fetch, [c for c in new if not self.has_cached(c)]):
                 if rec is not None:
                     records[c] = rec
                     heapq.heappush(heap, (-rec.created_at, c))
@@ -180,7 +189,7 @@ class BucketCache:
             if c in records:
                 visit(list(records[c].parents))
             else:
-                visit([r[0] for r in self.store.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)])
+                visit([r[0] for r in self.catalog.rows("SELECT parent_id FROM parents WHERE commit_id = ?", (c,), raw=True)])
         self.index_records(records, packs)
 
     def index_records(self, records: dict[str, Any], packs: list[str] | None = None, located_only: bool = False) -> None:
@@ -202,36 +211,81 @@ class BucketCache:
             rec = records[c]
             components, leaves = recreate(rec)
             keys = [k for leaf in leaves for k in leaf.keys]
-            rows = self.store.locate(list(dict.fromkeys(keys)))  # rows in UNLOCATED included
+            rows = self.locate(list(dict.fromkeys(keys)))  # rows in UNLOCATED included
             if located_only and (len(rows) < len(set(keys)) or any(loc.pack == UNLOCATED for loc in rows.values())):
                 continue
             absent = [k for k in dict.fromkeys(keys) if k not in rows]
 
-            def missing(writer, key, c=c):
-                raise BlobMissingError(f"{self.url}: commit {c}: blob {address(*key)} is in no pack index of the store")
-
             given = ({k: BlobLoc(k[0], k[1], UNLOCATED, 0, 0, 0) for k in absent}, [(UNLOCATED, 0)]) if absent else None
             self._copying.on = True
             try:
-                self.store.commit_manifest(components, leaves, keys, missing, [], rec.message, rec.metadata, None, time.perf_counter(),
-                                           origin=(c, rec.parents, rec.created_at), written=given)
+                self._copy_commit(c, rec, components, leaves, keys, given)
             finally:
                 self._copying.on = False
             self._figures(c, keys, rec.parents)
+
+    def _copy_commit(self, cid: str, rec: Any, components: list, leaves: list, keys: list, given: tuple | None) -> None:
+        """Index commit ``cid`` of the bucket (its verified record ``rec``, recreated as
+        ``components``, ``leaves`` and shard addresses ``keys``) in the cache: the commit's
+        index step (:meth:`~ckptstore.home.Home.index_commit`) for a commit made elsewhere,
+        with its own id, parents and time, writing no blob. ``given``: ``({address: BlobLoc},
+        packs)`` of the blobs no index the cache has read holds (:data:`UNLOCATED`).
+
+        Raises:
+            BlobMissingError: a blob the cache neither holds nor was given (one marked bad).
+            StoreWriteError: the cache cannot be written here.
+            InvalidNameError / InvalidArgumentError / IntegrityError: the record's leaves do not
+                check out, or its content does not hash to ``cid``.
+        """
+        if not self.open_catalog(create=True).writable:
+            raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
+        bad, _ = path_problem({c.path: {"meta": c.meta} for c in components}, leaves)
+        if bad:
+            raise InvalidNameError(f"cannot commit: {bad}")
+        for r in leaves:
+            try:
+                if r.kind == "tensor":
+                    size = itemsize(r.dtype)
+                    if size is None:
+                        raise ValueError(f"unknown dtype {r.dtype!r}")
+                    check_shape(r.shape, size)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
+        t0, meta_json = time.perf_counter(), jsonvalue.dumps(rec.metadata, "metadata")
+        locs, given_packs = given or ({}, [])
+        known = self.lookup(list(dict.fromkeys(keys)))
+        written = {k: loc for k, loc in locs.items() if k not in known}
+        absent = [k for k in dict.fromkeys(keys) if k not in known and k not in written]
+        relocated: set = set()
+        while True:
+            if absent:
+                raise BlobMissingError(f"{self.url}: commit {cid}: blob {address(*absent[0])} is in no pack index of the store")
+            try:
+                self.index_commit(components, leaves, keys, known, written, _NoPacks, [], rec.message, meta_json, list(rec.parents),
+                                  rec.created_at, t0, cid, given_packs)
+                return
+            except ReusedBlobsGone as gone:  # a GC removed them meanwhile: found elsewhere, or missing
+                for k in gone.keys:
+                    known.pop(k, None)
+                    written.pop(k, None)
+                again = self.relocate_reused([k for k in gone.keys if k not in relocated])
+                relocated.update(again)
+                known.update(again)
+                absent = [k for k in gone.keys if k not in again]
 
     def _located(self, keys) -> tuple[dict, list]:
         """``({address: BlobLoc}, [addresses not located])`` of ``keys`` as the cache holds them
         (a row in :data:`UNLOCATED`, or none, is not located)."""
         keys = list(dict.fromkeys(keys))
-        where = {k: loc for k, loc in self.store.locate(keys).items() if loc.pack != UNLOCATED}
+        where = {k: loc for k, loc in self.locate(keys).items() if loc.pack != UNLOCATED}
         return where, [k for k in keys if k not in where]
 
     def _refigure(self) -> None:
         """``stored_bytes`` of the copied commits whose new blobs were not located when they
         were copied (:meth:`_figures`), now that the index may hold them."""
-        for (cid,) in self.store.catalog.rows("SELECT id FROM commits WHERE stored_bytes IS NULL", raw=True):
+        for (cid,) in self.catalog.rows("SELECT id FROM commits WHERE stored_bytes IS NULL", raw=True):
             try:
-                rec = self.store.record(cid)
+                rec = self.record(cid)
             except IntegrityError:
                 continue  # a damaged cache row: its checkout and fsck report it
             self._figures(cid, [k for leaf in rec.leaves for k in leaf.keys], rec.parents)
@@ -244,15 +298,15 @@ class BucketCache:
         had: set = set()
         for p in parents:
             try:
-                rec = self.store.record(p) if self.store.has_cached(p) else fetch_record(self.backend, p)
+                rec = self.record(p) if self.has_cached(p) else fetch_record(self.backend, p)
             except (IntegrityError, RefNotFoundError):
                 continue  # dropped by a GC: the lineage ends there
             had.update(k for leaf in rec.leaves for k in leaf.keys)
         new = [k for k in dict.fromkeys(keys) if k not in had]
         where, unlocated = self._located(new)
         stored = None if unlocated else sum(BLOB_HEADER.size + loc.stored_len for loc in where.values())
-        with self.store.catalog.write():
-            self.store.catalog.conn.execute(
+        with self.catalog.write():
+            self.catalog.conn.execute(
                 "UPDATE commits SET new_bytes = ?, shards_new = ?, stored_bytes = ? WHERE id = ?", (sum(n for _, n in new), len(new), stored, cid),
             )
 

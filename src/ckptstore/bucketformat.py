@@ -30,7 +30,7 @@ import uuid
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .backends import Backend
 from .backends.base import ref_segment
@@ -55,8 +55,13 @@ from .packs import (
 )
 from .records import CommitRecord, commit_id, parse_commit
 
-if TYPE_CHECKING:
-    from .store import Store
+
+class Settings(Protocol):
+    """What the marker's writers read of a store (a home, or the store facade): its settings."""
+
+    shard_bytes: int
+    compression_level: int
+
 
 MARKER = "ckptstore.json"
 FORMAT_VERSION = 1
@@ -172,7 +177,7 @@ def marker_problem(backend: Backend) -> str | None:
     return "; ".join(problems) or None
 
 
-def repair_marker(backend: Backend, store) -> None:
+def repair_marker(backend: Backend, store: Settings) -> None:
     """Rewrite a missing or damaged marker (or its copy) from the intact one.
 
     Raises:
@@ -191,7 +196,7 @@ def repair_marker(backend: Backend, store) -> None:
             backend.put_new(key, data)
 
 
-def ensure_marker(backend: Backend, local: Store) -> int:
+def ensure_marker(backend: Backend, local: Settings) -> int:
     """Write ``ckptstore.json`` (and first its copy; create-only) if the remote has none;
     returns the bytes written (0 if it had one)."""
     data = marker_bytes(local.shard_bytes, local.compression_level)

@@ -8,18 +8,17 @@ commit without opening the store (a DCP rank).
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .backends import open_backend
 from .bucketcache import UNLOCATED
 from .bucketformat import UPLOADS, BucketPackWriter
+from .home import Home  # (a BucketHome: the bucket home's module imports this one)
 from .errors import BlobCorruptError, BlobMissingError, ObjectNotFoundError
 from .packindex import pack_key
 from .packs import BLOB_HEADER, BLOB_MAGIC, BlobLoc, check_entry, decode_entry
 from .threads import Pool
 
-if TYPE_CHECKING:
-    from .bucket import BucketHome
 
 class BucketReader:
     """:class:`~ckptstore.packs.PackReader`'s interface for object storage.
@@ -32,7 +31,7 @@ class BucketReader:
     has been refreshed from the bucket.
     """
 
-    def __init__(self, home: BucketHome):
+    def __init__(self, home: Home):
         self.home, self.backend = home, home.backend
         self._got: dict[tuple[str, int], Any] = {}
         self._lock = threading.Lock()
@@ -88,7 +87,7 @@ class BucketReader:
             if loc.pack != UNLOCATED or not self._refreshed:  # an unlocated blob: every new .idx read once per reader
                 self.home.refresh_index()
                 self._refreshed = True
-            moved = self.home.store.relocate(loc)
+            moved = self.home.relocate(loc)
             if moved is None or moved == loc:
                 raise
             return moved, read(moved)

@@ -15,7 +15,7 @@ import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .bucketformat import (
     MARKER,
@@ -30,16 +30,14 @@ from .bucketformat import (
     repair_index,
     repair_marker,
 )
+from .home import Home  # (a BucketHome: the bucket home's module imports this one)
 from .errors import BlobCorruptError, BlobMissingError, IntegrityError, ObjectNotFoundError
-from .fsck import FsckSide
-from .gc import GCReport, GCSide, PackStat, packed
 from .packindex import INDEX_ENTRY, INDEX_HEADER, index_key, pack_key
 from .packindex import TRAILER as INDEX_TRAILER
 from .packs import BLOB_HEADER, BLOB_MAGIC, BlobLoc, check_entry
-from .remote import resolve as resolve_remote
+from .refs import resolve_on_bucket as resolve_remote
+from .upkeep import FsckSide, GCReport, GCSide, PackStat, packed
 
-if TYPE_CHECKING:
-    from .bucket import BucketHome
 
 _CID = re.compile(r"[0-9a-f]{32}")
 
@@ -48,8 +46,8 @@ class BucketFsck(FsckSide):
     """The primitives of the fsck protocol (:mod:`ckptstore.fsck`) on a bucket: the bucket's
     own objects (refs, ``commits/``, packs and their indexes, reflog, marker), never the cache."""
 
-    def __init__(self, home: BucketHome):
-        self.home, self.store, self.backend, self.requests = home, home.store, home.backend, home.requests
+    def __init__(self, home: Home):
+        self.home, self.backend, self.requests = home, home.backend, home.requests
         self.url = self.location = home.url
 
     #: A commit's record is put before its ref moves: a killed commit may leave a record no tag reaches.
@@ -64,7 +62,7 @@ class BucketFsck(FsckSide):
     def resolve(self, ref: str) -> str:
         """The commit id ``ref`` (a tag or a full id) names on the bucket; nothing is copied into the cache."""
         cid = ref if type(ref) is str and _CID.fullmatch(ref) else None
-        return cid if cid is not None else self.store.refs.read(ref) or resolve_remote(self.backend, ref)[0]
+        return cid if cid is not None else self.home.refs.read(ref) or resolve_remote(self.backend, ref)[0]
 
     def snapshot(self):
         """Nothing to hold: the objects are immutable, and the tags are read before the records they name."""
@@ -95,7 +93,7 @@ class BucketFsck(FsckSide):
 
         def load(cid: str):
             try:
-                return cid, fetch_record(self.backend, cid) if deep or not self.store.has_cached(cid) else self.store.record(cid)
+                return cid, fetch_record(self.backend, cid) if deep or not self.home.has_cached(cid) else self.home.record(cid)
             except IntegrityError as exc:
                 return cid, exc
 
@@ -120,7 +118,7 @@ class BucketFsck(FsckSide):
         if not deep:
             self.home.refresh_index()
             report.missing_indexes = sorted(p for p in packs if index_key(p) not in listed)
-            return {k: loc for k, loc in self.store.locate(keys).items() if loc.pack in packs}
+            return {k: loc for k, loc in self.home.locate(keys).items() if loc.pack in packs}
         needed = set(keys)
         where: dict = {}
         packs = dict(sorted(packs.items(), key=lambda po: po[1].mtime, reverse=True))  # of several copies, the newest (as a new cache)
@@ -210,7 +208,7 @@ class BucketFsck(FsckSide):
                     check_entry(self.backend.get_ranges(pack_key(pid), [e.loc.span])[0], e.loc, f"{self.url}: fsck --repair, pack {pid}")
                 except IntegrityError:
                     continue  # a bad copy too (or gone since listed)
-                current = self.store.locate([k]).get(k)
+                current = self.home.locate([k]).get(k)
                 if current is not None and self.home.replace_copy(current, e.loc):
                     del want[k]
                     yield bad, e.loc
@@ -240,7 +238,7 @@ class BucketFsck(FsckSide):
             return
         if repair:
             try:
-                repair_marker(self.backend, self.store)
+                repair_marker(self.backend, self.home)
                 report.repaired.append(MARKER)
                 return
             except IntegrityError as exc:
@@ -296,9 +294,9 @@ class BucketGC(GCSide):
     default_grace = BUCKET_GRACE
     clock_step = MTIME_STEP
 
-    def __init__(self, store):
-        self.store = store
-        self.backend = store.backend
+    def __init__(self, home: Home):
+        self.home = home
+        self.backend = home.backend
         self.st: _GCState | None = None
         self._cutoff = 0.0
         self._keep: set = set()
@@ -315,8 +313,8 @@ class BucketGC(GCSide):
 
     def _read(self) -> _GCState:
         """Mirror the bucket into the cache and read what liveness needs (every ref, record, ``.idx`` and mark)."""
-        store, backend, requests = self.store, self.backend, self.store.home.requests
-        store.log()  # mirrors the tags, caches every commit record, forgets the ones the bucket lost
+        home, backend, requests = self.home, self.backend, self.home.requests
+        home.log()  # mirrors the tags, caches every commit record, forgets the ones the bucket lost
         now = backend.now()
         objects = {o.key: o for o in backend.list("blobs")}
         objects.update({o.key: o for o in backend.list("commits")})
@@ -325,7 +323,7 @@ class BucketGC(GCSide):
         entries = {pid: f.entries for pid, f in found.items() if f.entries is not None}
         bad_indexes = {pid: f.index_problem for pid, f in found.items() if f.index_problem is not None}
         ids = [k.rsplit("/", 1)[1] for k in objects if k.startswith("commits/")]
-        needs = {cid: {k for leaf in store.record(cid).leaves for k in leaf.keys} for cid in ids if store.has_cached(cid)}
+        needs = {cid: {k for leaf in home.record(cid).leaves for k in leaf.keys} for cid in ids if home.has_cached(cid)}
 
         def needed(cid):  # a record written since the cache was brought up to date
             try:
@@ -335,7 +333,7 @@ class BucketGC(GCSide):
 
         # The refs read after the listings: a commit a ref names now whose record came after them is
         # fetched below (so its blobs are live), and the sweep's check that no ref moved covers only its decision.
-        refs = store.refs.read_all()
+        refs = home.refs.read_all()
         named = {c for c in refs.values() if c}
         needs.update(requests.map(needed, [c for c in set(ids) | named if c not in needs]))
         blind = sorted(c for c in named if needs.get(c) is None)
@@ -344,7 +342,7 @@ class BucketGC(GCSide):
         return _GCState(refs, now, objects, packs, entries, bad_indexes, needs, blind, list(marks.marks), [k for k, _, _ in marks.unreadable])
 
     def snapshot(self):
-        return self.store.catalog.read()  # one snapshot: a writer sharing this cache folder may add commits meanwhile
+        return self.home.catalog.read()  # one snapshot: a writer sharing this cache folder may add commits meanwhile
 
     def _marked(self, field_: str) -> dict:
         """``{name: time of the oldest mark naming it}`` for one field of the marks."""
@@ -356,11 +354,11 @@ class BucketGC(GCSide):
                 for k, o in self.st.objects.items() if k.startswith("commits/")}
 
     def packs(self, keep: set, victims: list, cutoff: float) -> list[PackStat]:
-        st, store = self.st, self.store
+        st, home = self.st, self.home
         self._cutoff, self._keep = cutoff, keep
         dropping = set(victims) - keep
         live = set().union(*(keys for c, keys in st.needs.items() if c not in dropping or c in keep))
-        live |= {k for c in keep if c not in st.needs and store.has_cached(c) for leaf in store.record(c).leaves for k in leaf.keys}
+        live |= {k for c in keep if c not in st.needs and home.has_cached(c) for leaf in home.record(c).leaves for k in leaf.keys}
         marked = self._marked("packs")
         holders: dict = {}  # address -> the unmarked, readable packs holding it
         for pid, entries in st.entries.items():
@@ -393,10 +391,10 @@ class BucketGC(GCSide):
 
     def copy_size(self, batch: list[PackStat]) -> int:
         sizes = [BLOB_HEADER.size + e.loc.stored_len for p in batch for e in self._live_entries[p.id]]
-        return sum(size + INDEX_HEADER.size + n * INDEX_ENTRY.size + INDEX_TRAILER for n, size in packed(sizes, self.store.pack_bytes))
+        return sum(size + INDEX_HEADER.size + n * INDEX_ENTRY.size + INDEX_TRAILER for n, size in packed(sizes, self.home.pack_bytes))
 
     def copy(self, batch: list[PackStat], report: GCReport) -> int:
-        backend, writer = self.backend, self.store.pack_writer()
+        backend, writer = self.backend, self.home.pack_writer()
         with writer:
             for p in batch:
                 live = self._live_entries[p.id]
@@ -405,7 +403,7 @@ class BucketGC(GCSide):
                     payload = check_entry(buf, e.loc, f"{backend.url}: pack {p.id}")
                     writer.append_encoded(e.loc.digest, e.loc.raw_len, e.loc.codec, bytes(payload))
             writer.finish()
-        self.store.refresh_index()
+        self.home.refresh_index()
         return writer.bytes_uploaded
 
     def mark(self, plan, report: GCReport) -> None:
@@ -437,7 +435,7 @@ class BucketGC(GCSide):
             except (ObjectNotFoundError, IntegrityError):
                 return key, None
 
-        seen.update(self.store.home.requests.map(load, [k for k in todo if k not in seen]))  # immutable: read once per run
+        seen.update(self.home.requests.map(load, [k for k in todo if k not in seen]))  # immutable: read once per run
         return [seen[k] for k in todo if seen[k] is not None and seen[k][1] not in keep and seen[k][2] not in keep]
 
     def _reflog_due(self, due: list, own: list = ()) -> set:
@@ -454,7 +452,7 @@ class BucketGC(GCSide):
 
     def delete(self, commits: list[str], packs: list[PackStat], token, report: GCReport) -> tuple[list, list] | None:
         st, backend = self.st, self.backend
-        if self.store.refs.read_all() != token:
+        if self.home.refs.read_all() != token:
             return None
         due = [(key, mark) for mtime, key, mark in st.marks if mtime <= self._cutoff]
         for c in commits:
@@ -469,10 +467,10 @@ class BucketGC(GCSide):
             backend.delete(obj)
             report.bytes_freed += st.objects[obj].size
             report.orphans_removed += 1
-        self.store.home.forget(commits)
+        self.home.forget(commits)
         for key in [k for k, _ in due] + st.unreadable_marks:
             backend.delete(key)
-        self.store.refresh_index()
+        self.home.refresh_index()
         return commits, packs
 
     def anything_due(self, cutoff: float) -> bool:

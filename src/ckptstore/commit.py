@@ -37,10 +37,11 @@ from .collector import paused_gc
 from .digests import DigestCache, Entry, Same, reusable
 from .errors import AdapterError, IntegrityError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
 from .layout import address, check_shape, digest, itemsize, sample_unchanged, shard_count
-from .packs import BLOB_HEADER, BlobLoc, PackWriter
+from .packs import BlobLoc, PackWriter
 from .records import CommitInfo, LeafRecord, check_message, check_tag
 from .reuse import Prehashed as _Prehashed
 from .reuse import Reused, as_reused, keep_components, logical_bytes
+from .indexstep import ReusedBlobsGone, given_stored, ints_json  # noqa: F401 (declared in the home layer, whose index step raises and reads them)
 from .threads import Pool
 
 if TYPE_CHECKING:
@@ -57,24 +58,6 @@ _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than i
 class _Redo(Exception):
     """A blob of a :class:`Reused` component must be written again (a GC freed it, and the
     rows that held it, meanwhile): the commit is made again from the captured state."""
-
-
-def ints_json(values: Sequence[int]) -> str:
-    """``jsonvalue.dumps(list(values))`` of a shape or strides (Python ints), the short way."""
-    return "[" + ",".join(map(str, values)) + "]" if all(type(v) is int for v in values) else jsonvalue.dumps(list(values))
-
-
-class ReusedBlobsGone(Exception):
-    """Raised by a home's index step (``index_commit``): blobs the commit reuses are gone (a GC); ``keys`` must be written again."""
-
-    def __init__(self, keys: list[tuple[bytes, int]]):
-        self.keys = keys
-
-
-def given_stored(written: dict[tuple[bytes, int], BlobLoc], given_packs) -> int:
-    """Bytes (headers included) of the blobs in ``written`` that other processes wrote to ``given_packs``."""
-    ids = {pid for pid, _ in given_packs}
-    return sum(loc.stored_len + BLOB_HEADER.size for loc in written.values() if loc.pack in ids) if ids else 0
 
 
 _background = threading.local()  # .active: this thread runs an asynchronous commit

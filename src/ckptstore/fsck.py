@@ -43,104 +43,16 @@ ckptstore did not make, one line each; never followed, left alone by GC: invaria
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import progress
 from .collector import paused_gc
 from .errors import BlobMissingError, InvalidArgumentError
 from .layout import address
+from .upkeep import FsckReport, FsckSide  # noqa: F401 (the homes' side, declared below them; importable here too)
 
 if TYPE_CHECKING:
     from .interfaces import FsckRepository
-
-
-@dataclass
-class FsckReport:
-    """Result of :func:`check`. ``ok`` is false when ``problems`` is not empty."""
-
-    problems: list[str] = field(default_factory=list)
-    missing_blobs: list[str] = field(default_factory=list)  # addresses of needed blobs no pack holds whole (each once)
-    corrupt_blobs: list[str] = field(default_factory=list)  # addresses of reread blobs whose header or hash is wrong
-    damaged_commits: list[str] = field(default_factory=list)
-    damaged_tags: list[str] = field(default_factory=list)
-    orphan_packs: list[str] = field(default_factory=list)
-    orphan_commits: list[str] = field(default_factory=list)  # object storage: records no tag reaches whose blobs are gone (GC drops them)
-    damaged_packs: list[str] = field(default_factory=list)  # packs that cannot be read or walked
-    damaged_indexes: list[str] = field(default_factory=list)  # object storage: packs whose .idx is damaged (a problem)
-    missing_indexes: list[str] = field(default_factory=list)  # object storage: needed packs without .idx (walked instead; not a problem)
-    damaged_reflog: list[str] = field(default_factory=list)  # object storage: reflog objects that are not ref-move records
-    damaged_marker: bool = False  # object storage: ckptstore.json fails its check
-    repaired: list[str] = field(default_factory=list)  # what ``repair`` rebuilt (object keys)
-    marked_bad: int = 0  # blobs newly marked bad in the index (dedup never reuses them; the next commit of their bytes writes a good copy)
-    replaced_blobs: list[str] = field(default_factory=list)  # addresses whose bad copy ``repair`` replaced by a good one found in a pack
-    unreferenced_blobs: int = 0
-    tmp_files: int = 0
-    # a folder: entries ckptstore did not make (a symbolic link, FIFO, socket, device, a stray file), one line each,
-    # e.g. "blobs/zz is a symbolic link, not made by ckptstore"; left alone by GC, never followed (not a problem)
-    foreign: list[str] = field(default_factory=list)
-    commits: int = 0  # commits checked, damaged ones included
-    blobs_checked: int = 0  # blobs reread and rehashed (each once), intact or not
-    bytes_checked: int = 0
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-
-class FsckSide:
-    """The primitives a home provides to the protocol (its ``fsck_side()``); every check and
-    the mapping of damage to commits and tags is made here, in :mod:`ckptstore.fsck`, from
-    what they report. ``report`` arguments are the run's :class:`FsckReport`, to which a
-    primitive adds what only it can see.
-
-    Attributes:
-        location: where the store lives, for messages.
-        attempts_leave_records: whether a commit's record may exist before its ref moves
-            (then a record no tag reaches whose blobs are gone is an orphan, not damage).
-    """
-
-    location = ""
-    attempts_leave_records = False
-
-    def start(self, repair: bool) -> None:
-        """Before any read: the refusals (e.g. ``repair`` where there is nothing to repair)."""
-        raise NotImplementedError
-
-    def resolve(self, ref: str) -> str:
-        """The commit id that ``ref`` (a tag or a commit id) names, for ``verify``."""
-        raise NotImplementedError
-
-    def snapshot(self):
-        """A context manager over one consistent read of :meth:`tags`, :meth:`commits` and :meth:`locate`."""
-        raise NotImplementedError
-
-    def tags(self, report: FsckReport) -> dict[str, str]:
-        """``{tag: commit id}``; a malformed ref is reported as a damaged tag."""
-        raise NotImplementedError
-
-    def commits(self, report: FsckReport, ids: list[str] | None, deep: bool) -> dict:
-        """``{commit id: CommitRecord, or None when damaged}`` of ``ids`` (every commit when None)."""
-        raise NotImplementedError
-
-    def locate(self, report: FsckReport, keys: list[tuple[bytes, int]], deep: bool, repair: bool) -> dict:
-        """``{address: BlobLoc}`` of the blobs of ``keys`` the home holds (absent: in no pack)."""
-        raise NotImplementedError
-
-    def read(self, locs: list, reread: set):
-        """Yield ``(loc, error or None)``: a BlobMissingError for a blob of ``locs`` whose pack
-        does not hold it, and each of ``reread`` (addresses) reread and rehashed."""
-        raise NotImplementedError
-
-    def extra(self, report: FsckReport, ids: list[str], whole: bool, deep: bool, repair: bool) -> None:
-        """The checks only this home has (``whole``: of the whole store; ``ids``: the commits checked)."""
-        raise NotImplementedError
-
-    def replace_bad(self, report: FsckReport, locs: list):
-        """With ``repair``: for each bad copy of ``locs`` (BlobLocs that failed), look for another
-        copy of the same address in the home's packs, verify it and point the index at it; yield
-        ``(loc, good loc)`` for each one replaced. Here: none (a home without it)."""
-        return iter(())
 
 
 def check_sample(sample: float) -> float:

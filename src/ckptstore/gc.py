@@ -38,27 +38,21 @@ anything changes), less this run (:func:`pending`).
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import fnmatch
 import heapq
-import os
 import re
-import stat
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .errors import GCLockedError, InvalidArgumentError, StoreWriteError
+from .errors import InvalidArgumentError
 from .layout import RANDOM
-from .packs import PACK_HEADER
+from .upkeep import DEFAULT_GRACE, GCReport, GCSide, PackStat, gc_lock, packed, unlocked  # noqa: F401 (the homes' side, declared below them; importable here too)
 
 if TYPE_CHECKING:
     from .interfaces import GCRepository
 
-DEFAULT_GRACE = 3600.0
 REPACK_BELOW = 0.5
 #: Packs smaller than this (bytes) are merged into large ones by GC (at most half the store's ``pack_bytes``).
 SMALL_PACK_BYTES = 4 << 20
@@ -92,41 +86,6 @@ def check_glob(pattern: str) -> str:
     return pattern
 
 
-@dataclass
-class GCReport:
-    """What a GC run freed (or, with ``dry_run``, would free).
-
-    Byte counts are bytes on disk (in the bucket). ``bytes_freed`` is the net number of
-    bytes the home lost in this run: the packs (and, on a bucket, their ``.idx`` and the
-    commit records), orphans and temporary files deleted, less the packs (and ``.idx``) the
-    run wrote to hold the live entries it copied out of half-dead and small packs; so it can
-    be negative while the deleted packs wait for the grace period. ``commits_pending``,
-    ``blobs_pending`` and ``bytes_pending`` count what waits for the grace period:
-    what a run with a grace period of 0 (``--grace 0 --dry-run``) would drop
-    beyond what this run drops (commits, blobs, bytes freed); 0 with a grace period of 0.
-    Both homes fill the same fields (:func:`pending`).
-    """
-
-    dry_run: bool
-    commits_dropped: int = 0
-    blobs_deleted: int = 0
-    blob_bytes: int = 0  # stored bytes (headers included) of the deleted blob rows
-    packs_repacked: int = 0  # half-dead packs rewritten (live bytes below ``repack_below`` of their size)
-    packs_consolidated: int = 0  # small packs (below ``small_pack_bytes``) merged into large ones
-    packs_deleted: int = 0
-    orphans_removed: int = 0
-    indexes_repaired: int = 0  # object storage: missing or damaged pack indexes rebuilt from their packs
-    reflog_removed: int = 0  # object storage: ref-move records whose commits were all dropped
-    tmp_removed: int = 0
-    bytes_freed: int = 0
-    commits_pending: int = 0
-    blobs_pending: int = 0
-    bytes_pending: int = 0
-    dropped: list[str] = field(default_factory=list)
-    withheld: list[str] = field(default_factory=list)  # what this run would not collect, and why
-    seconds: dict[str, float] = field(default_factory=dict)
-
-
 def pack_kind(size: int, live: int, n: int, repack_below: float, small_pack_bytes: int) -> str | None:
     """What a GC does with a pack older than the grace period, on either home: ``"dead"`` (no
     live entry: deleted), ``"half"`` (live bytes below ``repack_below`` of ``size``: its live
@@ -145,59 +104,6 @@ def choose_repacks(half: list, small: list) -> tuple[list, list]:
     """``(half-dead, small)`` packs to rewrite: the small ones only when there are at least two
     packs to rewrite (one alone would gain nothing)."""
     return half, small if len(half) + len(small) >= 2 else []
-
-
-@contextmanager
-def gc_lock(root: Path, read_only_ok: bool = False):
-    """Hold ``<store>/gc.lock``; raise GCLockedError if another GC has it.
-
-    On a store that cannot be written, ``read_only_ok`` (a dry run) goes on
-    without the lock; otherwise StoreWriteError says the store is read-only.
-    """
-    try:  # (no link followed, no FIFO waited on: invariant 13)
-        fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, "not a regular file")
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.EINVAL, errno.ENXIO):
-            raise StoreWriteError(f"{root / 'gc.lock'} is {'a symbolic link' if exc.errno == errno.ELOOP else 'not a regular file'}, "
-                                  "not made by ckptstore: remove it (GC and recover lock the store with it)") from None
-        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOSPC):
-            raise
-        if read_only_ok:
-            yield
-            return
-        raise StoreWriteError(f"{root} is read-only here ({exc.strerror}): a GC cannot run; `gc --dry-run` reports") from None
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise GCLockedError(f"{root}: another GC is running on this store") from None
-            raise
-        yield
-    finally:
-        os.close(fd)
-
-
-def unlocked(path: Path) -> int | None:
-    """An fd holding an exclusive lock on ``path``, or None if a running commit holds it (or it
-    is gone, or is not a regular file: a link, FIFO, socket or device is left alone)."""
-    try:  # a link, FIFO, socket or device is not a pack: never followed, opened or locked (invariant 13)
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC) if stat.S_ISREG(os.lstat(path).st_mode) else None
-    except OSError:
-        return None
-    if fd is None:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError("not a regular file")
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        return None
-    return fd
 
 
 class Collector:
@@ -307,32 +213,6 @@ class Collector:
 
 
 @dataclass
-class PackStat:
-    """One pack as a home reports it to the protocol (:meth:`GCSide.packs`), with the
-    victims gone. Sizes in bytes (entry headers included), times on the home's clock.
-
-    ``n``/``live``: the live entries held only here (another, unmarked pack's copy of a blob
-    does not keep this one); ``dies_now``/``dies_now_bytes``: blobs that die in this run
-    whatever becomes of the pack (locally the rows :meth:`GCSide.drop` deletes);
-    ``dies_with``/``dies_with_bytes``: blobs that die only with the pack (on a bucket);
-    ``freed``: bytes deleting it frees (on a bucket with its ``.idx``); ``keep``: never
-    collected (cannot be read, or what it holds cannot be known)."""
-
-    id: str
-    size: int
-    created: float
-    marked: float | None
-    n: int
-    live: int
-    freed: int
-    dies_now: int = 0
-    dies_now_bytes: int = 0
-    dies_with: int = 0
-    dies_with_bytes: int = 0
-    keep: bool = False
-
-
-@dataclass
 class Plan:
     """What one run decides (:func:`decide`): ``victims`` (commit ids), and the packs that are
     ``dead``, ``half`` (half-dead: copied out) and ``small`` (merged), as :class:`PackStat`."""
@@ -346,90 +226,6 @@ class Plan:
     def marked(self) -> list:
         """The packs this run marks: the dead ones and those it copies out."""
         return self.dead + self.half + self.small
-
-
-class GCSide:
-    """The primitives a home provides to the protocol (the home's ``gc_side()``);
-    every decision is made here, in :mod:`ckptstore.gc`, from what they report.
-
-    Attributes:
-        default_grace: the grace period (seconds) when ``grace`` is None.
-        clock_step: seconds an object's time may lie behind its real age (whole seconds on S3);
-            a grace period above 0 waits that much longer.
-    """
-
-    default_grace = DEFAULT_GRACE
-    clock_step = 0.0
-
-    def lock(self, dry_run: bool):
-        """A context manager excluding a second GC (GCLockedError), or nothing where none is needed."""
-        raise NotImplementedError
-
-    def now(self, fresh: bool) -> float:
-        """The home's clock (seconds since the epoch); ``fresh``: read the home's state again
-        (the sweep's re-read), else the state of this run's first read."""
-        raise NotImplementedError
-
-    def snapshot(self):
-        """A context manager over one consistent read of the index, for :meth:`Collector.retained`."""
-        raise NotImplementedError
-
-    def commits(self, keep: set) -> dict:
-        """``{commit id: (time, marked, bytes)}`` of every commit the home holds: its age on the
-        home's clock, when a mark took it (None: not marked) and the bytes deleting it frees
-        (0 where its record lives in a pack); ``keep``: what retention keeps."""
-        raise NotImplementedError
-
-    def packs(self, keep: set, victims: list, cutoff: float) -> list[PackStat]:
-        """Every pack, as if ``victims`` were dropped and the blobs that then die (older than ``cutoff``) gone."""
-        raise NotImplementedError
-
-    def busy(self, pack: str) -> bool:
-        """Whether a running writer holds ``pack`` (it is not copied now)."""
-        return False
-
-    def withheld(self) -> list[str]:
-        """What the state read keeps this run from collecting, and why."""
-        return []
-
-    def drop(self, c: Collector, victims: list, cutoff: float, report: GCReport) -> None:
-        """Take the victims out of the index now where the home can do so at once (and the
-        blobs that then die, older than ``cutoff``), adding them to ``report.dropped``; in a
-        dry run only add them. A home that cannot leaves them to :meth:`mark`."""
-
-    def room(self) -> int | None:
-        """Bytes free for copies, or None when unbounded."""
-        return None
-
-    def copy_size(self, batch: list[PackStat]) -> int:
-        """Bytes :meth:`copy` of ``batch`` writes."""
-        raise NotImplementedError
-
-    def copy(self, batch: list[PackStat], report: GCReport) -> int:
-        """Copy the live entries of ``batch`` into new packs, verified; returns the bytes written."""
-        raise NotImplementedError
-
-    def mark(self, plan: Plan, report: GCReport) -> None:
-        """Mark the plan's packs (and what else dies with the victims) at this run's time."""
-        raise NotImplementedError
-
-    def delete(self, commits: list[str], packs: list[PackStat], token, report: GCReport) -> tuple[list, list] | None:
-        """Delete the swept commits and packs (each still unneeded when deleted) and the marks
-        swept; returns those deleted, or None, deleting nothing, when a ref moved since
-        ``token`` (the sweep starts over)."""
-        raise NotImplementedError
-
-    def refs_token(self):
-        """A value that changes whenever a ref moves, as of the state last read (:meth:`now`)."""
-        raise NotImplementedError
-
-    def anything_due(self, cutoff: float) -> bool:
-        """Whether a mark older than ``cutoff`` may be waiting (else the sweep's second read is skipped)."""
-        return True
-
-    def leftovers(self, cutoff: float, own_due: bool, report: GCReport) -> None:
-        """Remove (count, in a dry run) what the home leaves beside packs and commits: orphans,
-        stale temporary files, marks' other objects; ``own_due``: this run's mark is swept now."""
 
 
 def decide(c: Collector, commits: dict, keep: set, stats: list[PackStat], cutoff: float, busy) -> Plan:
@@ -470,18 +266,6 @@ def batches(packs: list[PackStat], pack_bytes: int) -> list[list[PackStat]]:
             out.append(batch)
             batch, live = [], 0
     return out + [batch] if batch else out
-
-
-def packed(sizes: list[int], pack_bytes: int) -> list[tuple[int, int]]:
-    """``(entries, bytes)`` of each pack a pack writer fills with entries of ``sizes`` bytes
-    (a pack rolls over once the next entry would pass ``pack_bytes``)."""
-    out: list[list[int]] = []
-    for s in sizes:
-        if not out or (out[-1][0] and out[-1][1] + s > pack_bytes):
-            out.append([0, PACK_HEADER.size])
-        out[-1][0] += 1
-        out[-1][1] += s
-    return [(n, size) for n, size in out]
 
 
 def pending(report: GCReport, at_grace_0: GCReport) -> None:

@@ -5,61 +5,64 @@ run against it. A home provides three parts:
 
 - **objects**: the packs of blobs and records: :meth:`Home.pack_writer`,
   :meth:`Home.pack_reader`, :meth:`Home.pack_size`;
-- **refs**: the tags, moved by compare-and-swap (:meth:`Home.make_refs`: a
+- **refs**: the tags, moved by compare-and-swap (:attr:`Home.refs`: a
   :class:`~ckptstore.refs.CatalogRefs` locally, a :class:`~ckptstore.refs.BucketRefs` on
   object storage);
 - **the index**: a SQLite catalog (``catalog.sqlite`` under :attr:`Home.root`): where the
-  local store lives, a cache of the bucket's immutable objects on object storage. Opening
-  it (:meth:`Home.open_index`, the settings, :meth:`Home.backfill_records`), its write
-  transaction that adds records (:meth:`Home.write`), the commit's index step
-  (:meth:`Home.index_commit`), the index's upkeep
-  (:meth:`Home.refresh_index`, :meth:`Home.relocate_reused`) and the queries that read refs
-  and commits (:meth:`Home.held`, :meth:`Home.find_commit`, :meth:`Home.tagged`,
-  :meth:`Home.info`, :meth:`Home.infos`, :meth:`Home.log`, :meth:`Home.show`, :meth:`Home.du`)
-  are written here against the catalog; a home whose index is a cache overrides them to
-  bring the cache up to date first.
+  local store lives, a cache of the bucket's immutable objects on object storage. The home
+  owns it: opening it (:meth:`Home.open`, :meth:`Home.open_catalog`: creating, migrating,
+  the settings, :meth:`Home.backfill_records`), its connection (:attr:`Home.catalog`) and
+  its close, its write transaction that adds records (:meth:`Home.write`), the commit's
+  index step (:meth:`Home.index_commit`), the index's upkeep (:meth:`Home.refresh_index`,
+  :meth:`Home.relocate_reused`) and the queries that read refs, commits, records and blob
+  locations (:meth:`Home.resolve`, :meth:`Home.tags`, :meth:`Home.tag`, :meth:`Home.info`,
+  :meth:`Home.log`, :meth:`Home.show`, :meth:`Home.du`, :meth:`Home.record`,
+  :meth:`Home.manifest`, :meth:`Home.locate`, :meth:`Home.lookup`...) are written here
+  against the catalog; a home whose index is a cache overrides some of them to bring the
+  cache up to date first.
 
 :class:`Home` is that shared part (the index as a catalog);
 :class:`ckptstore.localhome.LocalHome` is the store in a folder,
-:class:`ckptstore.bucket.BucketHome` the store on object storage. A home holds
-its store weakly (the store owns its home, not the reverse).
+:class:`ckptstore.bucket.BucketHome` the store on object storage. A home knows nothing of
+the store above it (the store owns its home, never the reverse) and imports no protocol:
+the commit's index step on the catalog, and what the commit protocol hands to it, are
+:mod:`ckptstore.indexstep`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import weakref
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from . import jsonvalue, records
-from .catalog import Catalog, CatalogMissing, backfill_records, damaged, reserve_path
-from .commit import CommitInfo, ReusedBlobsGone, given_stored, ints_json
-from .reuse import Reused, logical_bytes, per_component
+from .catalog import Catalog, CatalogMissing, backfill_records, damaged, keep_reserve, release_reserve, reserve_path
 from .errors import (
     AmbiguousRefError,
+    BlobMissingError,
     CatalogCorruptError,
     CkptStoreError,
-    IntegrityError,
     InvalidArgumentError,
     NotAStoreError,
     RefNotFoundError,
     StoreWriteError,
 )
-from .layout import address, shard_count
+from .layout import DEFAULT_SHARD_BYTES, address, under
 from .packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter, walk_store
-from .records import LeafRecord
-from .refs import ANY, CatalogRefs, Refs
-
-if TYPE_CHECKING:
-    from .store import Store
+from .records import CommitInfo, LeafRecord, check_tag
+from .indexstep import index_commit
+from .refs import CatalogRefs, Refs
 
 #: The catalog's file name, under the home's :attr:`Home.root`.
 CATALOG = "catalog.sqlite"
 # The only names in a store's folder: one with others and no catalog is not a store (leases: ckptstore.run).
+_FULL_ID = re.compile(r"[0-9a-f]{32}")
 _STORE_NAMES = re.compile(r"^(catalog\.sqlite(-wal|-shm|-journal|-reserve|\.v\d+\.bak)?|blobs|tmp|gc\.lock|leases)$")
 
 
@@ -74,7 +77,7 @@ def _setting(name: str, value: Any, low: int, high: int) -> Any:
 
 def weakly(owner: Any, *names: str) -> list:
     """Callables returning ``owner.<name>`` (called, for a method) that do not keep ``owner``
-    alive: the store owns its refs, not the reverse (no reference cycle, so a store
+    alive: the home owns its refs, not the reverse (no reference cycle, so a store
     dropped without ``close`` still frees its catalog connection at once)."""
     me = weakref.ref(owner)
 
@@ -87,12 +90,21 @@ def weakly(owner: Any, *names: str) -> list:
 
 
 class Home:
-    """The part of a home both homes share: the index is a SQLite catalog (the store's
-    ``catalog``) under :attr:`root`. Subclasses provide the objects and the refs.
+    """The part of a home both homes share: the index is a SQLite catalog under
+    :attr:`root`, owned by the home (opened by :meth:`open`, closed by :meth:`close`), with
+    the store's settings, its refs and the queries. Subclasses provide the objects and the refs.
+
+    Args:
+        root: the folder of the catalog (locally the store's folder).
+        shard_bytes / compression_level / pack_bytes: the settings as ``Store`` was given
+            them (``None``: the store's own, or the defaults); checked by :meth:`open`.
 
     Attributes:
         root: the folder of the catalog (locally the store's folder).
-        pack_bytes: the default pack size in bytes.
+        shard_bytes: target shard size in bytes of new commits (asked, else stored, else 256 KiB).
+        compression_level: zstandard level of new blobs (asked, else stored, else 3).
+        pack_bytes: packs roll over past this size in bytes (asked, else the home's default).
+        refs: the tags (:mod:`ckptstore.refs`): every tag read and move goes through them.
         location: where the store lives, as ``Store(location)`` opens it.
     """
 
@@ -100,14 +112,18 @@ class Home:
     #: Whether the index holds only copies (a damaged one is moved aside and rebuilt).
     disposable_index = False
 
-    def __init__(self, store: Store, root: Path):
-        self._store = weakref.ref(store)
+    def __init__(self, root: Path, shard_bytes: int | None = None, compression_level: int | None = None, pack_bytes: int | None = None):
         self.root = root
-
-    @property
-    def store(self) -> Store:
-        """The store (the facade) this home belongs to."""
-        return self._store()
+        self._asked = shard_bytes, compression_level
+        self.shard_bytes = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
+        self.compression_level = 3 if compression_level is None else compression_level
+        if pack_bytes is not None:
+            self.pack_bytes = pack_bytes
+        self._records: dict[str, records.CommitRecord] = {}  # verified commit records by id (immutable)
+        self._catalog: Catalog | None = None
+        self._catalog_lock = threading.Lock()
+        #: The home's refs (:mod:`ckptstore.refs`): every tag read and move goes through them.
+        self.refs: Refs = self.make_refs()
 
     @property
     def location(self) -> str:
@@ -124,10 +140,85 @@ class Home:
 
     def make_refs(self) -> Refs:
         """The home's refs: tags in the catalog, moved in its transactions."""
-        return CatalogRefs(*weakly(self.store, "catalog"), *weakly(self, "write"), str(self.root))
+        return CatalogRefs(*weakly(self, "catalog", "write"), str(self.root))
+
+    def open(self, create: bool | None) -> None:
+        """Check the settings asked and open the store's index as ``Store(create=...)`` says:
+        ``None``: if it exists; ``True``: created now if missing; ``False``: it must exist.
+        A damaged index that holds only copies (:attr:`disposable_index`) is moved aside and
+        built again.
+
+        Raises:
+            InvalidArgumentError: a setting out of range.
+            NotAStoreError: no store here (``create=False``), or the folder holds other files.
+            CatalogCorruptError / SchemaVersionError: see :meth:`open_catalog`.
+        """
+        self._asked = shard_bytes, compression_level = self.asked_settings(*self._asked)
+        self.shard_bytes = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
+        self.compression_level = 3 if compression_level is None else compression_level
+        try:
+            opened = self.open_catalog(create=self.create_index(create))
+        except CatalogCorruptError:
+            if not self.disposable_index:
+                raise
+            self.discard_index()  # it held only copies: moved aside, a new one is built
+            opened = self.open_catalog(create=True)
+        if opened is None and create is False:
+            raise NotAStoreError(f"{self.root} {self.missing()}")
+
+    @property
+    def catalog(self) -> Catalog:
+        """The catalog connection, opened on first use.
+
+        Raises:
+            NotAStoreError: the store does not exist (yet: see ``create``).
+        """
+        cat = self._catalog if self._catalog is not None else self.open_catalog(create=False)
+        if cat is None:
+            raise NotAStoreError(f"{self.root} {self.missing()}; a first commit creates a store there")
+        return cat
+
+    def open_catalog(self, create: bool) -> Catalog | None:
+        """Open the catalog (:meth:`open_index`), then load the stored settings; ``None`` if
+        there is no store and ``create`` is false (with ``create``: create it). A writable
+        catalog keeps its reserve (room for the journal on a full disk) and finishes a
+        migration's record backfill (:meth:`backfill_records`)."""
+        with self._catalog_lock:
+            if self._catalog is not None:
+                return self._catalog
+            cat = self.open_index(create)
+            if cat is None:
+                return None
+            try:
+                self.shard_bytes, self.compression_level = self.stored_settings(cat, self._asked, (self.shard_bytes, self.compression_level))
+            except BaseException:
+                cat.close()
+                raise
+            self._catalog = cat
+        if cat.writable:
+            keep_reserve(self.root / CATALOG)  # room for the journal when the disk fills up
+        if cat.writable and cat.backfill_pending:  # a migration (this open's, or one killed before) to finish
+            self.backfill_records()
+        return cat
+
+    def spend_reserve(self) -> None:
+        """Before a GC that frees room: release the catalog's reserve (docs/operations.md); a
+        catalog opened read-only for want of room is opened again, for writing."""
+        if release_reserve(self.root / CATALOG) and not self.catalog.writable:
+            with self._catalog_lock:  # a full disk: with the reserve's room, the catalog opens for writing
+                self._catalog.close()
+                self._catalog = None
+            self.open_catalog(create=False)
+
+    def keep_reserve(self) -> None:
+        """After a GC: take the catalog's reserve back, from the room it freed (a writable catalog only)."""
+        if self.catalog.writable:
+            keep_reserve(self.root / CATALOG)
 
     def close(self) -> None:
-        """Release what the home holds beside the catalog (nothing here)."""
+        """Release the catalog connection (and, in a subclass, what else the home holds)."""
+        if self._catalog is not None:
+            self._catalog.close()
 
     # --- opening the index -----------------------------------------------------------------
 
@@ -224,7 +315,7 @@ class Home:
         mark, in one transaction (:func:`ckptstore.catalog.backfill_records`); run by every
         writable open that finds the mark, so a migration killed at any instant is finished
         by the next one."""
-        backfill_records(self.store.catalog, self.root, self.store.pack_bytes)
+        backfill_records(self.catalog, self.root, self.pack_bytes)
 
     @contextmanager
     def write(self):
@@ -235,20 +326,19 @@ class Home:
         so every record the catalog describes exists in a pack (invariant 7); if the
         transaction does not commit, the pack is removed again.
         """
-        store = self.store
         batch: list[tuple[int, str, int | None, str]] = []
-        store._open(create=True)
-        with PackWriter(self.root, 0, store.pack_bytes) as writer:
+        self.open_catalog(create=True)
+        with PackWriter(self.root, 0, self.pack_bytes) as writer:
             try:
-                with store.catalog.write():
+                with self.catalog.write():
                     yield batch
                     if batch:
                         locs = [writer.append_record(kind, text.encode()) for kind, _, _, text in batch]
                         writer.finish()
-                        store.catalog.conn.executemany(
+                        self.catalog.conn.executemany(
                             "INSERT INTO packs (id, size, created_at) VALUES (?, ?, ?)", [(pid, size, time.time()) for pid, size in writer.pack_ids]
                         )
-                        store.catalog.conn.executemany(
+                        self.catalog.conn.executemany(
                             "INSERT INTO records (kind, name, seq, digest, pack, offset, raw_len, stored_len) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                             [(k, n, q, loc.digest, loc.pack, loc.offset, loc.raw_len, loc.stored_len) for (k, n, q, _), loc in zip(batch, locs)],
                         )
@@ -277,141 +367,35 @@ class Home:
     ):
         """Step 4 of the commit protocol: in one catalog transaction, check that the
         reused blobs (``known``: address -> blob id) still exist (else
-        :class:`ReusedBlobsGone`), index the new blobs (``written``) and the commit, and move
-        ``tags``. ``expect``: the id the record must hash to (IntegrityError otherwise).
-        Returns ``(commit id, parent ids, seconds, {address: blob id})``."""
-        store = self.store
-        with self.write() as batch:
-            shared = self._shared_rows(components)
-            if len(shared) == len(components) and not written:  # every blob id is one of those rows' (below): none to check
-                check = {}
-            elif shared:  # their blob ids are those of rows that exist: not checked again
-                confirmed: dict[tuple[bytes, int], int] = {}
-                for c in components:
-                    if c.path in shared:
-                        confirmed.update(c.blobs)
-                check = {k: known[k] for k in known.keys() - confirmed.keys()}
-                known = {**check, **confirmed}
-            else:
-                check = known
-            if check:
-                # An id must still hold the same address: GC may have freed it and a new blob taken the id since.
-                # The per-shard rows of a commit (thousands for a large buffer, most of them
-                # unchanged shards) go to SQLite as one JSON array in one statement, here and for
-                # the shards table below: executemany and fetchall release and retake the GIL once
-                # per row, and a thread that does that thousands of times starves the others of
-                # it (each waits a switch interval, 5 ms, to get it back), the training loop
-                # beside an asynchronous commit among them. This one returns only the mismatches.
-                reused = list(check.items())
-                # First one cheap statement: the addresses the ids hold now, in the ids' order, as one text;
-                # only if it differs, the one that names the ids that changed.
-                (now,), = store.catalog.rows(
-                    "SELECT group_concat(lower(hex(b.hash)) || '-' || b.raw_len, ' ') FROM json_each(?) j LEFT JOIN blobs b ON b.id = j.value",
-                    (json.dumps([i for _, i in reused]),), raw=True,
-                )
-                same = now == " ".join([address(d, n) for (d, n), _ in reused])
-                bad = [] if same else store.catalog.rows(
-                    "SELECT j.key FROM json_each(?) j LEFT JOIN blobs b ON b.id = json_extract(j.value, '$[0]') "
-                    "WHERE b.id IS NULL OR b.raw_len != json_extract(j.value, '$[2]') OR lower(hex(b.hash)) != json_extract(j.value, '$[1]')",
-                    (json.dumps([[i, d.hex(), n] for (d, n), i in reused]),), raw=True,
-                )
-                gone = [reused[k][0] for (k,) in bad]
-                if gone:
-                    raise ReusedBlobsGone(gone)
-            marked = [k for k in self.bad_blob_ids(list(known.items())) if k not in written] if known else []
-            if marked:  # known to be bad (a failed read, fsck): never reused; written again (invariant 14)
-                raise ReusedBlobsGone(marked)
-            # Plain SQL, not sqlite-utils' tables: these look the schema up (several queries) on every call.
-            run_many = store.catalog.conn.executemany
-            run_many(
-                "INSERT OR IGNORE INTO packs (id, size, created_at) VALUES (?, ?, ?)",
-                [(pid, size, created_at) for pid, size in [*writer.pack_ids, *given_packs]],
-            )
-            if written:
-                self._replace_bad(written)
-            run_many(
-                "INSERT OR IGNORE INTO blobs (hash, raw_len, pack, offset, stored_len, codec, created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                [(loc.digest, loc.raw_len, loc.pack, loc.offset, loc.stored_len, loc.codec, created_at) for loc in written.values()],
-            )
-            ids = dict(known)
-            ids.update(store._lookup(list(written)))
-            if explicit_parents is not None:
-                parents = explicit_parents
-            else:
-                current = {r["name"]: r["commit_id"] for r in store.catalog.chunked("SELECT name, commit_id FROM tags WHERE name IN ({})", tags)}
-                parents = list(dict.fromkeys(current[t] for t in tags if t in current))
-            own, per_leaf = self._own_rows(components, leaves, keys, shared)
-            for r, keys_of in zip(own, per_leaf):
-                if r.encoded is None:  # (set on the records of a Reused component)
-                    r.encoded = (records.manifest_entry(r, keys_of), (
-                        r.path, r.component, r.kind, r.dtype, None if r.shape is None else ints_json(r.shape),
-                        None if r.stride is None else ints_json(r.stride), r.nbytes, r.shard_bytes, r.value,
-                    ))
-            components_json = [[c.path, c.adapter, c.version, jsonvalue.dumps(c.meta, c.path)] for c in components]  # (few)
-            record = records.commit_text_of(parents, created_at, message, meta_json, components_json, self._manifest_parts(components, leaves))
-            cid = records.commit_id(record)
-            seconds = time.perf_counter() - t0
-            if expect is not None and cid != expect:
-                raise IntegrityError(f"the commit's content hashes to {cid}, not to its recorded id {expect}")
-            if store.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)):  # imported before: only the tags move
-                if tags:
-                    store.refs.move(dict.fromkeys(tags, (ANY, cid)), "import", created_at, batch)
-                return cid, parents, seconds, ids
-            new_bytes = sum(n for _, n in written)
-            store.catalog.conn.execute(
-                "INSERT INTO commits (id, created_at, message, metadata, logical_bytes, new_bytes, stored_bytes, shards_total, shards_new, "
-                "seconds, record) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (cid, created_at, message, meta_json, logical_bytes(components, leaves), new_bytes,
-                 writer.stored_bytes + given_stored(written, given_packs), len(keys), len(written), seconds, record),
-            )
-            batch.append((records.KIND_COMMIT, cid, None, record))
-            run_many("INSERT INTO parents (commit_id, position, parent_id) VALUES (?, ?, ?)", [(cid, i, p) for i, p in enumerate(parents)])
-            run_many(
-                "INSERT INTO components (commit_id, path, adapter, version, meta, rows_of) VALUES (?, ?, ?, ?, ?, ?)",
-                [(cid, c.path, c.adapter, c.version, meta, shared.get(c.path)) for c, (_, _, _, meta) in zip(components, components_json)],
-            )
-            run_many(  # (a shared component's leaves and shards are rows of its owner's)
-                "INSERT INTO leaves (commit_id, path, component, kind, dtype, shape, stride, nbytes, shard_bytes, value) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(cid, *r.encoded[1]) for r in own],
-            )
-            leaf_ids = dict(store.catalog.rows("SELECT path, id FROM leaves WHERE commit_id = ?", (cid,), raw=True))
-            # A leaf's shard rows from one JSON array of blob ids, as the check above; the one row of a
-            # one-shard leaf (most of a state of many small leaves) as a plain row: json_each costs more.
-            single, multi = [], []
-            for r, keys_of in zip(own, per_leaf):
-                if len(keys_of) == 1:
-                    single.append((leaf_ids[r.path], 0, ids[keys_of[0]]))
-                elif keys_of:
-                    multi.append((leaf_ids[r.path], json.dumps([ids[k] for k in keys_of])))
-            run_many("INSERT INTO shards (leaf_id, seq, blob_id) VALUES (?, ?, ?)", single)
-            run_many("INSERT INTO shards (leaf_id, seq, blob_id) SELECT ?, key, value FROM json_each(?)", multi)
-            if tags:  # in this transaction: the commit's rows and its tag moves are one
-                store.refs.move(dict.fromkeys(tags, (ANY, cid)), "commit", created_at, batch)
-        return cid, parents, seconds, ids
+        :class:`~ckptstore.indexstep.ReusedBlobsGone`), index the new blobs (``written``)
+        and the commit, and move ``tags``. ``expect``: the id the record must hash to
+        (IntegrityError otherwise). Returns ``(commit id, parent ids, seconds, {address: blob
+        id})``: :func:`ckptstore.indexstep.index_commit`."""
+        return index_commit(self, components, leaves, keys, known, written, writer, tags, message, meta_json, explicit_parents, created_at, t0,
+                            expect, given_packs)
 
     # --- blobs known to be bad (invariant 14) -------------------------------------------------
 
     def has_bad_blobs(self) -> bool:
         """Whether the index holds any blob marked bad (one probe: the table is almost always empty)."""
-        return bool(self.store.catalog.rows("SELECT EXISTS (SELECT 1 FROM bad_blobs)", raw=True)[0][0])
+        return bool(self.catalog.rows("SELECT EXISTS (SELECT 1 FROM bad_blobs)", raw=True)[0][0])
 
     def bad_blob_ids(self, pairs: list[tuple[tuple[bytes, int], int]]) -> list[tuple[bytes, int]]:
         """The addresses of ``pairs`` (``(address, blob id)``) whose blob id is marked bad."""
         if not pairs or not self.has_bad_blobs():
             return []
-        rows = self.store.catalog.rows(
+        rows = self.catalog.rows(
             "SELECT j.key FROM json_each(?) j JOIN bad_blobs x ON x.blob_id = j.value", (json.dumps([i for _, i in pairs]),), raw=True)
         return [pairs[k][0] for (k,) in rows]
 
-    def _replace_bad(self, written: dict) -> int:
+    def repoint_bad(self, written: dict) -> int:
         """In the commit's transaction: point each blob row marked bad whose address the commit
         wrote again (``written``: ``{address: BlobLoc}``) at the new copy, and delete its mark,
         so every commit that references the address reads the good copy. Returns the rows
         repointed."""
         if not self.has_bad_blobs():
             return 0
-        conn = self.store.catalog.conn
+        conn = self.catalog.conn
         rows = conn.execute("SELECT b.id, b.hash, b.raw_len FROM bad_blobs x JOIN blobs b ON b.id = x.blob_id").fetchall()
         fixed = [(written[(bytes(h), n)], i) for i, h, n in rows if (bytes(h), n) in written]
         conn.executemany("UPDATE blobs SET pack = ?, offset = ?, stored_len = ?, codec = ? WHERE id = ?",
@@ -427,7 +411,7 @@ class Home:
 
         Never raises and never writes a catalog that cannot be written here (a read-only
         store), nor inside a transaction of this connection; returns the blobs newly marked."""
-        cat = self.store._catalog
+        cat = self._catalog
         if not bad or cat is None or not cat.writable:
             return 0
         try:
@@ -448,7 +432,7 @@ class Home:
     def marked(self) -> list[BlobLoc]:
         """Where the index's rows marked bad point now (few: each one is replaced by the next
         commit of its bytes)."""
-        return [BlobLoc(bytes(h), n, p, o, sl, c) for h, n, p, o, sl, c in self.store.catalog.rows(
+        return [BlobLoc(bytes(h), n, p, o, sl, c) for h, n, p, o, sl, c in self.catalog.rows(
             "SELECT b.hash, b.raw_len, b.pack, b.offset, b.stored_len, b.codec FROM bad_blobs x JOIN blobs b ON b.id = x.blob_id", raw=True)]
 
     def replace_copy(self, loc: BlobLoc, good: BlobLoc) -> bool:
@@ -461,7 +445,7 @@ class Home:
         Raises:
             StoreWriteError: the catalog cannot be written here.
             CatalogBusyError: it stayed locked."""
-        cat = self.store.catalog
+        cat = self.catalog
         with cat.write():
             if not cat.rows("SELECT 1 FROM packs WHERE id = ? AND retired_at IS NULL", (good.pack,), raw=True):
                 return False
@@ -474,56 +458,6 @@ class Home:
             if n:
                 cat.conn.execute("DELETE FROM bad_blobs WHERE blob_id IN (SELECT id FROM blobs WHERE hash = ? AND raw_len = ?)", (loc.digest, loc.raw_len))
         return n > 0
-
-    @staticmethod
-    def _manifest_parts(components: list, leaves: list[LeafRecord]) -> list[str]:
-        """The manifest's JSON text in parts (:func:`ckptstore.records.commit_text_of`): a
-        :class:`~ckptstore.reuse.Reused` component's as it keeps it, the runs of leaves
-        between them encoded here."""
-        if not any(type(c) is Reused for c in components):
-            return [records.manifest_json([r.encoded[0] for r in leaves])]
-        return [c.manifest_json if type(c) is Reused else records.manifest_json([r.encoded[0] for r in recs])
-                for c, recs, _ in per_component(components, leaves)]
-
-    def _shared_rows(self, components: list) -> dict[str, str]:
-        """``{component path: commit id}`` of the :class:`~ckptstore.reuse.Reused` components
-        whose rows exist now, in the caller's transaction, and the commit that owns them: that
-        of the component's last commit (itself, or the owner it points at), else its owner's
-        (if it still owns them). A GC that dropped both since leaves the component out: its
-        rows are written again (and its blob ids checked). Each one's ``owner`` and
-        ``confirmed`` are set to what was found."""
-        out: dict[str, str] = {}
-        for c in components:
-            if type(c) is Reused:
-                found = self.store.catalog.rows(
-                    "SELECT COALESCE(rows_of, commit_id) FROM components WHERE path = ? AND commit_id IN (?, ?) "
-                    "ORDER BY commit_id = ? DESC LIMIT 1", (c.path, c.last, c.owner, c.last), raw=True)
-                c.confirmed = bool(found)
-                if found:
-                    c.owner = out[c.path] = found[0][0]
-        return out
-
-    def _own_rows(self, components: list, leaves: list[LeafRecord], keys: list, shared: dict) -> tuple[list[LeafRecord], list[list]]:
-        """The leaves whose rows the commit writes (all but those of the ``shared``
-        components), and each one's shard addresses."""
-        if not any(type(c) is Reused for c in components):
-            return leaves, self._keys_per_leaf(leaves, keys)
-        own: list[LeafRecord] = []
-        per_leaf: list[list] = []
-        for c, recs, comp_keys in per_component(components, leaves, keys):
-            if type(c) is not Reused or c.path not in shared:
-                own += recs
-                per_leaf += self._keys_per_leaf(recs, comp_keys)
-        return own, per_leaf
-
-    @staticmethod
-    def _keys_per_leaf(leaves: list[LeafRecord], keys: list[tuple[bytes, int]]) -> list[list[tuple[bytes, int]]]:
-        out, i = [], 0
-        for r in leaves:
-            n = shard_count(r.nbytes, r.shard_bytes) if r.kind == "tensor" else 0
-            out.append(keys[i : i + n])
-            i += n
-        return out
 
     def relocate_reused(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
         """Blob ids of those of ``keys`` (addresses a commit meant to reuse, which a GC
@@ -548,50 +482,61 @@ class Home:
         """The commit a full id or unique id prefix ``ref`` names, from the index."""
         ref_l = ref.lower()
         if len(ref_l) >= records.MIN_PREFIX and all(c in "0123456789abcdef" for c in ref_l):
-            rows = self.store.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
+            rows = self.catalog.rows("SELECT id FROM commits WHERE substr(id, 1, ?) = ? LIMIT 10", (len(ref_l), ref_l))
             if len(rows) == 1:
                 return rows[0]["id"]
             if len(rows) > 1:
                 ids = ", ".join(r["id"][:12] for r in rows)
                 raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix: matches {ids}")
-        raise RefNotFoundError(records.unknown_ref(ref, self.store.root, [t for t in self.store.tags() if t.startswith(ref + "/")]))
+        raise RefNotFoundError(records.unknown_ref(ref, self.root, [t for t in self.tags() if t.startswith(ref + "/")]))
 
     def tagged(self) -> dict[str, CommitInfo]:
         """``{tag name: CommitInfo of the commit it names}``, sorted by name, read in one
-        snapshot (a concurrent GC cannot drop a tagged commit in between)."""
-        with self.store.catalog.read():
-            named = self.store.tags()
+        snapshot (a concurrent GC cannot drop a tagged commit in between). On object storage
+        a tag whose commit record is missing or damaged is listed all the same, its info
+        saying so (``created_at`` 0, no parents, zero counts)."""
+        with self.catalog.read():
+            named = self.tags()
             infos = self.index_infos(list(set(named.values())))
         for name, cid in named.items():
             if cid not in infos:
-                raise damaged(self.store.catalog.path, f"tag {name!r} points to commit {cid}, which is not in the catalog")
+                raise damaged(self.catalog.path, f"tag {name!r} points to commit {cid}, which is not in the catalog")
         return {name: infos[cid] for name, cid in named.items()}
 
     def has_commit(self, cid: str) -> bool:
-        """As :meth:`ckptstore.Store.has_commit` (its docstring: returns, raises), on this home."""
-        return self.store.has_cached(cid)
+        """Does the store hold commit ``cid`` (a full id)? ``False`` for a store not created yet."""
+        return self.has_cached(cid)
 
     def info(self, ref: str) -> CommitInfo:
-        """As :meth:`ckptstore.Store.info` (its docstring: returns, raises), on this home."""
-        with self.store.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its row
-            cid = self.store.resolve(ref)
+        """The :class:`CommitInfo` of one commit.
+
+        Raises:
+            RefNotFoundError / AmbiguousRefError: bad ref.
+        """
+        with self.catalog.read():  # one snapshot: a GC cannot drop the commit between its ref and its row
+            cid = self.resolve(ref)
             found = self.index_infos([cid]).get(cid)
         if found is None:
-            raise RefNotFoundError(f"commit {cid} is not in {self.store.root}")
+            raise RefNotFoundError(f"commit {cid} is not in {self.root}")
         return found
 
     def infos(self, ids: list[str]) -> dict[str, CommitInfo]:
-        """``{commit id: CommitInfo}`` of the full commit ids ``ids`` the store holds (others are left out)."""
+        """``{commit id: CommitInfo}`` of the full commit ids ``ids`` the store holds (others are
+        left out; on object storage the records the cache lacks are copied from the bucket first).
+
+        Raises:
+            BackendError: the storage failed.
+        """
         return self.index_infos(ids)
 
     def index_infos(self, ids: list[str]) -> dict[str, CommitInfo]:
         """:meth:`infos` from the index alone (what the index holds; on object storage, the cache)."""
-        rows = self.store.catalog.chunked("SELECT * FROM commits WHERE id IN ({})", ids)
+        rows = self.catalog.chunked("SELECT * FROM commits WHERE id IN ({})", ids)
         parents: dict[str, list[str]] = {}
-        for r in self.store.catalog.chunked("SELECT commit_id, parent_id FROM parents WHERE commit_id IN ({}) ORDER BY position", ids):
+        for r in self.catalog.chunked("SELECT commit_id, parent_id FROM parents WHERE commit_id IN ({}) ORDER BY position", ids):
             parents.setdefault(r["commit_id"], []).append(r["parent_id"])
         tags: dict[str, list[str]] = {}
-        for r in self.store.catalog.chunked("SELECT name, commit_id FROM tags WHERE commit_id IN ({}) ORDER BY name", ids):
+        for r in self.catalog.chunked("SELECT name, commit_id FROM tags WHERE commit_id IN ({}) ORDER BY name", ids):
             tags.setdefault(r["commit_id"], []).append(r["name"])
         return {
             r["id"]: CommitInfo(
@@ -604,19 +549,23 @@ class Home:
         }
 
     def log(self, ref: str | None = None, limit: int | None = None) -> list[CommitInfo]:
-        """As :meth:`ckptstore.Store.log` (its docstring: returns, raises), on this home."""
+        """Lineage of ``ref`` (itself and all its ancestors), newest first.
+
+        Without ``ref``, every commit in the store, newest first. ``limit``
+        (>= 1) keeps the newest ones. Raises InvalidArgumentError for a bad limit.
+        """
         if limit is not None and (type(limit) is not int or limit < 1):
             raise InvalidArgumentError(f"invalid limit {limit!r}: must be an integer >= 1")
         if ref is None:
-            ids = [r["id"] for r in self.store.catalog.rows("SELECT id FROM commits ORDER BY created_at DESC, id")]
+            ids = [r["id"] for r in self.catalog.rows("SELECT id FROM commits ORDER BY created_at DESC, id")]
         else:
             seen: list[str] = []
-            frontier = [self.store.resolve(ref)]
+            frontier = [self.resolve(ref)]
             known: set[str] = set()
             while frontier:
                 known.update(frontier)
                 seen += frontier
-                rows = self.store.catalog.chunked("SELECT parent_id FROM parents WHERE commit_id IN ({})", frontier)
+                rows = self.catalog.chunked("SELECT parent_id FROM parents WHERE commit_id IN ({})", frontier)
                 frontier = list(dict.fromkeys(r["parent_id"] for r in rows if r["parent_id"] not in known))
             ids = seen
         infos = self.index_infos(ids)
@@ -624,12 +573,19 @@ class Home:
         return out[:limit] if limit else out
 
     def show(self, ref: str) -> dict:
-        """As :meth:`ckptstore.Store.show` (its docstring: returns, raises), on this home."""
-        info = self.store.info(ref)
+        """What one commit holds, for ``ckptstore show``.
+
+        Returns ``{"commit": CommitInfo, "components": {path: {...}}, "leaves": [...]}``
+        where each leaf has ``path``, ``component``, ``kind``, ``dtype``, ``shape``,
+        ``logical_bytes``, ``stored_bytes`` (its blobs in packs, headers included),
+        ``shards`` and ``shared_with_parent`` (shards whose blob the first parent
+        also references).
+        """
+        info = self.info(ref)
         parent = info.parents[0] if info.parents else ""
         stats = {
             r["path"]: r
-            for r in self.store.catalog.rows(
+            for r in self.catalog.rows(
                 "SELECT l.path, COUNT(*) AS shards, SUM(b.stored_len + ?) AS stored, "
                 "SUM(s.blob_id IN (SELECT s2.blob_id FROM shards s2 JOIN commit_leaves l2 ON l2.id = s2.leaf_id WHERE l2.commit_id = ?)) AS shared "
                 "FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id WHERE l.commit_id = ? GROUP BY l.path",
@@ -637,7 +593,7 @@ class Home:
             )
         }
         leaves = []
-        for r in self.store.catalog.rows(  # component by component (a commit may share another's rows for some)
+        for r in self.catalog.rows(  # component by component (a commit may share another's rows for some)
             "SELECT l.* FROM commit_leaves l LEFT JOIN components c ON c.commit_id = l.commit_id AND c.path = l.component "
             "WHERE l.commit_id = ? ORDER BY c.rowid, l.id", (info.id,)):
             st = stats.get(r["path"])
@@ -647,27 +603,215 @@ class Home:
                 "logical_bytes": r["nbytes"], "stored_bytes": st["stored"] if st else 0,
                 "shards": st["shards"] if st else 0, "shared_with_parent": st["shared"] if st else 0,
             })
-        return {"commit": info, "components": self.store.components(info.id), "leaves": leaves}
+        return {"commit": info, "components": self.components(info.id), "leaves": leaves}
 
     def du(self) -> dict:
-        """Space accounting in bytes, from the index: the fields of :meth:`ckptstore.Store.du`."""
-        c = self.store.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(logical_bytes), 0) AS logical FROM commits")[0]
-        b = self.store.catalog.rows(
+        """Space accounting in bytes, for ``ckptstore du``.
+
+        ``logical_bytes``: tensor bytes summed over all commits (what saving
+        each commit in full would write); ``unique_bytes``: raw bytes of distinct
+        blobs; ``stored_bytes``: bytes of live blobs in packs; ``pack_bytes``:
+        pack file sizes on disk (dead blobs included, until GC repacks);
+        ``catalog_bytes``: the catalog's files (the index; on a bucket the local cache);
+        ``reserve_bytes``: ``catalog.sqlite-reserve``, the room kept for the catalog's journal
+        on a full disk (docs/operations.md); ``dedup_ratio`` = logical / unique;
+        ``compression_ratio`` = unique / stored.
+        """
+        c = self.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(logical_bytes), 0) AS logical FROM commits")[0]
+        b = self.catalog.rows(
             "SELECT COUNT(*) AS n, COALESCE(SUM(raw_len), 0) AS raw, COALESCE(SUM(stored_len + ?), 0) AS stored FROM blobs",
             (BLOB_HEADER.size,),
         )[0]
-        p = self.store.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(size), 0) AS size FROM packs")[0]
-        files = {f.name: f.stat().st_size for f in self.store.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak")}
-        reserve = files.pop(reserve_path(self.store.root / CATALOG).name, 0)
+        p = self.catalog.rows("SELECT COUNT(*) AS n, COALESCE(SUM(size), 0) AS size FROM packs")[0]
+        files = {f.name: f.stat().st_size for f in self.root.glob(CATALOG + "*") if f.is_file() and not f.name.endswith(".bak")}
+        reserve = files.pop(reserve_path(self.root / CATALOG).name, 0)
         catalog = sum(files.values())
-        tmp = sum(st.st_size for kind, _, st in walk_store(self.store.root) if kind == "tmp")  # (no tmp/ folder: none)
+        tmp = sum(st.st_size for kind, _, st in walk_store(self.root) if kind == "tmp")  # (no tmp/ folder: none)
         return {
-            "commits": c["n"], "tags": len(self.store.tags()), "blobs": b["n"], "packs": p["n"],
+            "commits": c["n"], "tags": len(self.tags()), "blobs": b["n"], "packs": p["n"],
             "logical_bytes": c["logical"], "unique_bytes": b["raw"], "stored_bytes": b["stored"],
             "pack_bytes": p["size"], "catalog_bytes": catalog, "reserve_bytes": reserve, "tmp_bytes": tmp,
             "dedup_ratio": c["logical"] / b["raw"] if b["raw"] else None,
             "compression_ratio": b["raw"] / b["stored"] if b["stored"] else None,
         }
 
+    # --- refs ----------------------------------------------------------------------------------
+
+    def resolve(self, ref: str) -> str:
+        """The commit id a ref names: a tag, a full commit id, or a unique id prefix of at
+        least 4 hex digits (as git: a shorter one is too easily a mistyped tag).
+
+        Raises:
+            RefNotFoundError: nothing matches.
+            AmbiguousRefError: a prefix matches several commits (they are listed).
+            IntegrityError: the tag is damaged (or names a commit the store lacks).
+        """
+        if type(ref) is not str or not ref or not jsonvalue.is_text(ref):
+            raise RefNotFoundError(f"invalid ref {ref!r}")
+        if _FULL_ID.fullmatch(ref) and self.has_cached(ref):
+            return ref  # a commit the index holds (no tag is named by hex digits: check_tag); records are immutable
+        cid = self.refs.read(ref)
+        return self.held(cid) if cid is not None else self.find_commit(ref)
+
+    def tags(self) -> dict[str, str]:
+        """``{tag name: commit id}``, sorted by name (on object storage: the refs as on the
+        bucket now, never the commits they name)."""
+        return self.refs.list()
+
+    def tag(self, name: str, ref: str, *, expect: str | None | type[Ellipsis] = ...) -> str:
+        """Create or move tag ``name`` to the commit ``ref`` names; returns its id.
+
+        Atomic: one transaction moves the tag and appends a reflog row. With
+        ``expect`` (a commit id, or ``None`` for "no such tag yet") it is a
+        compare-and-swap: RefConflictError, and nothing changes, when the tag
+        names something else at that moment.
+        """
+        check_tag(name)
+        with self.refs.transaction() as txn:  # locally one catalog transaction; on object storage each move is a CAS
+            cid = self.resolve(ref)
+            self.refs.move({name: (expect, cid)}, "tag", None, txn)
+        return cid
+
+    def delete_tag(self, name: str) -> str:
+        """Delete tag ``name`` (its commits stay until GC); returns the commit it named
+        (on object storage ``""`` for a tag whose payload was malformed: it is removed all the same).
+
+        Raises:
+            RefNotFoundError: no such tag.
+        """
+        return self.refs.delete(name)
+
+    def reflog(self, tag: str | None = None) -> list[dict]:
+        """Every tag move, newest first: ``{tag, old_commit, new_commit, at, action}``.
+
+        Raises RefNotFoundError for a tag that never existed.
+        """
+        return self.refs.reflog(tag)
+
+    def has_cached(self, cid: str) -> bool:
+        """Does the index hold commit ``cid``'s rows? (Locally the index is the store.)"""
+        return self.open_catalog(create=False) is not None and bool(self.catalog.rows("SELECT 1 FROM commits WHERE id = ?", (cid,)))
+
+    # --- records, manifests and blob locations ---------------------------------------------
+
+    def record(self, ref: str) -> records.CommitRecord:
+        """The commit record of ``ref`` (see :mod:`ckptstore.records`), checked against its id.
+
+        Checkout, export, diff and verify read a commit's manifest only from
+        here, so a catalog row edited or rotted after the commit is detected
+        (IntegrityError naming the commit), never returned.
+
+        Raises:
+            RefNotFoundError / AmbiguousRefError: bad ref.
+            IntegrityError: the record is missing, damaged or malformed.
+        """
+        cid = self.resolve(ref)
+        cached = self._records.get(cid)
+        if cached is None:
+            rows = self.catalog.rows("SELECT record FROM commits WHERE id = ?", (cid,))
+            cached = records.parse_commit(rows[0]["record"] if rows else None, cid)
+            if len(self._records) > 8:
+                self._records.clear()
+            self._records[cid] = cached
+        return cached
+
+    def components(self, ref: str) -> dict[str, dict]:
+        """``{component path: {"adapter", "version", "meta"}}`` of a commit."""
+        return self.record(ref).components
+
+    def manifest(self, ref: str, prefixes: list[str] | None = None) -> list[LeafRecord]:
+        """Leaf records of a commit (under path ``prefixes`` if given), each tensor
+        leaf's ``shards`` located in the packs.
+
+        Raises:
+            IntegrityError: the record is damaged (see :meth:`record`).
+            BlobMissingError: a shard's blob is not in the catalog.
+        """
+        rec = self.record(ref)
+        leaves = [
+            LeafRecord(r.path, r.component, r.kind, r.dtype, r.shape, r.nbytes, r.shard_bytes, r.value, r.stride, keys=r.keys)
+            for r in rec.leaves
+            if prefixes is None or any(under(r.path, p) for p in prefixes)
+        ]
+        found = self.locate([k for r in leaves for k in r.keys])
+        for r in leaves:
+            for i, key in enumerate(r.keys):
+                loc = found.get(key)
+                if loc is None:
+                    raise BlobMissingError(f"commit {rec.id}, leaf {r.path}: shard {i} (blob {address(*key)}) is not in the catalog")
+                r.shards.append(loc)
+        return leaves
+
+    def locate(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], BlobLoc]:
+        """Where the catalog says each blob (``(XXH3-128 digest, length)`` address) is; absent ones are left out."""
+        wanted = set(keys)
+        rows = self.catalog.chunked(
+            "SELECT hash, raw_len, pack, offset, stored_len, codec FROM blobs WHERE hash IN ({})", list({d for d, _ in wanted}), raw=True
+        )
+        return {(h, n): BlobLoc(h, n, p, o, sl, c) for h, n, p, o, sl, c in rows if (h, n) in wanted}
+
+    def relocate(self, loc: BlobLoc) -> BlobLoc | None:
+        """The current location of the blob at ``loc`` (a GC may have repacked it), or ``None``."""
+        return self.locate([(loc.digest, loc.raw_len)]).get((loc.digest, loc.raw_len))
+
+    def lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
+        """Blob ids of the addresses the catalog already holds, less those marked bad
+        (``bad_blobs``: a read or fsck found the copy damaged): dedup never reuses a bad blob;
+        the commit writes the address again and its index step points the row at the new copy."""
+        wanted = set(keys)
+        rows = self.catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
+        found = {(h, n): i for h, n, i in rows if (h, n) in wanted}
+        if found:  # (a few rows at most, almost always none: one probe; in the SQL above it cost 3x the lookup)
+            bad = {r[0] for r in self.catalog.rows("SELECT blob_id FROM bad_blobs", raw=True)}
+            if bad:
+                found = {k: i for k, i in found.items() if i not in bad}
+        return found
+
+    def newest_commit(self, adapter: str) -> str | None:
+        """Id of the newest commit holding a component stored by ``adapter``, or ``None``."""
+        rows = self.catalog.rows(
+            "SELECT c.id FROM commits c JOIN components k ON k.commit_id = c.id WHERE k.adapter = ? ORDER BY c.created_at DESC, c.id LIMIT 1",
+            (adapter,),
+        )
+        return rows[0]["id"] if rows else None
+
+    def leaf_blobs(self, commits: Sequence[str], paths: Sequence[str]) -> dict[str, dict[tuple[bytes, int], int]]:
+        """``{leaf path: {address: blob id}}`` of the shards that leaves ``paths`` of ``commits``
+        (commit ids) reference, from the catalog's index. Hints only: a commit that reuses
+        these ids passes them as ``prior``, and its transaction rechecks each one."""
+        out: dict[str, dict[tuple[bytes, int], int]] = {}
+        for cid in dict.fromkeys(commits):
+            rows = self.catalog.chunked(
+                "SELECT l.path, b.hash, b.raw_len, b.id FROM commit_leaves l JOIN shards s ON s.leaf_id = l.id JOIN blobs b ON b.id = s.blob_id "
+                "WHERE l.commit_id = ? AND l.path IN ({})", list(dict.fromkeys(paths)), (cid,), raw=True,
+            )
+            for path, h, n, i in rows:
+                out.setdefault(path, {})[(h, n)] = i
+        return out
+
+    # --- objects (each home's own) ---------------------------------------------------------
+
+    def pack_writer(self):
+        """A writer of new packs for one commit (:class:`ckptstore.packs.PackWriter`'s interface)."""
+        raise NotImplementedError
+
+    def pack_reader(self, sparse: bool = False):
+        """A reader of this store's packs (:class:`ckptstore.packs.PackReader`'s interface);
+        ``sparse``: a few blobs will be read, no readahead."""
+        raise NotImplementedError
+
+    def pack_size(self, pack: str) -> int | None:
+        """Bytes of pack ``pack`` (an id) as the store holds it now, or ``None`` if it holds no such pack."""
+        raise NotImplementedError
+
+    # --- the maintenance protocols' sides (each home's own: :mod:`ckptstore.upkeep`) --------------
+
+    def gc_side(self):
+        """This home's primitives of the GC protocol (an :class:`ckptstore.upkeep.GCSide`)."""
+        raise NotImplementedError
+
+    def fsck_side(self):
+        """This home's primitives of the fsck protocol (an :class:`ckptstore.upkeep.FsckSide`)."""
+        raise NotImplementedError
 
 __all__ = ["CATALOG", "Home", "weakly"]

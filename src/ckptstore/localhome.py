@@ -22,12 +22,11 @@ from .backends.local import ForeignEntryError, describe_mode, lstat_beneath, ope
 from .bucketformat import GCMarks
 from .catalog import drop_commit_rows, rebuild_record
 from .errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, ResourceLimitError, StoreWriteError
-from .fsck import FsckReport, FsckSide
-from .gc import GCReport, GCSide, PackStat, gc_lock, packed, unlocked
 from .home import Home
 from .layout import ShardPlan, itemsize
 from .packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, pack_path, scan, walk_store
 from .records import KIND_COMMIT, KIND_REF
+from .upkeep import FsckReport, FsckSide, GCReport, GCSide, PackStat, gc_lock, packed, unlocked
 
 
 class LocalHome(Home):
@@ -40,15 +39,15 @@ class LocalHome(Home):
     """
 
     def pack_writer(self) -> PackWriter:
-        """As :meth:`ckptstore.Store.pack_writer` (its docstring: returns, raises), on this home."""
-        return PackWriter(self.root, self.store.compression_level, self.store.pack_bytes)
+        """As :meth:`ckptstore.home.Home.pack_writer`, on this home."""
+        return PackWriter(self.root, self.compression_level, self.pack_bytes)
 
     def pack_reader(self, sparse: bool = False) -> PackReader:
-        """As :meth:`ckptstore.Store.pack_reader` (its docstring: returns, raises), on this home."""
-        return PackReader(self.root, sparse, locate=self.store.relocate)
+        """As :meth:`ckptstore.home.Home.pack_reader`, on this home."""
+        return PackReader(self.root, sparse, locate=self.relocate)
 
     def pack_size(self, pack: str) -> int | None:
-        """As :meth:`ckptstore.Store.pack_size` (its docstring: returns, raises), on this home."""
+        """As :meth:`ckptstore.home.Home.pack_size`, on this home."""
         try:  # (a link, FIFO, socket or device in its place is no pack: invariant 13)
             st = lstat_beneath(self.root, pack_path(self.root, pack))
         except OSError:
@@ -57,7 +56,7 @@ class LocalHome(Home):
 
     def gc_side(self) -> LocalGC:
         """This home's primitives of the GC protocol (:func:`ckptstore.gc.collect`)."""
-        return LocalGC(self.store)
+        return LocalGC(self)
 
     def fsck_side(self) -> LocalFsck:
         """This home's primitives of the fsck protocol (:func:`ckptstore.fsck.check`)."""
@@ -69,7 +68,7 @@ class LocalFsck(FsckSide):
     (its rows against each record, its blob rows, SQLite's own checks) against the pack files."""
 
     def __init__(self, home: LocalHome):
-        self.home, self.store, self.root, self.location = home, home.store, home.root, home.location
+        self.home, self.root, self.location = home, home.root, home.location
 
     #: A commit exists once its catalog transaction commits: no record exists before its tags move.
     attempts_leave_records = False
@@ -79,7 +78,7 @@ class LocalFsck(FsckSide):
         (StoreWriteError). A local store has no pack indexes: its repair replaces bad blob
         copies by good ones found in other packs (:meth:`replace_bad`); a lost or damaged
         catalog is rebuilt from the packs by ``recover``."""
-        if repair and not self.store.catalog.writable:
+        if repair and not self.home.catalog.writable:
             raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): fsck --repair cannot write it")
 
     def replace_bad(self, report: FsckReport, locs: list[BlobLoc]):
@@ -90,7 +89,7 @@ class LocalFsck(FsckSide):
         want = {(loc.digest, loc.raw_len): loc for loc in locs}
         reader = PackReader(self.root)
         try:
-            for (pid,) in self.store.catalog.rows("SELECT id FROM packs WHERE retired_at IS NULL ORDER BY created_at DESC, id", raw=True):
+            for (pid,) in self.home.catalog.rows("SELECT id FROM packs WHERE retired_at IS NULL ORDER BY created_at DESC, id", raw=True):
                 if not want:
                     break
                 entries, _ = scan(pack_path(self.root, pid), pid)  # (a walk stopped by damage still gives the entries before it)
@@ -112,16 +111,16 @@ class LocalFsck(FsckSide):
             reader.close()
 
     def resolve(self, ref: str) -> str:
-        """The commit id ``ref`` names (:meth:`ckptstore.Store.resolve`)."""
-        return self.store.resolve(ref)
+        """The commit id ``ref`` names (:meth:`ckptstore.home.Home.resolve`)."""
+        return self.home.resolve(ref)
 
     def snapshot(self):
         """One read transaction of the catalog: tags, commits and blob rows agree with each other."""
-        return self.store.catalog.read()
+        return self.home.catalog.read()
 
     def tags(self, report: FsckReport) -> dict[str, str]:
         """``{tag: commit id}`` from the catalog."""
-        return dict(self.store.catalog.rows("SELECT name, commit_id FROM tags", raw=True))
+        return dict(self.home.catalog.rows("SELECT name, commit_id FROM tags", raw=True))
 
     def commits(self, report: FsckReport, ids: list[str] | None, deep: bool) -> dict[str, Any]:
         """``{commit id: CommitRecord, or None when its record does not hash to its id}`` of
@@ -129,7 +128,7 @@ class LocalFsck(FsckSide):
         (leaves, shards, components, parents, message) that disagree with the record, a
         leaf whose shard rows do not fit its shape and dtype (damaged commits), and a commit
         with no copy of its record in a pack (a problem: recover could not rebuild it)."""
-        cat = self.store.catalog
+        cat = self.home.catalog
         ids = [r[0] for r in cat.rows("SELECT id FROM commits", raw=True)] if ids is None else ids
         texts = dict(cat.chunked("SELECT id, record FROM commits WHERE id IN ({})", ids, raw=True))
         copies = {r[0] for r in cat.chunked(f"SELECT name FROM records WHERE kind = {records.KIND_COMMIT} AND name IN ({{}})", ids, raw=True)}
@@ -174,11 +173,11 @@ class LocalFsck(FsckSide):
     def locate(self, report: FsckReport, keys: list[tuple[bytes, int]], deep: bool, repair: bool) -> dict:
         """Where the catalog says each blob of ``keys`` is (``{address: BlobLoc}``); for most of
         the store's blobs, from one scan of the blob rows rather than one lookup each."""
-        (top,), = self.store.catalog.rows("SELECT COALESCE(MAX(id), 0) FROM blobs", raw=True)
+        (top,), = self.home.catalog.rows("SELECT COALESCE(MAX(id), 0) FROM blobs", raw=True)
         if len(keys) * 4 < top:
-            return self.store.locate(keys)
+            return self.home.locate(keys)
         wanted = set(keys)
-        rows = self.store.catalog.rows("SELECT hash, raw_len, pack, offset, stored_len, codec FROM blobs", raw=True)
+        rows = self.home.catalog.rows("SELECT hash, raw_len, pack, offset, stored_len, codec FROM blobs", raw=True)
         return {(h, n): BlobLoc(h, n, *rest) for h, n, *rest in rows if (h, n) in wanted}
 
     def read(self, locs: list[BlobLoc], reread: set):
@@ -187,8 +186,8 @@ class LocalFsck(FsckSide):
         rehashed (``None`` when intact, else the error). A GC beside fsck may move (repack)
         or free a blob after the catalog was read: one that looks missing or bad is looked
         up again, and only reported if it still is."""
-        store = self.store
-        reader = PackReader(self.root, locate=store.relocate)
+        home = self.home
+        reader = PackReader(self.root, locate=home.relocate)
         sizes: dict[str, int | None] = {}
 
         def gap(loc: BlobLoc) -> str | None:  # why the pack does not hold the blob whole, or None
@@ -200,7 +199,7 @@ class LocalFsck(FsckSide):
             return None if loc.offset + BLOB_HEADER.size + loc.stored_len <= size else f"blob {loc.address}: pack {loc.pack}.pack is truncated"
 
         def still_bad(loc: BlobLoc, read: bool) -> bool:
-            now = store.relocate(loc)
+            now = home.relocate(loc)
             if now is None:
                 return False  # freed meanwhile: no kept commit references it
             sizes.pop(now.pack, None)
@@ -237,7 +236,7 @@ class LocalFsck(FsckSide):
         in ``tmp/``) and, with ``deep``, every record copy in the packs (of commits ``ids``,
         and with ``whole`` the ref-move records) reread: a damaged copy of a commit's
         record damages the commit; one that differs from the catalog's is a problem."""
-        cat = self.store.catalog
+        cat = self.home.catalog
         with cat.read():
             if whole:
                 status = [r[0] for r in cat.rows("PRAGMA integrity_check", raw=True)]
@@ -264,7 +263,7 @@ class LocalFsck(FsckSide):
             report.orphan_packs.sort()
         if not deep:
             return
-        reader = PackReader(self.root, locate=self.store.relocate)
+        reader = PackReader(self.root, locate=self.home.relocate)
 
         def copy(r) -> str:
             loc = BlobLoc(bytes(r["digest"]), r["raw_len"], r["pack"], r["offset"], r["stored_len"], CODEC_RAW)
@@ -341,16 +340,16 @@ class LocalGC(GCSide):
     commit) and files in ``tmp/`` are removed when older than the grace period and not
     ``flock``ed by a running commit."""
 
-    def __init__(self, store):
-        self.store = store
-        self.cat = store.catalog
+    def __init__(self, home):
+        self.home = home
+        self.cat = home.catalog
         self._now: float | None = None
         self._dying: tuple = ("0", (), "0")
         self._victims: list = []
         self._token: tuple = ()
 
     def lock(self, dry_run: bool):
-        return gc_lock(self.store.root, read_only_ok=dry_run)
+        return gc_lock(self.home.root, read_only_ok=dry_run)
 
     def now(self, fresh: bool) -> float:
         if fresh or self._now is None:
@@ -408,7 +407,7 @@ class LocalGC(GCSide):
             yield
 
     def busy(self, pack: str) -> bool:
-        fd = unlocked(pack_path(self.store.root, pack))
+        fd = unlocked(pack_path(self.home.root, pack))
         if fd is None:
             return True  # held by a running process (or gone): left for a later run
         os.close(fd)  # nothing locks a pack again once it has its final name
@@ -447,7 +446,7 @@ class LocalGC(GCSide):
             last = rows[-1][0]
 
     def room(self) -> int:
-        return shutil.disk_usage(self.store.root).free
+        return shutil.disk_usage(self.home.root).free
 
     def _entries(self, packs: list[str], dying: tuple = ("0", (), "0")) -> dict[str, tuple[list, list]]:
         """``{pack: (blob rows, record rows)}`` of ``packs``, each in id order, less the rows
@@ -464,16 +463,16 @@ class LocalGC(GCSide):
         with self._dropping(self._victims):
             rows = self._entries([p.id for p in batch], self._dying)
         sizes = [BLOB_HEADER.size + r["stored_len"] for p in batch for part in rows[p.id] for r in part]
-        return sum(size for _, size in packed(sizes, self.store.pack_bytes))
+        return sum(size for _, size in packed(sizes, self.home.pack_bytes))
 
     def copy(self, batch: list[PackStat], report: GCReport) -> int:
-        store, now = self.store, self._now
-        with PackWriter(store.root, store.compression_level, store.pack_bytes) as writer:
+        home, now = self.home, self._now
+        with PackWriter(home.root, home.compression_level, home.pack_bytes) as writer:
             moved, entries = [], self._entries([p.id for p in batch])
             for p in batch:
                 where = f"repacking pack {p.id}"
                 blobs, recs = entries[p.id]
-                with os.fdopen(open_regular(store.root, pack_path(store.root, p.id)), "rb") as f, progress.task(f"repack {p.id[:12]}", sum(r["raw_len"] for r in blobs)) as advance:
+                with os.fdopen(open_regular(home.root, pack_path(home.root, p.id)), "rb") as f, progress.task(f"repack {p.id[:12]}", sum(r["raw_len"] for r in blobs)) as advance:
                     for table, rows, magic in (("blobs", blobs, BLOB_MAGIC), ("records", recs, RECORD_MAGIC)):
                         for r in rows:
                             blob = table == "blobs"
@@ -519,16 +518,16 @@ class LocalGC(GCSide):
                 ids = [p for p in batch if p not in used]
                 self.cat.chunked("DELETE FROM packs WHERE id IN ({})", ids)
                 for pid in ids:
-                    path = pack_path(self.store.root, pid)
+                    path = pack_path(self.home.root, pid)
                     try:
-                        batch[pid].freed = unlink_beneath(self.store.root, path, sync=False)
+                        batch[pid].freed = unlink_beneath(self.home.root, path, sync=False)
                     except ForeignEntryError:  # not the pack ckptstore wrote (a link, a FIFO...): left alone, fsck names it
                         batch[pid].freed = 0
                     folders.add(path.parent)
                     gone.append(batch[pid])
         for folder in sorted(folders):  # the unlinks made durable once per folder, not per pack
             try:
-                fd = open_dir(self.store.root, folder)
+                fd = open_dir(self.home.root, folder)
             except OSError:  # gone, or not the store's folder: nothing of ours to make durable there
                 continue
             try:
@@ -544,7 +543,7 @@ class LocalGC(GCSide):
         folder's descriptor: a link (``tmp`` or ``blobs/zz`` pointing at another folder), a
         FIFO, socket or device is never followed, opened or deleted (invariant 13)."""
         known = {r[0] for r in self.cat.rows("SELECT id FROM packs", raw=True)}
-        root = self.store.root
+        root = self.home.root
         candidates = [(root / rel, "orphan" if kind == "pack" else "tmp") for kind, rel, _ in walk_store(root)
                       if kind == "tmp" or (kind == "pack" and Path(rel).stem not in known)]
         for path, kind in candidates:

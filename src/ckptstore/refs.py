@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from . import records
 from .backends.base import check_ref_name, ref_segment
 from .errors import (
+    AmbiguousRefError,
     BackendError,
     IntegrityError,
     InvalidNameError,
@@ -52,7 +53,7 @@ from .errors import (
     ReflogWarning,
     RefNotFoundError,
 )
-from .bucketformat import parse_reflog, read_tag, read_tag_hint, ref_payload, reflog_bytes
+from .bucketformat import commit_key, parse_reflog, read_tag, read_tag_hint, ref_payload, reflog_bytes
 
 if TYPE_CHECKING:
     from .backends import Backend
@@ -63,6 +64,7 @@ ANY: Any = ...
 #: Seconds a move on object storage keeps retrying its compare-and-swap against other writers.
 CAS_SECONDS = 60.0
 _CID = re.compile(r"[0-9a-f]{32}")
+_HEX = re.compile(r"[0-9a-f]+")
 _UPSERT = ("INSERT INTO tags(name, commit_id, updated_at) VALUES (?, ?, ?) "
            "ON CONFLICT(name) DO UPDATE SET commit_id = excluded.commit_id, updated_at = excluded.updated_at")
 
@@ -451,4 +453,32 @@ class BucketRefs(Refs):
         return sorted(out, key=lambda m: (m["at"], keys[id(m)]), reverse=True)
 
 
-__all__ = ["ANY", "BucketRefs", "CAS_SECONDS", "CatalogRefs", "Fence", "Refs", "fenced", "guarded"]
+def resolve_on_bucket(backend: Backend, ref: str) -> tuple[str, str | None]:
+    """``(commit id, tag or None)`` that ``ref`` names on the remote: a tag, a full
+    commit id, or a unique id prefix (4 hex digits or more).
+
+    Raises:
+        RefNotFoundError / AmbiguousRefError: nothing, or several commits, match.
+    """
+    if type(ref) is not str or not ref:
+        raise RefNotFoundError(f"invalid ref {ref!r}")
+    try:
+        cid, _ = read_tag(backend, ref)
+    except InvalidNameError:
+        cid = None  # not a valid ref name: perhaps a commit id
+    else:
+        if cid is not None:
+            return cid, ref
+    low = ref.lower()
+    if _CID.fullmatch(low) and backend.head(commit_key(low)) is not None:
+        return low, None
+    if len(low) >= records.MIN_PREFIX and _HEX.fullmatch(low):
+        found = [o.key.rsplit("/", 1)[1] for o in backend.list(f"commits/{low[:2]}")]
+        found = [c for c in found if c.startswith(low)]
+        if len(found) == 1:
+            return found[0], None
+        if found:
+            raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix in {backend.url}: matches {', '.join(c[:12] for c in found[:10])}")
+    raise RefNotFoundError(records.unknown_ref(ref, backend.url, [t for t in backend.list_refs() if t.startswith(ref + "/")]))
+
+__all__ = ["ANY", "BucketRefs", "CAS_SECONDS", "CatalogRefs", "Fence", "Refs", "fenced", "guarded", "resolve_on_bucket"]

@@ -36,7 +36,6 @@ lists ``blobs/`` and reads every ``.idx`` (one GET each).
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -59,17 +58,15 @@ from .bucketformat import (
     reflog_bytes,
 )
 from .errors import (
-    AmbiguousRefError,
     BlobMissingError,
-    InvalidNameError,
     NotAStoreError,
     RefBusyError,
     RefConflictError,
-    RefNotFoundError,
 )
 from .layout import address
 from .packs import BLOB_HEADER
-from .records import KIND_COMMIT, MIN_PREFIX, CommitRecord, recreate, unknown_ref
+from .records import KIND_COMMIT, CommitRecord, recreate
+from .refs import resolve_on_bucket as resolve  # (the refs of a store on object storage: the home layer's)
 from .threads import Pool
 from .transfer import TransferReport, missing_lineage
 
@@ -77,8 +74,6 @@ if TYPE_CHECKING:
     from .interfaces import RemoteRepository
 
 CAS_ATTEMPTS = 20
-_CID = re.compile(r"[0-9a-f]{32}")
-_HEX = re.compile(r"[0-9a-f]+")
 
 
 def _diverged(where: str, tag: str, theirs: str, ours: str) -> RefConflictError:
@@ -215,35 +210,6 @@ def push(local: RemoteRepository, backend: Backend, ref: str, force: bool = Fals
 
 
 # --- pull -----------------------------------------------------------------------------------
-
-
-def resolve(backend: Backend, ref: str) -> tuple[str, str | None]:
-    """``(commit id, tag or None)`` that ``ref`` names on the remote: a tag, a full
-    commit id, or a unique id prefix (4 hex digits or more).
-
-    Raises:
-        RefNotFoundError / AmbiguousRefError: nothing, or several commits, match.
-    """
-    if type(ref) is not str or not ref:
-        raise RefNotFoundError(f"invalid ref {ref!r}")
-    try:
-        cid, _ = read_tag(backend, ref)
-    except InvalidNameError:
-        cid = None  # not a valid ref name: perhaps a commit id
-    else:
-        if cid is not None:
-            return cid, ref
-    low = ref.lower()
-    if _CID.fullmatch(low) and backend.head(commit_key(low)) is not None:
-        return low, None
-    if len(low) >= MIN_PREFIX and _HEX.fullmatch(low):
-        found = [o.key.rsplit("/", 1)[1] for o in backend.list(f"commits/{low[:2]}")]
-        found = [c for c in found if c.startswith(low)]
-        if len(found) == 1:
-            return found[0], None
-        if found:
-            raise AmbiguousRefError(f"ref {ref!r} is an ambiguous commit id prefix in {backend.url}: matches {', '.join(c[:12] for c in found[:10])}")
-    raise RefNotFoundError(unknown_ref(ref, backend.url, [t for t in backend.list_refs() if t.startswith(ref + "/")]))
 
 
 def pull(local: RemoteRepository, backend: Backend, ref: str, force: bool = False) -> TransferReport:

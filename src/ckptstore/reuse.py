@@ -10,12 +10,13 @@ commit's changed tensor leaves, split when it snapshots the state, are :class:`P
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from . import jsonvalue, records
 from .digests import DigestCache
 from .layout import ShardPlan, changed_parts, sample_unchanged, shard_count
 from .records import LeafRecord
+from .indexstep import Reused, logical_bytes, per_component  # noqa: F401 (declared in the home layer, whose index step reads them)
 
 if TYPE_CHECKING:
     from .adapters.base import Captured
@@ -55,53 +56,6 @@ class Prehashed:
     shards: list[tuple[bytes, memoryview]]
     reused: dict[int, int]  # shard index -> blob id
     last: list[tuple[bytes, int]]
-
-
-@dataclass(eq=False)
-class Reused:
-    """A component committed unchanged since this store's commit ``last`` (every fingerprint
-    equal, the sample rehashed equal), in place of its captured form: its manifest
-    ``records``, shard addresses (``keys``) and ``{address: blob id}`` (``blobs``) as the
-    rows of commit ``owner`` hold them. The index step points the new commit's component
-    at those rows once it finds them in its transaction (``owner`` and ``confirmed`` then
-    say whose: a GC may have moved them to a sharer), else writes rows of its own."""
-
-    path: str
-    adapter: str
-    version: int
-    meta: dict
-    records: list[LeafRecord]
-    keys: list[tuple[bytes, int]]
-    blobs: dict[tuple[bytes, int], int]
-    owner: str
-    last: str
-    manifest_json: str  # its manifest entries' JSON text (records.manifest_json)
-    nbytes: int  # of its tensor leaves
-    source: Any = None  # the captured component (live tensors), to commit it without sharing (_unshared)
-    confirmed: bool = False
-
-
-def per_component(components: list, leaves: list[LeafRecord], keys: list | None = None):
-    """Each of a commit's ``components`` with its part of the commit's flat ``leaves`` and
-    (if given) ``keys`` (shard addresses in leaf order): ``(component, its leaf records,
-    its keys or None)``; a :class:`Reused` component's are its own ``records`` and ``keys``."""
-    i = k = 0
-    for c in components:
-        if type(c) is Reused:
-            recs, comp_keys = c.records, c.keys
-        else:
-            recs = leaves[i : i + len(c.leaves)]
-            comp_keys = None if keys is None else keys[k : k + sum(shard_count(r.nbytes, r.shard_bytes) for r in recs if r.kind == "tensor")]
-        yield c, recs, comp_keys
-        i, k = i + len(recs), k + (0 if comp_keys is None else len(comp_keys))
-
-
-def logical_bytes(components: list, leaves: list[LeafRecord]) -> int:
-    """Bytes of the tensor leaves of a commit's manifest (``leaves``, in the order of
-    ``components``, whose :class:`Reused` ones know theirs)."""
-    if not any(type(c) is Reused for c in components):
-        return sum(r.nbytes for r in leaves if r.kind == "tensor")
-    return sum(c.nbytes if type(c) is Reused else sum(r.nbytes for r in recs if r.kind == "tensor") for c, recs, _ in per_component(components, leaves))
 
 
 def as_reused(digests: DigestCache, comp: Captured, shard_bytes: int) -> Reused | None:

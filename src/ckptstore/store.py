@@ -1,42 +1,43 @@
 """The store: the facade that builds a home from a path or URL and delegates.
 
-What differs between homes (objects, refs, the index: opening the catalog, its settings and
-queries) is the home's (:attr:`Store.home`: :class:`ckptstore.localhome.LocalHome` in a folder,
-:class:`ckptstore.bucket.BucketHome` on object storage); what is the same is in the protocol
+The home (:attr:`Store.home`: :class:`ckptstore.localhome.LocalHome` in a folder,
+:class:`ckptstore.bucket.BucketHome` on object storage) owns what differs between homes and
+what is the index's: the objects, the refs, the catalog connection, the settings and the
+queries (``resolve``, ``tags``, ``log``, ``record``, ``manifest``, ``locate``...: see
+:class:`ckptstore.home.Home`). What is written once above the homes is in the protocol
 modules: :mod:`ckptstore.commit` (its index step is the home's: one ``BEGIN IMMEDIATE``
-catalog transaction locally), :mod:`ckptstore.queries`, :mod:`ckptstore.checkout`,
-:mod:`ckptstore.gc`, :mod:`ckptstore.fsck`. A crash before the index step commits leaves
+catalog transaction locally), :mod:`ckptstore.checkout`, :mod:`ckptstore.diff`,
+:mod:`ckptstore.gc`, :mod:`ckptstore.fsck`, :mod:`ckptstore.recover`,
+:mod:`ckptstore.transfer`, :mod:`ckptstore.remote`. This module only builds the home and
+hands each call to the one that answers it. A crash before the index step commits leaves
 only orphan pack files, which GC removes.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-import threading
 import uuid
 import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import records
 from .backends import as_backend, is_url
-from .catalog import Catalog, keep_reserve, release_reserve
+from .catalog import Catalog
 from .collector import paused_gc
-from .commit import CommitInfo, Committer, lookup_blobs
-from .errors import CatalogCorruptError, CkptStoreError, ForkedStoreError, InvalidArgumentError, NotAStoreError
+from .commit import CommitInfo, Committer
+from .diff import DiffReport, diff_commits
+from .errors import CkptStoreError, ForkedStoreError, InvalidArgumentError
 from .fsck import FsckReport
 from .fsck import run as run_fsck
 from .fsck import verify as verify_commit
 from .gc import SMALL_PACK_BYTES, GCReport, collect
-from .home import CATALOG, Home
+from .home import Home
 from .localhome import LocalHome
-from .layout import DEFAULT_SHARD_BYTES
-from .packs import IOStats, PackReader, PackWriter
-from .queries import Queries
+from .packs import IOStats, PackWriter
 from .records import check_tag  # validates a tag name: public here for integrations that take tags before they commit
 from .recover import RecoverReport, recover, recover_bucket
-from .refs import Refs
 from .threads import fail_inherited
 
 if TYPE_CHECKING:  # the adapters (and torch) load on first commit or checkout: catalog-only use never imports torch
@@ -47,7 +48,18 @@ if TYPE_CHECKING:  # the adapters (and torch) load on first commit or checkout: 
     from .transfer import TransferReport
 
 
-class Store(Queries):
+def _home(name: str):
+    """A method of :class:`Store` that is the home's method ``name`` (its signature and docstring)."""
+    wrapped = getattr(Home, name)
+
+    @functools.wraps(wrapped)
+    def call(self, *args, **kwargs):
+        return getattr(self.home, name)(*args, **kwargs)
+
+    return call
+
+
+class Store:
     """A content-addressed, versioned checkpoint store in one folder, or on object storage.
 
     Args:
@@ -101,36 +113,20 @@ class Store(Queries):
         if is_url(path):
             from .bucket import BucketHome  # a store on object storage
 
-            home: Home = BucketHome(self, path, create, cache, backend)
+            home: Home = BucketHome(path, create, cache, backend, shard_bytes, compression_level, pack_bytes)
         elif cache is not None or backend is not None:
             raise InvalidArgumentError("cache and backend are for a store on object storage (s3://bucket/prefix), not a folder")
         else:
-            home = LocalHome(self, Path(path))
-        #: The home (:mod:`ckptstore.home`): the store's objects, refs and index.
+            home = LocalHome(Path(path), shard_bytes, compression_level, pack_bytes)
+        #: The home (:mod:`ckptstore.home`): the store's objects, refs, index, settings and queries.
         self.home = home
+        #: The folder of the catalog (locally the store's folder; on object storage its cache).
+        self.root = home.root
         _STORES.add(self)  # (refused in a forked child: _after_fork_in_child)
         try:
-            self.root = home.root
-            self._asked = shard_bytes, compression_level = home.asked_settings(shard_bytes, compression_level)
-            self.shard_bytes = DEFAULT_SHARD_BYTES if shard_bytes is None else shard_bytes
-            self.compression_level = 3 if compression_level is None else compression_level
-            self.pack_bytes = home.pack_bytes if pack_bytes is None else pack_bytes
+            home.open(create)
             self._committer = Committer(self, workers, registry, reuse_hashes)  # (ckptstore.commit: the commits' threads and digest cache)
             self.io = IOStats()
-            self._records: dict[str, records.CommitRecord] = {}  # verified commit records by id (immutable)
-            self._catalog: Catalog | None = None
-            self._catalog_lock = threading.Lock()
-            #: The home's refs (:mod:`ckptstore.refs`): every tag read and move goes through them.
-            self.refs: Refs = home.make_refs()
-            try:
-                opened = self._open(create=home.create_index(create))
-            except CatalogCorruptError:
-                if not home.disposable_index:
-                    raise
-                home.discard_index()  # it held only copies: moved aside, a new one is built
-                opened = self._open(create=True)
-            if opened is None and create is False:
-                raise NotAStoreError(f"{self.root} {home.missing()}")
         except BaseException:
             home.close()
             raise
@@ -188,51 +184,61 @@ class Store(Queries):
         return self._committer.map(fn, items)
 
     def _lookup(self, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:  # dedup's lookup (tests patch it here)
-        return lookup_blobs(self.catalog, keys)
+        return self.home.lookup(keys)
 
     def _stop(self) -> None:  # close(): wait for asynchronous commits, release the threads
         self._committer.stop()
 
-    @property
-    def catalog(self) -> Catalog:
-        """The catalog connection, opened on first use.
+    # --- what the home owns: the index, the refs, the settings -----------------------------
 
-        Raises:
-            NotAStoreError: the store does not exist (yet: see ``create``).
-        """
-        cat = self._catalog if self._catalog is not None else self._open(create=False)
-        if cat is None:
-            raise NotAStoreError(f"{self.root} {self.home.missing()}; a first commit creates a store there")
-        return cat
+    catalog = property(lambda self: self.home.catalog, doc="The catalog connection (:attr:`ckptstore.home.Home.catalog`), opened on "
+                       "first use. Raises NotAStoreError: the store does not exist (yet: see ``create``).")
+    refs = property(lambda self: self.home.refs, doc="The home's refs (:mod:`ckptstore.refs`): every tag read and move goes through them.")
+    shard_bytes = property(lambda self: self.home.shard_bytes, doc="Target shard size in bytes of new commits.")
+    compression_level = property(lambda self: self.home.compression_level, doc="zstandard level of new blobs (0: none).")
+    pack_bytes = property(lambda self: self.home.pack_bytes, doc="Packs roll over past this size in bytes.")
+    _records = property(lambda self: self.home._records)  # (verified commit records by id: tests clear it)
 
     def _open(self, create: bool) -> Catalog | None:
-        """Open the catalog (:meth:`ckptstore.home.Home.open_index`), then load the stored
-        settings; ``None`` if there is no store and ``create`` is false (with ``create``: create it)."""
-        with self._catalog_lock:
-            if self._catalog is not None:
-                return self._catalog
-            cat = self.home.open_index(create)
-            if cat is None:
-                return None
-            try:
-                self.shard_bytes, self.compression_level = self.home.stored_settings(cat, self._asked, (self.shard_bytes, self.compression_level))
-            except BaseException:
-                cat.close()
-                raise
-            self._catalog = cat
-        if cat.writable:
-            keep_reserve(self.root / CATALOG)  # room for the journal when the disk fills up
-        if cat.writable and cat.backfill_pending:  # a migration (this open's, or one killed before) to finish
-            self.home.backfill_records()
-        return cat
+        """The catalog, opened if it is not (:meth:`ckptstore.home.Home.open_catalog`)."""
+        return self.home.open_catalog(create)
+
+    # --- queries: the home's (:class:`ckptstore.home.Home`) --------------------------------
+
+    resolve = _home("resolve")
+    tags = _home("tags")
+    tagged = _home("tagged")
+    tag = _home("tag")
+    delete_tag = _home("delete_tag")
+    reflog = _home("reflog")
+    has_commit = _home("has_commit")
+    has_cached = _home("has_cached")
+    info = _home("info")
+    infos = _home("infos")
+    log = _home("log")
+    show = _home("show")
+    du = _home("du")
+    record = _home("record")
+    components = _home("components")
+    manifest = _home("manifest")
+    locate = _home("locate")
+    relocate = _home("relocate")
+    newest_commit = _home("newest_commit")
+    pack_size = _home("pack_size")
+    leaf_blobs = _home("leaf_blobs")
+    pack_writer = _home("pack_writer")
+    pack_reader = _home("pack_reader")
+    refresh_index = _home("refresh_index")
+
+    def diff(self, a: str, b: str) -> DiffReport:
+        """What changed from commit ``a`` to commit ``b``, leaf by leaf. See :mod:`ckptstore.diff`."""
+        return diff_commits(self, self.resolve(a), self.resolve(b))
 
     # --- lifecycle -------------------------------------------------------------------
 
     def close(self) -> None:
-        """Wait for asynchronous commits, then release the threads and the catalog connection."""
+        """Wait for asynchronous commits, then release the threads, the catalog connection and the home."""
         self._stop()
-        if self._catalog is not None:
-            self._catalog.close()
         self.home.close()
 
     def __enter__(self) -> Store:
@@ -258,11 +264,6 @@ class Store(Queries):
             AttributeError: a store in a folder (its objects are files, not a backend).
         """
         return self.home.backend
-
-    def refresh_index(self, only: list[str] | None = None) -> int:
-        """Bring the index up to date with the objects before a lookup that must see every
-        blob the store holds; returns the packs read (:meth:`ckptstore.home.Home.refresh_index`)."""
-        return self.home.refresh_index(only)
 
     # --- transfers ---------------------------------------------------------------------
 
@@ -346,17 +347,14 @@ class Store(Queries):
                 (``keep_last`` below 1 among them).
             BackendError: object storage failed (what was deleted stays deleted; run again).
         """
-        if not dry_run and release_reserve(self.root / CATALOG) and not self.catalog.writable:
-            with self._catalog_lock:  # a full disk: with the reserve's room, the catalog opens for writing
-                self._catalog.close()
-                self._catalog = None
-            self._open(create=False)
+        if not dry_run:
+            self.home.spend_reserve()  # a full disk: with the reserve's room, the catalog opens for writing
         try:
             report = collect(self, keep_last=keep_last, keep_tags=keep_tags, keep_within=keep_within, grace=grace, dry_run=dry_run,
                              small_pack_bytes=small_pack_bytes)
         finally:
-            if not dry_run and self.catalog.writable:
-                keep_reserve(self.root / CATALOG)  # back, from the room the GC freed
+            if not dry_run:
+                self.home.keep_reserve()  # back, from the room the GC freed
         self.forget_hashes()
         return report
 
@@ -438,15 +436,6 @@ class Store(Queries):
         return import_torchrl(self, src, tag=tag)
 
     # --- objects and checkout ----------------------------------------------------------
-
-    def pack_writer(self) -> PackWriter:
-        """A writer of new packs for one commit (:class:`ckptstore.packs.PackWriter`'s interface)."""
-        return self.home.pack_writer()
-
-    def pack_reader(self, sparse: bool = False) -> PackReader:
-        """A reader of this store's packs (:class:`ckptstore.packs.PackReader`'s interface);
-        ``sparse``: a few blobs will be read, no readahead."""
-        return self.home.pack_reader(sparse)
 
     def checkout(
         self, ref: str, partial: Iterable[str] | str | None = None, into: Any = None, verify: bool = True, map_location: Any = None
