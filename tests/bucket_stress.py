@@ -96,8 +96,6 @@ from collections import Counter  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-
 import ckptstore  # noqa: E402
 from ckptstore.errors import (  # noqa: E402
     BlobMissingError,

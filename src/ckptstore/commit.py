@@ -49,7 +49,6 @@ if TYPE_CHECKING:
 
     from .adapters import Registry
     from .adapters.base import Captured
-    from .catalog import Catalog
     from .interfaces import CommitRepository
 
 _INLINE_HASH_BYTES = 4 << 20  # below this, hashing in threads costs more than it saves
@@ -720,18 +719,4 @@ class Committer:
         return [y for f in futures for y in f.result()]
 
 
-def lookup_blobs(catalog: Catalog, keys: list[tuple[bytes, int]]) -> dict[tuple[bytes, int], int]:
-    """Blob ids of the addresses ``catalog`` already holds, less those marked bad
-    (``bad_blobs``: a read or fsck found the copy damaged): dedup never reuses a bad blob;
-    the commit writes the address again and its index step points the row at the new copy.
-    The store's ``_lookup`` (:class:`ckptstore.interfaces.CommitRepository`)."""
-    wanted = set(keys)
-    rows = catalog.chunked("SELECT hash, raw_len, id FROM blobs WHERE hash IN ({})", list({d for d, _ in keys}), raw=True)
-    found = {(h, n): i for h, n, i in rows if (h, n) in wanted}
-    if found:  # (a few rows at most, almost always none: one probe; in the SQL above it cost 3x the lookup)
-        bad = {r[0] for r in catalog.rows("SELECT blob_id FROM bad_blobs", raw=True)}
-        if bad:
-            found = {k: i for k, i in found.items() if i not in bad}
-    return found
-
-__all__ = ["CommitInfo", "Committer", "ReusedBlobsGone", "given_stored", "ints_json", "lookup_blobs", "paused_gc"]
+__all__ = ["CommitInfo", "Committer", "ReusedBlobsGone", "given_stored", "ints_json", "paused_gc"]
