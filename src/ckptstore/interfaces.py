@@ -350,7 +350,7 @@ class TorchRLImportRepository(CommitsComponents, Protocol):
     root: Path
 
 
-# --- queries (ckptstore.queries, ckptstore.diff) ----------------------------------------------------
+# --- diff (ckptstore.diff) ----------------------------------------------------
 
 
 class DiffRepository(Protocol):
@@ -361,26 +361,8 @@ class DiffRepository(Protocol):
     def catalog(self) -> Catalog: ...
 
 
-class QueryRepository(Protocol):
-    """What the queries (:class:`ckptstore.queries.Queries`) need of the repository they are
-    part of: ``catalog`` (the index), ``_open`` (open it, ``create=False``: a query of a store
-    not created yet), ``refs`` (tag reads and moves: a :class:`ckptstore.refs.Refs`), ``home``
-    (what reads the index differs by home: ``held``, ``find_commit``, ``tagged``,
-    ``has_commit``, ...: a :class:`ckptstore.home.Home`) and ``_records`` (verified commit
-    records by id, immutable)."""
-
-    @property
-    def catalog(self) -> Catalog: ...
-
-    def _open(self, create: bool) -> Catalog | None: ...
-
-    refs: Any
-    home: Any
-    _records: dict[str, CommitRecord]
-
-
 __all__ = [
     "ArchiveRepository", "CheckoutHome", "CheckoutRepository", "CommitHome", "CommitRepository", "CommitsComponents",
-    "CommitsManifests", "DiffRepository", "FsckHome", "FsckRepository", "GCHome", "GCRepository", "Key", "QueryRepository",
+    "CommitsManifests", "DiffRepository", "FsckHome", "FsckRepository", "GCHome", "GCRepository", "Key",
     "RecoverRepository", "RemoteRepository", "SourceRepository", "TargetRepository", "TorchRLImportRepository",
 ]
