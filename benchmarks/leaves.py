@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import ckptstore
-import ckptstore.checkout  # noqa: F401 - imported lazily by the store: up front here
+import ckptstore.protocols.checkout  # noqa: F401 - imported lazily by the store: up front here
 import ckptstore.store  # noqa: F401
 
 

@@ -433,7 +433,7 @@ def run_child(spec: dict, cache_root: Path) -> dict:
 def repetition(rep: int, state: dict, floor_buf, gen, args, work: Path) -> dict:
     import ckptstore
     from ckptstore import Store
-    from ckptstore.packs import BLOB_HEADER
+    from ckptstore.objects.packs import BLOB_HEADER
 
     tag = f"r{rep}-{os.getpid()}"
     url = f"s3://{BUCKET}/commit-{tag}"
@@ -556,10 +556,10 @@ def sweep(variants: list[dict], state: dict, floor_buf, reps: int) -> list[dict]
     every commit goes to a fresh prefix with a fresh cache, deleted afterwards."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import ckptstore.bucket
+    import ckptstore.home.bucket
     from ckptstore import Store
 
-    default_uploads = ckptstore.bucket.UPLOADS
+    default_uploads = ckptstore.home.bucket.UPLOADS
     results: list[dict] = []
     for rep in range(reps):
         row: dict = {}
@@ -580,12 +580,12 @@ def sweep(variants: list[dict], state: dict, floor_buf, reps: int) -> list[dict]
                     m = {"seconds": seconds, "peak_rss_delta": rss["delta"], "objects": len(pieces)}
                 else:
                     backend = counting_backend(f"s3://{BUCKET}/{prefix}")
-                    ckptstore.bucket.UPLOADS = v.get("uploads", default_uploads)  # read when the store starts its upload threads
+                    ckptstore.home.bucket.UPLOADS = v.get("uploads", default_uploads)  # read when the store starts its upload threads
                     try:
                         store = Store(f"s3://{BUCKET}/{prefix}", backend=backend,
                                             **({"pack_bytes": v["pack_mib"] * MiB} if "pack_mib" in v else {}))
                     finally:
-                        ckptstore.bucket.UPLOADS = default_uploads
+                        ckptstore.home.bucket.UPLOADS = default_uploads
                     with phases(store, backend.counter) as ph, peak_rss() as rss:
                         t0 = time.perf_counter()
                         store.commit(state, tag="main")
@@ -720,7 +720,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", default=",".join(OPS), help=f"subset of {','.join(OPS)} (partial and whole need the commits)")
     ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the temporary folder (caches, the local store of push) goes")
     ap.add_argument("-o", "--output", default=None, help="JSON results (default benchmarks/results/objstore-<date>.json)")
-    ap.add_argument("--uploads", type=int, default=None, help="experiment: ckptstore.bucket.UPLOADS (parallel pack PUTs) for this run")
+    ap.add_argument("--uploads", type=int, default=None, help="experiment: ckptstore.home.bucket.UPLOADS (parallel pack PUTs) for this run")
     ap.add_argument("--pack-mib", type=int, default=None, help="experiment: pack_bytes of the committing store, MiB")
     ap.add_argument("--sweep", help="experiment: only commits and raw PUTs, variants in one run, e.g. "
                     "'uploads=4,pack_mib=64;uploads=8,pack_mib=16;put_mib=1024' (see parse_sweep)")
@@ -753,11 +753,11 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             import ckptstore
-            import ckptstore.bucket
+            import ckptstore.home.bucket
 
-            defaults = {"UPLOADS": ckptstore.bucket.UPLOADS, "REQUESTS": ckptstore.bucket.REQUESTS, "PACK_BYTES": ckptstore.bucketformat.PACK_BYTES}
+            defaults = {"UPLOADS": ckptstore.home.bucket.UPLOADS, "REQUESTS": ckptstore.home.bucket.REQUESTS, "PACK_BYTES": ckptstore.objects.bucketformat.PACK_BYTES}
             if args.uploads is not None:
-                ckptstore.bucket.UPLOADS = args.uploads
+                ckptstore.home.bucket.UPLOADS = args.uploads
             state = make_state(args.size_mib)
             state_bytes = sum(t.numel() * 4 for t in leaves(state).values())
             floor_buf = memoryview(torch.cat([t.flatten() for t in leaves(state).values()]).numpy()).cast("B")

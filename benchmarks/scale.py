@@ -114,6 +114,7 @@ def measure(n: int, workdir: Path) -> dict[str, float]:
     from rich.console import Console
 
     from ckptstore import cli
+    from ckptstore.cli import common as cli_common
 
     path = workdir / f"s{n}"
     shutil.rmtree(path, ignore_errors=True)
@@ -128,7 +129,7 @@ def measure(n: int, workdir: Path) -> dict[str, float]:
             times.append(_timed(lambda: s.commit({"x": x, "step": i}, tag=names)))
         out["commit"] = statistics.median(times)
         out["log"] = _timed(lambda: s.log("latest"))
-        cli.console = Console(file=io.StringIO(), width=200)
+        cli_common.console = Console(file=io.StringIO(), width=200)
         out["tags"] = _timed(lambda: cli.tags(store=str(path)))
         out["du"] = _timed(s.du)
         out["fsck"] = _timed(lambda: s.fsck())

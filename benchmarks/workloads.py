@@ -37,7 +37,7 @@ from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler
 
 import ckptstore
 import ckptstore.adapters.torchrl  # imported up front like every peer module (ckptstore imports it lazily)
-import ckptstore.checkout  # ckptstore imports its store modules on first use (PEP 562): up front here too
+import ckptstore.protocols.checkout  # ckptstore imports its store modules on first use (PEP 562): up front here too
 import ckptstore.store
 
 from .measure import apparent_size, evict_tree, fsync_tree, measure, read_raw_into, resident_fraction, set_rss_baseline, touch, write_raw

@@ -374,7 +374,9 @@ def _fork_entry(spec_path: str, env: dict, out: str) -> None:  # pragma: no cove
 
 def _warm() -> None:
     """What the forkserver imports once, so that a fork starts committing at once."""
-    from ckptstore import bucket, checkout, remote  # noqa: F401
+    from ckptstore.home import bucket
+    from ckptstore.protocols import checkout
+    from ckptstore.protocols import remote  # noqa: F401
     from ckptstore.adapters import REGISTRY, capture
 
     capture(make_state(0), REGISTRY)
@@ -703,7 +705,7 @@ class Harness(Coordinator):
 
     def _entries(self, pid: str, listed: dict):
         """Entries of pack ``pid`` from a pristine ``.idx`` or the pack itself (None: unknown)."""
-        from ckptstore.packindex import decode_index, index_key, pack_key, scan_pack
+        from ckptstore.objects.packindex import decode_index, index_key, pack_key, scan_pack
 
         if pid in self.entries:
             return self.entries[pid]
@@ -721,7 +723,7 @@ class Harness(Coordinator):
         return es
 
     def _needs(self, cid: str) -> set | None:
-        from ckptstore.bucketformat import fetch_record
+        from ckptstore.objects.bucketformat import fetch_record
 
         if cid not in self.needs:
             try:
@@ -733,7 +735,7 @@ class Harness(Coordinator):
 
     def _lineage(self, heads: set) -> set:
         """Every commit whose record the bucket holds on the lineage of ``heads`` (themselves included)."""
-        from ckptstore.bucketformat import fetch_record
+        from ckptstore.objects.bucketformat import fetch_record
 
         seen, stack = set(), list(heads)
         while stack:
@@ -748,8 +750,8 @@ class Harness(Coordinator):
     def survey(self) -> dict:
         """Tags, commits, blob locations and what each commit's status is under the ledger."""
         from ckptstore.layout import address
-        from ckptstore.packs import BLOB_HEADER, BLOB_MAGIC
-        from ckptstore.bucketformat import read_tag
+        from ckptstore.objects.packs import BLOB_HEADER, BLOB_MAGIC
+        from ckptstore.objects.bucketformat import read_tag
 
         listed = {o.key: o for o in self.backend.list("blobs")}
         pids = {k.rsplit("/", 1)[1][:-5] for k in listed if k.endswith(".pack")}
@@ -1045,9 +1047,9 @@ class Harness(Coordinator):
         obstore.delete(S3Store(bucket, prefix=prefix), key)
 
     def inject(self, rnd: Round) -> None:
-        from ckptstore.packindex import index_key, pack_key
-        from ckptstore.packs import BLOB_HEADER, BLOB_MAGIC
-        from ckptstore.bucketformat import commit_key, ref_payload
+        from ckptstore.objects.packindex import index_key, pack_key
+        from ckptstore.objects.packs import BLOB_HEADER, BLOB_MAGIC
+        from ckptstore.objects.bucketformat import commit_key, ref_payload
 
         r = rnd.rng
         sv = self.survey()
@@ -1163,7 +1165,7 @@ class Harness(Coordinator):
             print(f"  damage: {[d.describe() for d in self.ledger]}", flush=True)
 
     def _local_damage(self, r: random.Random, taken: set):
-        from ckptstore.packs import BLOB_HEADER
+        from ckptstore.objects.packs import BLOB_HEADER
 
         folders = [f for f in self.locals if f.exists()]
         if not folders:
@@ -1193,7 +1195,7 @@ class Harness(Coordinator):
 
     def repair(self, index: int) -> None:
         """Repair: the store's own (if any), then what the objects allow, then the ledger's originals."""
-        from ckptstore.packindex import encode_index, pack_key, scan_pack
+        from ckptstore.objects.packindex import encode_index, pack_key, scan_pack
 
         self.stats["repairs"] += 1
         before = self.survey()
@@ -1212,7 +1214,7 @@ class Harness(Coordinator):
                 if self.backend.head(pack_key(d.pack)) is None:
                     # a GC deleted the pack: a loss only if a tagged commit needs a blob of it that no other pack holds (a
                     # pack whose commits were all dropped may go, and a repack may have copied its live blobs elsewhere)
-                    from ckptstore.packs import BLOB_MAGIC
+                    from ckptstore.objects.packs import BLOB_MAGIC
 
                     held = {(e.loc.digest, e.loc.raw_len) for e in self.entries.get(d.pack) or () if e.magic == BLOB_MAGIC}
                     now = self.survey()["loc"]

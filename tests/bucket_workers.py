@@ -28,7 +28,8 @@ _CTX = None
 def _warm() -> None:
     """Import what a first commit imports lazily (the adapters, tensordict, parts of torch:
     about a second), so that the forkserver holds it and a worker starts committing at once."""
-    from ckptstore import bucket, checkout  # noqa: F401
+    from ckptstore.home import bucket
+    from ckptstore.protocols import checkout  # noqa: F401
     from ckptstore.adapters import REGISTRY, capture
 
     capture(state({"w": 0, "i": 0, "n": 4, "alt": 1}), REGISTRY)

@@ -353,7 +353,7 @@ def test_local_backend_reads_the_packs_of_a_store_built_today(tmp_path):
 
     import ckptstore
     from ckptstore.layout import digest
-    from ckptstore.packs import BLOB_HEADER
+    from ckptstore.objects.packs import BLOB_HEADER
 
     store = ckptstore.Store(tmp_path / "s", create=True)
     t = torch.randint(-(2**31), 2**31 - 1, (50, 1000), dtype=torch.int32, generator=torch.Generator().manual_seed(0))  # 200 000 bytes, 50 rows: one shard

@@ -23,7 +23,7 @@ import torch
 import ckptstore
 from ckptstore.errors import BlobCorruptError, StoreWriteError
 from ckptstore.layout import address, digest
-from ckptstore.packs import BLOB_HEADER, CODEC_RAW, pack_path
+from ckptstore.objects.packs import BLOB_HEADER, CODEC_RAW, pack_path
 
 from .conftest import assert_bit_equal, run_fresh
 from .test_hardening import read_only_view
@@ -379,7 +379,7 @@ def url(s3_server) -> str:
 def _bucket_flip(url: str, loc) -> None:
     """Flip one payload byte of the blob at ``loc`` in its pack object, behind ckptstore's back."""
     from ckptstore.backends import open_backend
-    from ckptstore.packindex import pack_key
+    from ckptstore.objects.packindex import pack_key
 
     from .test_bucket_store import _raw_put
 

@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from torchrl.data import LazyTensorStorage, TensorDictPrioritizedReplayBuffer
 
 import ckptstore
-from ckptstore.container import MANIFEST
+from ckptstore.protocols.archive import MANIFEST
 from ckptstore.errors import (
     CatalogCorruptError,
     InvalidArgumentError,
@@ -32,13 +32,13 @@ def tampered(store, tmp_path, ref: str, path: str, value) -> ckptstore.Store:
     """Export ``ref``, set JSON leaf ``path`` to ``value``, import into a new store as ``latest``."""
     store.export(ref, tmp_path / "export")
     doc = json.loads((tmp_path / "export" / MANIFEST).read_text())
-    next(r for r in doc["leaves"] if r["path"] == path)["value"] = ckptstore.jsonvalue.dumps(value)
+    next(r for r in doc["leaves"] if r["path"] == path)["value"] = ckptstore.core.jsonvalue.dumps(value)
     (tmp_path / "export" / MANIFEST).write_text(json.dumps(doc))
     other = ckptstore.Store(tmp_path / "other", create=True)
     with pytest.raises(ckptstore.errors.ContainerError, match="does not match its id"):
         other.import_from(tmp_path / "export", tag="latest")  # an edited export is no longer the commit it names
     # imported as a new commit (a new message gives up its provenance), the adapters must still refuse the value
-    ckptstore.container.import_commit(other, tmp_path / "export", "latest", message="tampered")
+    ckptstore.protocols.archive.import_commit(other, tmp_path / "export", "latest", message="tampered")
     return other
 
 
@@ -181,7 +181,7 @@ def test_cli_argument_errors(tmp_path, monkeypatch, capsys):
 
 BOMB = """
 import json, resource, sys, zstandard, xxhash, ckptstore
-from ckptstore.packs import BLOB_HEADER, BLOB_MAGIC, FORMAT_VERSION, CODEC_ZSTD
+from ckptstore.objects.packs import BLOB_HEADER, BLOB_MAGIC, FORMAT_VERSION, CODEC_ZSTD
 src, dst = sys.argv[1], sys.argv[2]
 raw_len = 1 << 30                      # declares 1 GiB of zeros ...
 cobj = zstandard.ZstdCompressor(level=1).compressobj()

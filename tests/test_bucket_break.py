@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.bucketcache import cache_folder
+from ckptstore.home.bucket_cache import cache_folder
 
 from .conftest import assert_bit_equal
 

@@ -1,4 +1,4 @@
-"""``Store("s3://…")`` (a store whose home is a ckptstore.bucket.BucketHome) against a real moto S3 server:
+"""``Store("s3://…")`` (a store whose home is a ckptstore.home.bucket.BucketHome) against a real moto S3 server:
 processes racing on one tag, writers and GCs SIGKILLed at random instants, GC beside
 a writer, a server failing requests, and hostile objects on the bucket.
 
@@ -20,7 +20,7 @@ from datetime import timedelta
 import pytest
 
 import ckptstore
-from ckptstore.bucket import BucketHome
+from ckptstore.home.bucket import BucketHome
 
 from . import bucket_workers
 from .conftest import assert_bit_equal
@@ -219,7 +219,7 @@ def test_a_blob_in_a_marked_pack_is_written_again_and_survives_the_sweep(tmp_pat
     in a marked pack is never relied on); the sweep a grace period later deletes the old
     pack and record, and the new tag checks out bit-exactly, from a cold cache too."""
     from ckptstore.backends import open_backend
-    from ckptstore.bucketformat import commit_key
+    from ckptstore.objects.bucketformat import commit_key
 
     grace = 1.0
     meta = {"w": 3, "i": 0, "n": 4096, "alt": 1}
@@ -272,7 +272,7 @@ def _grace_scenario(url: str) -> bool:
     import json
 
     from ckptstore.backends import open_backend
-    from ckptstore.packindex import pack_key
+    from ckptstore.objects.packindex import pack_key
 
     meta = {"w": 6, "i": 0, "n": 16, "alt": 0}
     with ckptstore.Store(url) as s, open_backend(url) as b:
@@ -311,7 +311,7 @@ def test_a_pack_stays_while_a_record_that_needs_it_stays(tmp_path, url):
     import json
 
     from ckptstore.backends import open_backend
-    from ckptstore.bucketformat import commit_key
+    from ckptstore.objects.bucketformat import commit_key
 
     grace = 0.5
     meta = {"w": 7, "i": 0, "n": 4096, "alt": 0}
@@ -495,7 +495,7 @@ def _committed(url: str, tmp_path, n: int = 4096) -> tuple[str, dict]:
 def test_a_tag_naming_a_missing_or_forged_record_is_an_integrity_error(tmp_path, url):
     from ckptstore.backends import open_backend
     from ckptstore.errors import IntegrityError
-    from ckptstore.bucketformat import commit_key, ref_payload
+    from ckptstore.objects.bucketformat import commit_key, ref_payload
 
     cid, meta = _committed(url, tmp_path)
     with open_backend(url) as b:
@@ -527,8 +527,8 @@ def test_a_tag_naming_a_missing_or_forged_record_is_an_integrity_error(tmp_path,
 def test_a_flipped_byte_in_a_pack_is_caught_by_checkout_and_fsck(tmp_path, url, where):
     from ckptstore.backends import open_backend
     from ckptstore.errors import BlobCorruptError, IntegrityError
-    from ckptstore.packindex import decode_index, index_key, pack_key
-    from ckptstore.packs import BLOB_HEADER
+    from ckptstore.objects.packindex import decode_index, index_key, pack_key
+    from ckptstore.objects.packs import BLOB_HEADER
 
     cid, meta = _committed(url, tmp_path)
     with open_backend(url) as b:
@@ -558,7 +558,7 @@ def test_a_damaged_or_missing_index_affects_only_its_pack_and_is_repaired_from_t
     cache too: it reads the bucket, not the cache; a missing one is listed, not a problem), and ``fsck --repair`` rebuilds it from
     the pack, byte for byte as it was written."""
     from ckptstore.backends import open_backend
-    from ckptstore.packindex import index_key
+    from ckptstore.objects.packindex import index_key
 
     _, meta = _committed(url, tmp_path)
     with open_backend(url) as b:
@@ -620,7 +620,7 @@ def test_recover_rebuilds_the_cache_and_names_what_the_bucket_cannot_give_back(u
     tag naming it, named in the report; the CLI exits 1 with one line on stderr."""
     import torch
 
-    from ckptstore.packindex import decode_index, index_key, pack_key
+    from ckptstore.objects.packindex import decode_index, index_key, pack_key
 
     from .test_cli import cli
 

@@ -24,8 +24,8 @@ import torch
 
 import ckptstore
 from ckptstore.backends import open_backend
-from ckptstore.bucketformat import MARKER, MARKER_COPY, commit_key
-from ckptstore.packindex import encode_index, index_key, pack_key
+from ckptstore.objects.bucketformat import MARKER, MARKER_COPY, commit_key
+from ckptstore.objects.packindex import encode_index, index_key, pack_key
 
 from . import bucket_workers
 from .delay_proxy import DelayProxy
@@ -320,8 +320,8 @@ def test_deep_fsck_rereads_a_pack_in_batches_of_at_most_fsck_batch_bytes(tmp_pat
     """Deep fsck rereads the blobs of all commits together, one pack's at a time in ranged
     reads of at most ``BucketFsck.fsck_batch`` bytes: 10 blobs of 16 KiB in one pack, a
     batch of 40 KiB: 5 reads of 2 entries, and the same report as in one read."""
-    from ckptstore.bucketside import BucketFsck
-    from ckptstore.packs import BLOB_HEADER
+    from ckptstore.home.bucket_upkeep import BucketFsck
+    from ckptstore.objects.packs import BLOB_HEADER
 
     with ckptstore.Store(url, cache=tmp_path / "w", shard_bytes=16 << 10, compression_level=0) as s:
         s.commit({"x": torch.arange(40 << 10, dtype=torch.float32)}, tag="latest")  # 160 KiB: 10 shards
@@ -346,8 +346,8 @@ def test_verify_and_deep_fsck_refuse_a_forged_one_tebibyte_entry_without_allocat
     import zstandard
 
     from ckptstore.layout import digest
-    from ckptstore.packs import CODEC_ZSTD, BlobLoc, Entry, entry_header, pack_header
-    from ckptstore.records import commit_id
+    from ckptstore.objects.packs import CODEC_ZSTD, BlobLoc, Entry, entry_header, pack_header
+    from ckptstore.objects.records import commit_id
 
     _committed(url, tmp_path)
     size = 1 << 40

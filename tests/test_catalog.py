@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.catalog import MIGRATIONS, SCHEMA_VERSION, Catalog, Migration
+from ckptstore.home.catalog import MIGRATIONS, SCHEMA_VERSION, Catalog, Migration
 from ckptstore.errors import CatalogCorruptError, CkptStoreError, NotAStoreError, SchemaVersionError
 
 from .conftest import assert_bit_equal

@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 
 import ckptstore
-from ckptstore import cli as cli_module
+from ckptstore.cli import common as cli_module  # the console the commands print to
 from ckptstore.cli import main
 
 
@@ -150,7 +150,7 @@ def test_catalog_only_commands_never_import_torch(filled):
 
 def test_torch_free_layout_agrees_with_torch():
     from ckptstore import layout
-    from ckptstore.shards import DTYPES
+    from ckptstore.core.shards import DTYPES
 
     assert layout.ITEMSIZE == {n: d.itemsize for n, d in DTYPES.items()}
     for shape in ([0, 2**62], [0, 2**62, 4], [2**31, 2**31], [2**40, 2**22], [3, 0, 5], [2**20, 2**20], [], [1] * 64):
@@ -168,10 +168,10 @@ def test_torch_free_layout_agrees_with_torch():
 
 
 def test_long_work_reports_progress(filled, tmp_path, monkeypatch):
-    """export, import, fsck --deep, GC repacks, commits and checkouts report bytes through ckptstore.progress."""
+    """export, import, fsck --deep, GC repacks, commits and checkouts report bytes through ckptstore.core.progress."""
     import contextlib
 
-    from ckptstore import progress
+    from ckptstore.core import progress
 
     seen: dict[str, int] = {}
 
@@ -471,7 +471,7 @@ def test_torchrl_log_lines_stay_out_of_the_cli_only(tmp_path):
     import sys
 
     code = (
-        "import sys, logging\nfrom ckptstore import cli\n"
+        "import sys, logging\nfrom ckptstore.cli import common as cli\n"
         "def invoke():\n    import torch, torchrl.data\n    from tensordict import TensorDict\n"
         "    torchrl.data.LazyTensorStorage(4).set(0, TensorDict({'x': torch.zeros(1)}, [1]))\n"
         "    print('level', logging.getLogger('torchrl').getEffectiveLevel())\n"

@@ -167,7 +167,8 @@ def test_a_shard_written_between_its_hash_and_its_write_is_filed_under_the_bytes
     is filed under the hash of what was written; the three other positions are read again
     and written under the zero shard's own address; the digest cache keeps the true hashes,
     so a quiet re-commit writes nothing and both check out exactly."""
-    from ckptstore import bucketformat, packs
+    from ckptstore.objects import bucketformat
+    from ckptstore.objects import packs
 
     cls = packs.PackWriter if home.kind == "local" else bucketformat.BucketPackWriter
     store = home.open()

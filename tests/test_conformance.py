@@ -25,7 +25,7 @@ from ckptstore.errors import (
     RefConflictError,
     RefNotFoundError,
 )
-from ckptstore.packs import BLOB_HEADER
+from ckptstore.objects.packs import BLOB_HEADER
 
 from .conftest import assert_bit_equal
 from .test_cli import cli
@@ -66,7 +66,7 @@ class Home:
             for suffix in ("", "-wal", "-shm"):
                 (self.tmp_path / "store" / f"catalog.sqlite{suffix}").unlink(missing_ok=True)
         else:
-            from ckptstore.bucketcache import cache_folder
+            from ckptstore.home.bucket_cache import cache_folder
 
             shutil.rmtree(cache_folder(self.location))
 
@@ -467,8 +467,8 @@ def _two_commits(s: ckptstore.Store) -> tuple[dict, str, str]:
 
 @pytest.mark.parametrize("dest", ["folder", "bucket", "bucket Store"])
 def test_push_to_either_home_copies_only_what_is_missing(home, s3_server, dest, tmp_path):
-    """To a folder, to a bucket prefix by URL (:mod:`ckptstore.remote`), and to an open
-    bucket Store (:mod:`ckptstore.transfer`: through the destination's commit protocol)."""
+    """To a folder, to a bucket prefix by URL (:mod:`ckptstore.protocols.remote`), and to an open
+    bucket Store (:mod:`ckptstore.protocols.transfer`: through the destination's commit protocol)."""
     s = home.open()
     sd, first, second = _two_commits(s)
     target = str(tmp_path / "dst") if dest == "folder" else f"s3://ckpt/dst-{uuid.uuid4().hex[:12]}"
@@ -795,7 +795,7 @@ def test_bad_input_is_refused_alike(home, tmp_path, call, exc, message):
 def test_cli_commands_print_the_same_on_both_homes(home, tmp_path, monkeypatch, capsys):
     """log, tags, tag, reflog, show, diff, du, verify, fsck, gc, delete-tag, import and
     import-torchrl, and their errors: the same exit codes, lines and JSON."""
-    from ckptstore.units import fmt_bytes
+    from ckptstore.core.units import fmt_bytes
 
     s = home.open()
     sd, first, second = _two_commits(s)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import localhome as home_mod
+from ckptstore.home import local as home_mod
 from ckptstore.errors import InvalidArgumentError
 
 from .conftest import assert_bit_equal

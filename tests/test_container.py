@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.container import MANIFEST
+from ckptstore.protocols.archive import MANIFEST
 from ckptstore.errors import BlobCorruptError, ContainerError
 
 from .conftest import assert_bit_equal, row_count

@@ -34,7 +34,7 @@ from ckptstore.errors import (
     UnsupportedTypeError,
 )
 from ckptstore.layout import DEFAULT_SHARD_BYTES
-from ckptstore.records import LeafRecord
+from ckptstore.objects.records import LeafRecord
 
 from .conftest import assert_bit_equal
 
@@ -233,7 +233,7 @@ def test_save_resave_async_and_load_on_two_ranks(tmp_path, monkeypatch, capsys):
     # `ckptstore show`: per item (the leaves) and per rank
     from rich.console import Console
 
-    from ckptstore import cli as cli_module
+    from ckptstore.cli import common as cli_module
 
     monkeypatch.setattr("sys.argv", ["ckptstore", "show", "step-3", "--store", store_path])
     monkeypatch.setattr(cli_module, "console", Console(width=300, highlight=False))
@@ -294,7 +294,7 @@ def test_crafted_store_is_refused_or_read_as_data_never_unpickled(tmp_path):
         comp = Captured("", "dcp", 1, {"dcp": 1, "items": meta_items, "planner_data": None, "version": None}, {})
         s.commit_manifest([comp], leaves, [], None, [tag], "", {}, None, time.perf_counter())
 
-    from ckptstore import jsonvalue
+    from ckptstore.core import jsonvalue
 
     craft({"x": {"bytes": "x", "rank": 0}}, [LeafRecord("x", "", "json", None, None, 0, None, jsonvalue.dumps(payload))], "evil")
     target = {"x": None}
@@ -382,7 +382,7 @@ class _KillCoordinatorBeforeFinish(StoreWriter):
 def _save_and_die(rank: int, world: int, store: str, kind: str) -> None:
     sd = {"w": torch.randn(2048, 64), f"r{rank}a": torch.randn(2048, 64), f"r{rank}b": torch.randn(512, 64)}
     if kind == "rank" and rank == 1:  # this forked rank only: SIGKILL after its first blob is in its (tmp) pack
-        from ckptstore.packs import PackWriter
+        from ckptstore.objects.packs import PackWriter
 
         append, count = PackWriter.append, []
 

@@ -19,9 +19,9 @@ import torch.distributed.checkpoint as dcp
 import ckptstore
 from ckptstore import Store
 from ckptstore.backends import open_backend
-from ckptstore.bucketcache import cache_folder
-from ckptstore.bucketformat import commit_key
-from ckptstore.bucketio import DetachedPackWriter
+from ckptstore.home.bucket_cache import cache_folder
+from ckptstore.objects.bucketformat import commit_key
+from ckptstore.home.bucket_io import DetachedPackWriter
 from ckptstore.dcp import StoreReader, StoreWriter
 from ckptstore.layout import DEFAULT_SHARD_BYTES
 

@@ -200,7 +200,7 @@ def ckptstore_store(where):
 #: local commit, a node's background push, node 0's composing of the parts and its bucket commit
 HOOKS = {"write": ("ckptstore.dcp:StoreWriter.write_data", "any"), "finish": ("ckptstore.dcp:StoreWriter.finish", "first"),
          "push": ("ckptstore.store:Store.push", "first"), "compose": ("ckptstore.tiers:compose", "zero"),
-         "bucket-commit": ("ckptstore.bucket:BucketHome.before_commit", "zero")}
+         "bucket-commit": ("ckptstore.home.bucket:BucketHome.before_commit", "zero")}
 
 
 def _die_at(where: str, nth: int) -> None:

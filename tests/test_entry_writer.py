@@ -1,6 +1,6 @@
-"""The one pack-entry writer (:class:`ckptstore.packs.EntryWriter`) and its two sinks: pack
-files (:class:`~ckptstore.packs.PackWriter`) and uploads to object storage
-(:class:`~ckptstore.bucketformat.BucketPackWriter`, on the moto server). The same entries
+"""The one pack-entry writer (:class:`ckptstore.objects.packs.EntryWriter`) and its two sinks: pack
+files (:class:`~ckptstore.objects.packs.PackWriter`) and uploads to object storage
+(:class:`~ckptstore.objects.bucketformat.BucketPackWriter`, on the moto server). The same entries
 make the same bytes through either sink, and those bytes are the stored format, assembled
 here by hand from docs/design.md's layout (so a change of either sink that changes a byte fails)."""
 
@@ -16,9 +16,9 @@ import xxhash
 import zstandard
 
 from ckptstore.backends import open_backend
-from ckptstore.bucketformat import BucketPackWriter
-from ckptstore.packindex import decode_index, index_key, pack_key, scan_pack
-from ckptstore.packs import CODEC_RAW, CODEC_ZSTD, RECORD_MAGIC, PackWriter, pack_path, scan
+from ckptstore.objects.bucketformat import BucketPackWriter
+from ckptstore.objects.packindex import decode_index, index_key, pack_key, scan_pack
+from ckptstore.objects.packs import CODEC_RAW, CODEC_ZSTD, RECORD_MAGIC, PackWriter, pack_path, scan
 
 PACK_BYTES = 150_000
 

@@ -32,7 +32,7 @@ import ckptstore
 from ckptstore.adapters import capture
 from ckptstore.errors import PartialPathError, ShapeMismatchError, TargetMismatchError
 from ckptstore.layout import escape, keypath, split, unescape
-from ckptstore.records import ESCAPED
+from ckptstore.objects.records import ESCAPED
 
 from .conftest import assert_bit_equal
 
@@ -497,8 +497,8 @@ def test_two_committed_parameters_tied_in_the_target_are_refused(store):
 
 def _manual_commit(store, component_meta: dict, paths: list[str], tag: str) -> str:
     """A commit whose record holds exactly these JSON leaf paths under component "td"."""
-    from ckptstore import jsonvalue
-    from ckptstore.records import Component, LeafRecord
+    from ckptstore.core import jsonvalue
+    from ckptstore.objects.records import Component, LeafRecord
 
     leaves = [LeafRecord(p, "td", "json", None, None, 0, None, jsonvalue.dumps(i)) for i, p in enumerate(paths)]
     info, _ = store.commit_manifest([Component("td", "dict", 1, component_meta)], leaves, [], None, [tag], "", {}, None, 0.0)
@@ -590,9 +590,9 @@ def test_max_value_writer_alone_is_refused(store):
 
 
 def test_legacy_and_escaped_components_that_read_as_one_path_are_refused(store):
-    from ckptstore import jsonvalue
+    from ckptstore.core import jsonvalue
     from ckptstore.errors import InvalidNameError
-    from ckptstore.records import Component, LeafRecord
+    from ckptstore.objects.records import Component, LeafRecord
 
     comps = [Component("p%q", "dict", 1, {}), Component("p%25q", "dict", 1, {ESCAPED: True})]  # "p%q" read as "p%25q"
     leaves = [LeafRecord("p%q/x", "p%q", "json", None, None, 0, None, jsonvalue.dumps(1)),

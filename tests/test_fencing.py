@@ -268,7 +268,7 @@ def test_a_renewal_by_a_taken_over_bucket_holder_fails_and_does_not_block_a_thir
     seconds = 2.0
     with ckptstore.Store(s3_url, create=True) as store:
         store.commit({"w": torch.ones(4)}, tag="x/latest")
-        from ckptstore.refs import fenced
+        from ckptstore.home.refs import fenced
         from ckptstore.run import BucketLease
 
         a = BucketLease(store, "x", seconds)

@@ -18,8 +18,8 @@ from .conftest import assert_bit_equal
 
 def commit_seeing_reuse(store: ckptstore.Store, obj, tag: str) -> tuple[ckptstore.CommitInfo, set[str]]:
     """Commit; also return the leaves whose hashes a fingerprint vouched for (sample-checked)."""
-    import ckptstore.commit as store_module
-    import ckptstore.reuse as reuse_module
+    import ckptstore.protocols.commit as store_module
+    import ckptstore.protocols.reuse as reuse_module
 
     seen = []
     original, small = store_module.sample_unchanged, reuse_module.small_changed
@@ -148,7 +148,7 @@ def test_shared_and_file_backed_tensors_get_no_fingerprint(tmp_path):
 def test_async_commit_copies_only_the_shards_that_changed(tmp_path):
     from torchrl.data import LazyTensorStorage, TensorDictReplayBuffer
 
-    import ckptstore.commit as store_module
+    import ckptstore.protocols.commit as store_module
 
     store = ckptstore.Store(tmp_path / "s", create=True, shard_bytes=4096)
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(4096), batch_size=4)

@@ -10,9 +10,9 @@ import torch
 
 import ckptstore
 from ckptstore.adapters import REGISTRY
-from ckptstore.container import check_export
+from ckptstore.protocols.archive import check_export
 from ckptstore.errors import BlobCorruptError, ContainerError, GCLockedError, IntegrityError, InvalidArgumentError, StoreWriteError
-from ckptstore.gc import gc_lock, parse_duration
+from ckptstore.protocols.gc import gc_lock, parse_duration
 
 from .conftest import assert_bit_equal, row_count
 
@@ -261,7 +261,7 @@ def test_an_async_commit_rewrites_a_freed_blob_from_one_read_of_live_memory(tmp_
     bytes, then wrote them again from live memory: a training write in between was stored
     under the old hash (a corrupt blob that later commits then reused). Here the write lands
     exactly there, inside the pack writer's append."""
-    from ckptstore import packs
+    from ckptstore.objects import packs
 
     s = ckptstore.Store(tmp_path / "s", shard_bytes=4096)
     live = torch.randn(1024)  # one 4096-byte shard

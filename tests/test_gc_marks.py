@@ -1,8 +1,8 @@
 """One reader of the GC marks, one rule for a mark that cannot be read (docs/design.md, "GC on
 object storage: two phases, no lock", item 5): it withholds every pack it may name, and
 deletes none. On a bucket (the moto server) with real damaged ``gc/*.json`` objects: the
-commit's check, push and the GC read them alike (:func:`ckptstore.bucketformat.read_gc_marks`);
-in a folder the marks are the packs' ``retired_at`` (:func:`ckptstore.localhome.retired_marks`),
+commit's check, push and the GC read them alike (:func:`ckptstore.objects.bucketformat.read_gc_marks`);
+in a folder the marks are the packs' ``retired_at`` (:func:`ckptstore.home.local.retired_marks`),
 read by the same rule."""
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 import ckptstore
 from ckptstore.backends import open_backend
-from ckptstore.bucketformat import RemoteIndex, read_gc_marks
-from ckptstore.localhome import retired_marks
-from ckptstore.packindex import pack_key
+from ckptstore.objects.bucketformat import RemoteIndex, read_gc_marks
+from ckptstore.home.local import retired_marks
+from ckptstore.objects.packindex import pack_key
 
 #: Damaged marks, as bytes: each cannot be read, so each may name any pack.
 DAMAGED = {

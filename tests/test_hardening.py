@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import packs as packs_mod
+from ckptstore.objects import packs as packs_mod
 from ckptstore.errors import (
     BlobCorruptError,
     CatalogCorruptError,
@@ -34,7 +34,7 @@ from ckptstore.errors import (
     NotAStoreError,
     StoreWriteError,
 )
-from ckptstore.packs import PackReader, PackWriter, pack_path
+from ckptstore.objects.packs import PackReader, PackWriter, pack_path
 
 from .conftest import ROOT, assert_bit_equal, run_fresh
 
@@ -405,7 +405,7 @@ def test_a_record_with_an_impossible_shape_is_refused_at_checkout(store):
     store.commit({"e": torch.zeros(0, 3)}, tag="t")
     cid = store.resolve("t")
     text = store.catalog.rows("SELECT record FROM commits")[0][0].replace("[0,3]", f"[0,{2**70}]")
-    bad = ckptstore.records.commit_id(text)
+    bad = ckptstore.objects.records.commit_id(text)
     with store.catalog.write():  # a record that hashes correctly but describes an impossible tensor
         store.catalog.conn.execute("PRAGMA defer_foreign_keys = ON")
         store.catalog.conn.execute("UPDATE commits SET id = ?, record = ? WHERE id = ?", (bad, text, cid))

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore import container
-from ckptstore.container import MANIFEST, STAGING_LOCK, STAGING_MARK
+from ckptstore.protocols import archive as container
+from ckptstore.protocols.archive import MANIFEST, STAGING_LOCK, STAGING_MARK
 from ckptstore.errors import ContainerError
-from ckptstore.shards import check_shape
+from ckptstore.core.shards import check_shape
 
 from .conftest import assert_bit_equal, row_count
 
@@ -232,7 +232,7 @@ def stalled_export(store_path: Path, dest: Path) -> subprocess.Popen:
     code = f"""
         import time
         import ckptstore
-        from ckptstore.packs import PackReader
+        from ckptstore.objects.packs import PackReader
         def stall(self, *args, **kwargs):
             print("staged", flush=True)
             time.sleep(600)

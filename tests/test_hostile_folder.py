@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.packs import pack_path
+from ckptstore.objects.packs import pack_path
 
 from .conftest import assert_bit_equal as _bit_equal
 

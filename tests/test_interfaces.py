@@ -1,4 +1,4 @@
-"""The protocols are typed against the small Protocols of ckptstore.interfaces, not against
+"""The protocols are typed against the small Protocols of ckptstore.home.interfaces, not against
 Store: the store (on both homes) has every member each Protocol lists, each entry point names
 its Protocol, and the commit engine, an object the store owns, keeps no reference cycle with
 it. That no protocol imports the store or a home, not even for type checking, is the
@@ -16,8 +16,16 @@ from pathlib import Path
 import torch
 
 import ckptstore
-from ckptstore import checkout, container, diff, fsck, interfaces, recover, remote, torchrl_import, transfer
-from ckptstore import gc as store_gc
+from ckptstore.protocols import checkout
+from ckptstore.protocols import archive as container
+from ckptstore.protocols import diff
+from ckptstore.protocols import fsck
+from ckptstore.home import interfaces
+from ckptstore.protocols import recover
+from ckptstore.protocols import remote
+from ckptstore.protocols import torchrl_import
+from ckptstore.protocols import transfer
+from ckptstore.protocols import gc as store_gc
 
 def protocols() -> dict[str, type]:
     return {n: getattr(interfaces, n) for n in interfaces.__all__ if getattr(getattr(interfaces, n), "_is_protocol", False)}

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ckptstore import jsonvalue
+from ckptstore.core import jsonvalue
 from ckptstore.errors import CkptStoreError, UnsupportedTypeError
 
 

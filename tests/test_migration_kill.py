@@ -71,7 +71,7 @@ def where_killed(path: Path) -> str:
     conn = sqlite3.connect(f"file:{path / 'catalog.sqlite'}?mode=ro", uri=True)
     try:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version < ckptstore.catalog.SCHEMA_VERSION:
+        if version < ckptstore.home.catalog.SCHEMA_VERSION:
             return "old"
         (missing,), = conn.execute("SELECT COUNT(*) FROM commits WHERE id NOT IN (SELECT name FROM records WHERE kind = 1)")
         return "pending" if missing else "done"
@@ -255,13 +255,13 @@ def test_two_hundred_migration_kills(tmp_path):
 
 def test_recover_force_on_a_store_killed_between_migration_and_backfill_keeps_everything(tmp_path):
     """The state a kill between the migration's commit and the backfill's leaves, made
-    exactly (the migration run by a bare :class:`~ckptstore.catalog.Catalog`, which does
+    exactly (the migration run by a bare :class:`~ckptstore.home.catalog.Catalog`, which does
     not backfill): recover --force finishes the backfill first and keeps all 60 commits
     and 20 tags; a writable open does the same."""
     tags, commits = fixture_state("schema_v1_many")
     for name in ("a", "b"):
         shutil.copytree(FIXTURES / "schema_v1_many", tmp_path / name)
-        cat = ckptstore.catalog.Catalog(tmp_path / name / "catalog.sqlite", create=False)
+        cat = ckptstore.home.catalog.Catalog(tmp_path / name / "catalog.sqlite", create=False)
         assert cat.migrated_from == 1 and cat.backfill_pending
         cat.close()
         assert where_killed(tmp_path / name) == "pending"
@@ -301,7 +301,7 @@ def test_a_read_only_old_store_reads_or_asks_for_one_writable_open(tmp_path):
         s.commit({"x": torch.arange(5)}, tag="t")
     (src / "current" / "tmp").rmdir()
     shutil.copytree(FIXTURES / "schema_v1_many", src / "pending")  # migrated, its records not yet in packs (as a kill leaves it)
-    ckptstore.catalog.Catalog(src / "pending" / "catalog.sqlite", create=False).close()
+    ckptstore.home.catalog.Catalog(src / "pending" / "catalog.sqlite", create=False).close()
     before = sorted(str(p.relative_to(src)) for p in src.rglob("*"))
     with read_only_view(src, tmp_path / "ro") as ro:
         tags, _ = fixture_state("schema_v3")

@@ -12,8 +12,8 @@ import pytest
 from ckptstore.backends import open_backend
 from ckptstore.errors import BlobCorruptError
 from ckptstore.layout import digest
-from ckptstore.packindex import INDEX_ENTRY, INDEX_HEADER, decode_index, encode_index, index_key, pack_key, scan_pack
-from ckptstore.packs import BLOB_HEADER, PackWriter, pack_path, scan
+from ckptstore.objects.packindex import INDEX_ENTRY, INDEX_HEADER, decode_index, encode_index, index_key, pack_key, scan_pack
+from ckptstore.objects.packs import BLOB_HEADER, PackWriter, pack_path, scan
 
 
 @pytest.fixture

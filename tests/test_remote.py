@@ -1,4 +1,4 @@
-"""push / pull to and from object storage (ckptstore.remote) against a real moto S3
+"""push / pull to and from object storage (ckptstore.protocols.remote) against a real moto S3
 server on loopback: commit ids kept, only missing blobs uploaded, nothing written when
 nothing is missing, tags moved by compare-and-swap only as fast-forwards, remote objects
 checked on the way in, and a pusher killed at any instant leaves the remote consistent."""
@@ -22,10 +22,10 @@ import torch
 
 import ckptstore
 from ckptstore.backends import S3Backend, open_backend
-from ckptstore.bucketformat import commit_key, fetch_record, read_tag
+from ckptstore.objects.bucketformat import commit_key, fetch_record, read_tag
 from ckptstore.errors import BackendError, BlobCorruptError, IntegrityError, NotAStoreError, RefConflictError
-from ckptstore.packindex import decode_index, encode_index
-from ckptstore.packs import BLOB_HEADER, PACK_HEADER, Entry
+from ckptstore.objects.packindex import decode_index, encode_index
+from ckptstore.objects.packs import BLOB_HEADER, PACK_HEADER, Entry
 
 from .conftest import assert_bit_equal, row_count
 
@@ -219,7 +219,7 @@ def assert_consistent(url: str, ids: list[str], allowed: tuple) -> str | None:
     """Every commit record under the prefix verifies and its blobs are indexed; the tag
     names one of ``allowed``; returns it."""
     with open_backend(url) as b:
-        from ckptstore.bucketformat import RemoteIndex
+        from ckptstore.objects.bucketformat import RemoteIndex
 
         index = RemoteIndex(b).refresh()
         for o in b.list("commits"):

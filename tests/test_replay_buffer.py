@@ -340,7 +340,7 @@ def test_partial_checkout_reads_only_selected_blobs(store):
 
 
 def test_unchanged_storage_is_not_rehashed_and_changes_always_are(tmp_path, monkeypatch):
-    import ckptstore.commit as store_module
+    import ckptstore.protocols.commit as store_module
 
     store = ckptstore.Store(tmp_path / "store", shard_bytes=4096, create=True)  # obs: 63 shards, index: 2
 

@@ -10,7 +10,7 @@ from tensordict import TensorDict
 
 import ckptstore
 from ckptstore.errors import ShapeMismatchError, UnsupportedDtypeError, UnsupportedTypeError
-from ckptstore.shards import DTYPES
+from ckptstore.core.shards import DTYPES
 
 from .conftest import assert_bit_equal, row_count
 
@@ -258,7 +258,7 @@ def test_unpicklable_object_error_names_path_and_type(store):
     ],
 )
 def test_shard_plan(shape, dtype, shard_bytes, count):
-    from ckptstore.shards import plan
+    from ckptstore.core.shards import plan
 
     p = plan(shape, dtype)
     assert (p.shard_bytes, p.count) == (shard_bytes, count)

@@ -20,7 +20,7 @@ import torch
 import ckptstore
 from ckptstore import Checkpointer
 from ckptstore.errors import InvalidNameError, RunBusyError
-from ckptstore.packs import BLOB_HEADER
+from ckptstore.objects.packs import BLOB_HEADER
 from ckptstore.run import runs
 
 from .test_cli import cli

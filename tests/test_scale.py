@@ -22,7 +22,7 @@ import torch
 
 import ckptstore
 from benchmarks.scale import build, expected_x
-from ckptstore.catalog import Catalog
+from ckptstore.home.catalog import Catalog
 
 from .conftest import run_fresh
 from .test_cli import cli

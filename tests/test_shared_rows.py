@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ckptstore
-from ckptstore.catalog import SCHEMA_VERSION
+from ckptstore.home.catalog import SCHEMA_VERSION
 
 from .conftest import assert_bit_equal
 from tests import paths

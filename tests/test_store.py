@@ -115,7 +115,7 @@ def test_store_folder_checks(tmp_path):
 
 
 def test_one_store_class_on_its_local_home_and_object_storage_options_refused_for_a_folder(tmp_path):
-    from ckptstore.localhome import LocalHome
+    from ckptstore.home.local import LocalHome
 
     with ckptstore.Store(tmp_path / "s", create=True) as s:
         assert type(s) is ckptstore.Store and type(s.home) is LocalHome and s.location == str(tmp_path / "s")
@@ -238,7 +238,7 @@ def test_blobs_folder_fsynced_once_per_store_and_process(tmp_path, monkeypatch):
     its own folder fsynced. Empty folders change nothing for fsck."""
     from pathlib import Path
 
-    import ckptstore.packs as packs
+    import ckptstore.objects.packs as packs
 
     synced: list[str] = []
     real = packs.fsync_dir
@@ -280,8 +280,8 @@ def test_checkout_reads_back_to_back_blobs_in_one_call_and_only_what_is_named(st
     """The shards of a checkout that lie back to back in a pack are read with one
     ``preadv`` (headers and payloads, straight into the tensors), each still rehashed;
     a partial checkout reads only the named leaves' blobs, counted exactly."""
-    import ckptstore.checkout as checkout
-    from ckptstore.packs import BLOB_HEADER
+    import ckptstore.protocols.checkout as checkout
+    from ckptstore.objects.packs import BLOB_HEADER
 
     g = torch.Generator().manual_seed(3)
     a = torch.rand(512, 1024, generator=g)  # 8 shards

@@ -21,7 +21,7 @@ from torchrl.data.replay_buffers import RoundRobinWriter, SamplerWithoutReplacem
 
 import ckptstore
 from ckptstore.errors import ContainerError
-from ckptstore.torchrl_import import import_torchrl
+from ckptstore.protocols.torchrl_import import import_torchrl
 
 from .conftest import assert_bit_equal, row_count
 

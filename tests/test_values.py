@@ -35,7 +35,7 @@ def _builtin_names() -> list[str]:
 
 def test_every_builtin_adapter_resolves_by_name_in_a_fresh_interpreter():
     names = _builtin_names()
-    assert "ckptstore.progress" in names and "dcp" in names and "torchrl.storage.tensor" in names
+    assert "ckptstore.core.progress" in names and "dcp" in names and "torchrl.storage.tensor" in names
     proc = run_fresh(
         """
         import json, sys
@@ -81,7 +81,7 @@ assert out["raw"] == b"\\x00raw" and type(out["values", "n"]) is np.float32, out
 assert s.fsck(deep=True).ok
 """
     head = "import sys, numpy as np, ckptstore\n"
-    # import: the command line, in a fresh interpreter (refused before: "unknown adapter 'ckptstore.progress'")
+    # import: the command line, in a fresh interpreter (refused before: "unknown adapter 'ckptstore.core.progress'")
     proc = subprocess.run([sys.executable, "-m", "ckptstore.cli", "import", str(tmp_path / "x.zip"), "--tag", "t", "--store", str(tmp_path / "imp")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -100,7 +100,7 @@ p = ckptstore.Progress()
 s.checkout("t", into={"progress": p, "raw": None}, partial=["progress", "raw"])
 print(comps["progress"]["adapter"], p.step, p.frames, type(p.best_metric).__name__, p.best_metric)
 """, str(tmp_path / "src"))
-    assert proc.stdout.split() == ["ckptstore.progress", "7", "70", "float64", "1.75"]
+    assert proc.stdout.split() == ["ckptstore.core.progress", "7", "70", "float64", "1.75"]
 
 
 # --- numpy scalars ------------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_a_replaced_column_with_the_old_ones_address_and_version_is_rehashed(tmp
 
 
 def test_a_failed_checkout_into_a_live_buffer_leaves_no_stale_fingerprint(tmp_path):
-    from ckptstore.packs import BLOB_HEADER, pack_path
+    from ckptstore.objects.packs import BLOB_HEADER, pack_path
 
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
     rb.extend(rows(CAPACITY, 0))
@@ -193,7 +193,7 @@ def test_a_first_logged_write_under_inference_mode_does_not_break_the_log():
 
 def test_a_commit_after_a_few_rows_changed_hashes_only_their_shards(tmp_path, monkeypatch):
     import ckptstore.layout
-    import ckptstore.commit as store_module
+    import ckptstore.protocols.commit as store_module
 
     hashed: list[int] = []
     real = store_module.digest

@@ -31,7 +31,7 @@ def state(i: int) -> dict:
 
 
 def main(dest: Path) -> None:
-    from ckptstore.catalog import SCHEMA_VERSION
+    from ckptstore.home.catalog import SCHEMA_VERSION
 
     assert SCHEMA_VERSION == 1, "run with the code of schema version 1 (see the module docstring)"
     shutil.rmtree(dest, ignore_errors=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from . import errors
+from .core import errors
 
 __version__ = "0.1.0"
 
@@ -37,7 +37,7 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         try:
-            return importlib.import_module(f".{name}", __name__)  # a submodule: ckptstore.records, ckptstore.adapters...
+            return importlib.import_module(f".{name}", __name__)  # a submodule: ckptstore.objects.records, ckptstore.adapters...
         except ModuleNotFoundError:
             raise AttributeError(f"module 'ckptstore' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(f".{module}", __name__), name)

@@ -28,9 +28,9 @@ from typing import Any
 from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
 from .adapters.base import capture
 from .adapters.training import Progress  # noqa: F401 (re-exported: ckptstore.checkpointer.Progress)
-from .errors import BackendError, BucketNotConsultedWarning, CkptStoreError, DefaultRunResumedWarning, InvalidArgumentError, NotAStoreError, RefNotFoundError, RunBusyError, TargetMismatchError
+from .core.errors import BackendError, BucketNotConsultedWarning, CkptStoreError, DefaultRunResumedWarning, InvalidArgumentError, NotAStoreError, RefNotFoundError, RunBusyError, TargetMismatchError
 from .pusher import Pusher
-from .refs import fenced
+from .home.refs import fenced
 from .store import CommitInfo, Store
 
 
@@ -79,7 +79,7 @@ class Checkpointer:
             the newest request wins (a push started after several commits pushes the
             newest). A failed push is retried ``push_attempts`` times (waits of
             ``push_backoff`` seconds, doubling), then reported with a
-            :class:`~ckptstore.errors.PushFailedWarning` and kept in :attr:`push_failures`
+            :class:`~ckptstore.core.errors.PushFailedWarning` and kept in :attr:`push_failures`
             (:attr:`push_error` while it is the newest save's); the local commit is never
             affected, and the next commit pushes again. :meth:`wait_pushed` blocks until the
             pushes requested so far are done and raises only if the newest save is not
@@ -96,11 +96,11 @@ class Checkpointer:
             bucket (only the blobs it lacks); the bucket's step tag and ``latest_tag``
             move once every node's part is there, and ``latest_tag`` only ever to a higher
             step (a push that would lower it is refused with
-            :class:`~ckptstore.errors.OlderStepError`). :meth:`resume` first reads the
+            :class:`~ckptstore.core.errors.OlderStepError`). :meth:`resume` first reads the
             bucket's newest step (a listing of its refs, that step's tag and record), then loads the newest step every
             node holds locally if it is no older than that, else the bucket's ``latest_tag``;
             a bucket it cannot reach is not consulted (local resume, with a
-            :class:`~ckptstore.errors.BucketNotConsultedWarning`; :attr:`bucket_step` is then
+            :class:`~ckptstore.core.errors.BucketNotConsultedWarning`; :attr:`bucket_step` is then
             ``None``). A resumed local save that never reached the bucket is pushed again.
             ``keep_last`` applies to ``local``; ``remote_keep_last`` (``None``: keep all)
             and ``remote_keep_every`` (steps that are a multiple of it stay) to the bucket.
@@ -351,7 +351,7 @@ class Checkpointer:
             TimeoutError: pushes still running after ``timeout`` seconds.
             CkptStoreError: the newest save's push failed after its retries (its error; a
                 BackendError, NotAStoreError, RefConflictError; with tiers an
-                :class:`~ckptstore.errors.OlderStepError` when the bucket holds a newer step).
+                :class:`~ckptstore.core.errors.OlderStepError` when the bucket holds a newer step).
         """
         pusher = self._tier_pusher or self._pusher
         if pusher is None:
@@ -429,7 +429,7 @@ class Checkpointer:
         bucket's newest step (read first: one listing of the bucket's refs), loaded from the
         local stores (each node over its own group); else (none, older than the bucket, or
         one failed to verify) the bucket's. A bucket that cannot be reached is not
-        consulted: the local step is resumed with a :class:`~ckptstore.errors.BucketNotConsultedWarning`.
+        consulted: the local step is resumed with a :class:`~ckptstore.core.errors.BucketNotConsultedWarning`.
         After a local resume, a save of that step that never reached the bucket is pushed
         again. An explicit ``ref`` reads the bucket and allows the next push to rewind it."""
         import torch

@@ -24,8 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import RNGState, Store
-from .errors import MissingExtraError, NotAStoreError
-from .units import counted, dedup, fmt_bytes, ratio
+from .core.errors import MissingExtraError, NotAStoreError
+from .core.units import counted, dedup, fmt_bytes, ratio
 
 CAPACITY = 10_000
 BATCH = 64

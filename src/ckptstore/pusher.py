@@ -7,7 +7,7 @@ tiers of :mod:`ckptstore.tiers` (push a node's part, compose, move the bucket's 
 their job to a :class:`Pusher`; only the job differs.
 
 The error model: a request is a save (its step). A job that still fails after its retries is
-warned (:class:`~ckptstore.errors.PushFailedWarning`) and recorded in :attr:`Pusher.failures`.
+warned (:class:`~ckptstore.core.errors.PushFailedWarning`) and recorded in :attr:`Pusher.failures`.
 Once a *later* request's job succeeds, every earlier failure is **superseded** (the newer save
 is durable and holds everything the failed one would have published): it moves to
 :attr:`Pusher.superseded` with one warning, and :attr:`Pusher.error` no longer names it.
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import CkptStoreError, InvalidArgumentError, PushFailedWarning
+from .core.errors import CkptStoreError, InvalidArgumentError, PushFailedWarning
 
 __all__ = ["PushFailure", "Pusher"]
 
@@ -51,7 +51,7 @@ class Pusher:
         remote: where the jobs push (for messages).
         job: ``job(step, item)`` pushes one save; its return value is kept in :attr:`report`;
             it returns ``False`` when the save was given up without error (a newer one waits).
-            A :class:`~ckptstore.errors.CkptStoreError` it raises is retried.
+            A :class:`~ckptstore.core.errors.CkptStoreError` it raises is retried.
         attempts: tries per job (an int >= 1); ``backoff``: seconds before the second try,
             doubling after each.
         skipped: ``skipped(step, item)`` for each request a newer one replaced before its job ran.

@@ -26,7 +26,7 @@ from typing import Any
 
 from .backends.base import ref_segment
 from .backends.local import ForeignEntryError, fsync_dir, open_regular
-from .errors import (
+from .core.errors import (
     ForkedStoreError,
     IntegrityError,
     InvalidArgumentError,
@@ -37,9 +37,9 @@ from .errors import (
     RunTakenOverError,
     StoreWriteError,
 )
-from .packs import BLOB_HEADER
-from .records import check_tag
-from .refs import Fence
+from .objects.packs import BLOB_HEADER
+from .objects.records import check_tag
+from .home.refs import Fence
 
 #: Name printed for the default run (``run=None``), whose tags have no prefix.
 DEFAULT_RUN = "(default)"
@@ -128,10 +128,10 @@ def runs(store) -> list[RunInfo]:
 class Lease(Fence):
     """The right of one live process to write run ``run`` of ``store``; see :func:`acquire`.
 
-    A lease is also the holder's :class:`~ckptstore.refs.Fence`: it carries the run's
+    A lease is also the holder's :class:`~ckptstore.home.refs.Fence`: it carries the run's
     **fencing token** (:attr:`token`, the generation this holder was issued: a number that
     only grows over the run's whole life, never reset by a release), and every tag move the
-    holder makes inside :func:`ckptstore.refs.fenced` is refused once a newer one was issued
+    holder makes inside :func:`ckptstore.home.refs.fenced` is refused once a newer one was issued
     (docs/design.md, "Fenced writers").
 
     Attributes:

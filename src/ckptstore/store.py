@@ -1,14 +1,14 @@
 """The store: the facade that builds a home from a path or URL and delegates.
 
-The home (:attr:`Store.home`: :class:`ckptstore.localhome.LocalHome` in a folder,
-:class:`ckptstore.bucket.BucketHome` on object storage) owns what differs between homes and
+The home (:attr:`Store.home`: :class:`ckptstore.home.local.LocalHome` in a folder,
+:class:`ckptstore.home.bucket.BucketHome` on object storage) owns what differs between homes and
 what is the index's: the objects, the refs, the catalog connection, the settings and the
 queries (``resolve``, ``tags``, ``log``, ``record``, ``manifest``, ``locate``...: see
-:class:`ckptstore.home.Home`). What is written once above the homes is in the protocol
-modules: :mod:`ckptstore.commit` (its index step is the home's: one ``BEGIN IMMEDIATE``
-catalog transaction locally), :mod:`ckptstore.checkout`, :mod:`ckptstore.diff`,
-:mod:`ckptstore.gc`, :mod:`ckptstore.fsck`, :mod:`ckptstore.recover`,
-:mod:`ckptstore.transfer`, :mod:`ckptstore.remote`. This module only builds the home and
+:class:`ckptstore.home.base.Home`). What is written once above the homes is in the protocol
+modules: :mod:`ckptstore.protocols.commit` (its index step is the home's: one ``BEGIN IMMEDIATE``
+catalog transaction locally), :mod:`ckptstore.protocols.checkout`, :mod:`ckptstore.protocols.diff`,
+:mod:`ckptstore.protocols.gc`, :mod:`ckptstore.protocols.fsck`, :mod:`ckptstore.protocols.recover`,
+:mod:`ckptstore.protocols.transfer`, :mod:`ckptstore.protocols.remote`. This module only builds the home and
 hands each call to the one that answers it. A crash before the index step commits leaves
 only orphan pack files, which GC removes.
 """
@@ -24,28 +24,28 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .backends import as_backend, is_url
-from .catalog import Catalog
-from .collector import paused_gc
-from .commit import CommitInfo, Committer
-from .diff import DiffReport, diff_commits
-from .errors import CkptStoreError, ForkedStoreError, InvalidArgumentError
-from .fsck import FsckReport
-from .fsck import run as run_fsck
-from .fsck import verify as verify_commit
-from .gc import SMALL_PACK_BYTES, GCReport, collect
-from .home import Home
-from .localhome import LocalHome
-from .packs import IOStats, PackWriter
-from .records import check_tag  # validates a tag name: public here for integrations that take tags before they commit
-from .recover import RecoverReport, recover, recover_bucket
-from .threads import fail_inherited
+from .home.catalog import Catalog
+from .core.collector import paused_gc
+from .protocols.commit import CommitInfo, Committer
+from .protocols.diff import DiffReport, diff_commits
+from .core.errors import CkptStoreError, ForkedStoreError, InvalidArgumentError
+from .protocols.fsck import FsckReport
+from .protocols.fsck import run as run_fsck
+from .protocols.fsck import verify as verify_commit
+from .protocols.gc import SMALL_PACK_BYTES, GCReport, collect
+from .home.base import Home
+from .home.local import LocalHome
+from .objects.packs import IOStats, PackWriter
+from .objects.records import check_tag  # validates a tag name: public here for integrations that take tags before they commit
+from .protocols.recover import RecoverReport, recover, recover_bucket
+from .core.threads import fail_inherited
 
 if TYPE_CHECKING:  # the adapters (and torch) load on first commit or checkout: catalog-only use never imports torch
     from concurrent.futures import Future
 
     from .adapters import Registry
     from .backends import Backend
-    from .transfer import TransferReport
+    from .protocols.transfer import TransferReport
 
 
 def _home(name: str):
@@ -64,7 +64,7 @@ class Store:
 
     Args:
         path: the store folder; ``"s3://bucket/prefix"`` opens a store on object storage
-            instead (the same class, on a :class:`ckptstore.bucket.BucketHome`: same API, see
+            instead (the same class, on a :class:`ckptstore.home.bucket.BucketHome`: same API, see
             its docstring for the differences).
         create: ``None`` (default): open the store if it exists; if it does not,
             reading raises NotAStoreError and the first commit (or tag move)
@@ -82,10 +82,10 @@ class Store:
         reuse_hashes: skip rehashing a tensor that this store committed before when its
             fingerprint says it did not change, once a random sample of its shards (1 %, at
             least one) rehashes the same; which fingerprints, which writes they miss and how
-            the sample catches them: :mod:`ckptstore.digests`. Shared and file-backed memory
+            the sample catches them: :mod:`ckptstore.protocols.digests`. Shared and file-backed memory
             and CUDA tensors are always hashed. ``False`` always hashes everything.
         cache: (``s3://`` only) the folder of the local index (default
-            :func:`ckptstore.bucketcache.cache_folder`).
+            :func:`ckptstore.home.bucket_cache.cache_folder`).
         backend: (``s3://`` only) the :class:`~ckptstore.backends.Backend` to use instead of
             one opened from ``path`` (the store closes it).
 
@@ -111,54 +111,54 @@ class Store:
         backend: Backend | None = None,
     ):
         if is_url(path):
-            from .bucket import BucketHome  # a store on object storage
+            from .home.bucket import BucketHome  # a store on object storage
 
             home: Home = BucketHome(path, create, cache, backend, shard_bytes, compression_level, pack_bytes)
         elif cache is not None or backend is not None:
             raise InvalidArgumentError("cache and backend are for a store on object storage (s3://bucket/prefix), not a folder")
         else:
             home = LocalHome(Path(path), shard_bytes, compression_level, pack_bytes)
-        #: The home (:mod:`ckptstore.home`): the store's objects, refs, index, settings and queries.
+        #: The home (:mod:`ckptstore.home.base`): the store's objects, refs, index, settings and queries.
         self.home = home
         #: The folder of the catalog (locally the store's folder; on object storage its cache).
         self.root = home.root
         _STORES.add(self)  # (refused in a forked child: _after_fork_in_child)
         try:
             home.open(create)
-            self._committer = Committer(self, workers, registry, reuse_hashes)  # (ckptstore.commit: the commits' threads and digest cache)
+            self._committer = Committer(self, workers, registry, reuse_hashes)  # (ckptstore.protocols.commit: the commits' threads and digest cache)
             self.io = IOStats()
         except BaseException:
             home.close()
             raise
 
-    # --- commits (ckptstore.commit) ---------------------------------------------------------
+    # --- commits (ckptstore.protocols.commit) ---------------------------------------------------------
     # The commit engine is an object the store owns: each line hands the call to it.
 
     def commit(self, obj: Any, tag: str | Sequence[str] | None = None, message: str = "", metadata: dict | None = None,
                parents: Sequence[str] | None = None) -> CommitInfo:
-        """Commit ``obj`` and move ``tag`` to the new commit (:meth:`ckptstore.commit.Committer.commit`: arguments, result, errors)."""
+        """Commit ``obj`` and move ``tag`` to the new commit (:meth:`ckptstore.protocols.commit.Committer.commit`: arguments, result, errors)."""
         return self._committer.commit(obj, tag, message, metadata, parents)
 
     def commit_async(self, obj: Any, tag: str | Sequence[str] | None = None, message: str = "", metadata: dict | None = None,
                      parents: Sequence[str] | None = None) -> Future:
-        """Snapshot ``obj`` now, commit it in the background (:meth:`ckptstore.commit.Committer.commit_async`)."""
+        """Snapshot ``obj`` now, commit it in the background (:meth:`ckptstore.protocols.commit.Committer.commit_async`)."""
         return self._committer.commit_async(obj, tag, message, metadata, parents)
 
     def commit_components(self, components: list, tag: str | Sequence[str] | None = None, message: str = "", metadata: dict | None = None,
                           parents: Sequence[str] | None = None, *, t0: float | None = None, reuse_checked: bool = False,
                           share: bool = True) -> CommitInfo:
-        """Commit components already captured (:meth:`ckptstore.commit.Committer.commit_components`)."""
+        """Commit components already captured (:meth:`ckptstore.protocols.commit.Committer.commit_components`)."""
         return self._committer.commit_components(components, tag, message, metadata, parents, t0=t0, reuse_checked=reuse_checked,
                                                  share=share)
 
     def commit_manifest(self, components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior=None, origin=None,
                         written=None, paths_checked=False, prior_complete=False, retake=None):
-        """Steps 3 and 4 of a commit for a manifest already built (:meth:`ckptstore.commit.Committer.commit_manifest`)."""
+        """Steps 3 and 4 of a commit for a manifest already built (:meth:`ckptstore.protocols.commit.Committer.commit_manifest`)."""
         return self._committer.commit_manifest(components, leaves, keys, write, tags, message, metadata, explicit_parents, t0, prior,
                                                origin, written, paths_checked, prior_complete, retake)
 
     def prepare_shared_commit(self) -> None:
-        """Ready the store for a commit whose blobs other processes write (:meth:`ckptstore.commit.Committer.prepare_shared_commit`)."""
+        """Ready the store for a commit whose blobs other processes write (:meth:`ckptstore.protocols.commit.Committer.prepare_shared_commit`)."""
         self._committer.prepare_shared_commit()
 
     @property
@@ -177,7 +177,7 @@ class Store:
         return self._committer.reuse_hashes
 
     @property
-    def _digests(self):  # the digest cache (ckptstore.digests), the committer's
+    def _digests(self):  # the digest cache (ckptstore.protocols.digests), the committer's
         return self._committer.digests
 
     def _map(self, fn, items: list) -> list:  # [fn(x) for x in items] on the store's threads (a checkout's reads)
@@ -191,19 +191,19 @@ class Store:
 
     # --- what the home owns: the index, the refs, the settings -----------------------------
 
-    catalog = property(lambda self: self.home.catalog, doc="The catalog connection (:attr:`ckptstore.home.Home.catalog`), opened on "
+    catalog = property(lambda self: self.home.catalog, doc="The catalog connection (:attr:`ckptstore.home.base.Home.catalog`), opened on "
                        "first use. Raises NotAStoreError: the store does not exist (yet: see ``create``).")
-    refs = property(lambda self: self.home.refs, doc="The home's refs (:mod:`ckptstore.refs`): every tag read and move goes through them.")
+    refs = property(lambda self: self.home.refs, doc="The home's refs (:mod:`ckptstore.home.refs`): every tag read and move goes through them.")
     shard_bytes = property(lambda self: self.home.shard_bytes, doc="Target shard size in bytes of new commits.")
     compression_level = property(lambda self: self.home.compression_level, doc="zstandard level of new blobs (0: none).")
     pack_bytes = property(lambda self: self.home.pack_bytes, doc="Packs roll over past this size in bytes.")
     _records = property(lambda self: self.home._records)  # (verified commit records by id: tests clear it)
 
     def _open(self, create: bool) -> Catalog | None:
-        """The catalog, opened if it is not (:meth:`ckptstore.home.Home.open_catalog`)."""
+        """The catalog, opened if it is not (:meth:`ckptstore.home.base.Home.open_catalog`)."""
         return self.home.open_catalog(create)
 
-    # --- queries: the home's (:class:`ckptstore.home.Home`) --------------------------------
+    # --- queries: the home's (:class:`ckptstore.home.base.Home`) --------------------------------
 
     resolve = _home("resolve")
     tags = _home("tags")
@@ -231,7 +231,7 @@ class Store:
     refresh_index = _home("refresh_index")
 
     def diff(self, a: str, b: str) -> DiffReport:
-        """What changed from commit ``a`` to commit ``b``, leaf by leaf. See :mod:`ckptstore.diff`."""
+        """What changed from commit ``a`` to commit ``b``, leaf by leaf. See :mod:`ckptstore.protocols.diff`."""
         return diff_commits(self, self.resolve(a), self.resolve(b))
 
     # --- lifecycle -------------------------------------------------------------------
@@ -272,9 +272,9 @@ class Store:
         ids; then move the remote tag (when ``ref`` is a tag) if it is a fast-forward.
 
         ``remote`` is another store (a :class:`Store` or a folder, created if missing:
-        :mod:`ckptstore.transfer`) or object storage (``"s3://bucket/prefix"`` or a
+        :mod:`ckptstore.protocols.transfer`) or object storage (``"s3://bucket/prefix"`` or a
         :class:`~ckptstore.backends.Backend`; an empty prefix becomes a store:
-        :mod:`ckptstore.remote`). Nothing is written when nothing is missing.
+        :mod:`ckptstore.protocols.remote`). Nothing is written when nothing is missing.
 
         Raises:
             RefConflictError: the remote tag names a commit that is not an ancestor of
@@ -293,17 +293,17 @@ class Store:
         return self._transfer(remote, ref, force, push=False)
 
     def _transfer(self, remote: Store | Backend | str | os.PathLike, ref: str, force: bool, push: bool) -> TransferReport:
-        """:meth:`push` (``push``) or :meth:`pull`: :mod:`ckptstore.remote` or :mod:`ckptstore.transfer`."""
+        """:meth:`push` (``push``) or :meth:`pull`: :mod:`ckptstore.protocols.remote` or :mod:`ckptstore.protocols.transfer`."""
         backend = as_backend(remote)
         if backend is not None:
-            from . import remote as objects
+            from .protocols import remote as objects
 
             try:
                 return (objects.push if push else objects.pull)(self, backend, ref, force)
             finally:
                 if backend is not remote:
                     backend.close()
-        from .transfer import transfer
+        from .protocols.transfer import transfer
 
         other = remote if isinstance(remote, Store) else Store(remote, create=push)
         try:
@@ -339,7 +339,7 @@ class Store:
         4 MiB, at most half of ``pack_bytes``) and older than ``grace`` are merged into
         large ones, blobs and records alike (0 turns that off). The report's
         ``*_pending`` fields count what waits for the grace period. One protocol on
-        both homes: see :func:`ckptstore.gc.collect`.
+        both homes: see :func:`ckptstore.protocols.gc.collect`.
 
         Raises:
             GCLockedError: another GC is running on this (local) store.
@@ -367,7 +367,7 @@ class Store:
     def fsck(self, deep: bool = False, sample: float = 1.0, repair: bool = False) -> FsckReport:
         """Check the store; ``deep`` rereads and rehashes blobs. ``sample`` < 1 rereads that
         fraction of them (and implies ``deep``). One protocol and one :class:`FsckReport` on
-        both homes (:func:`ckptstore.fsck.run`, over the home's ``fsck_*`` primitives).
+        both homes (:func:`ckptstore.protocols.fsck.run`, over the home's ``fsck_*`` primitives).
         Blobs found missing or damaged are marked bad in the index (never reused by dedup;
         ``report.marked_bad``). ``repair`` (implies ``deep``) points each bad blob's row at a
         good copy found in a pack (``report.replaced_blobs``) and, on object storage,
@@ -380,17 +380,17 @@ class Store:
         return run_fsck(self, deep=deep, sample=sample, repair=repair)
 
     def verify(self, ref: str) -> FsckReport:
-        """Reread and rehash every blob of one commit; ``report.ok`` tells (:func:`ckptstore.fsck.verify`)."""
+        """Reread and rehash every blob of one commit; ``report.ok`` tells (:func:`ckptstore.protocols.fsck.verify`)."""
         return verify_commit(self, ref)
 
     @staticmethod
     def recover(path: str | os.PathLike, force: bool = False) -> RecoverReport:
         """Rebuild the catalog of the store at ``path`` from its packs alone: every commit whose
         blobs are present, its lineage, and every tag as of its last move come back
-        (:func:`ckptstore.recover.recover`: what is lost, what ``force`` replaces). Run it
+        (:func:`ckptstore.protocols.recover.recover`: what is lost, what ``force`` replaces). Run it
         while no other process uses the store. What it could not restore is in the report
         (``report.ok`` false, ``report.lost()``). ``path`` may be ``s3://bucket/prefix``: the
-        local cache is rebuilt from the bucket's objects (:func:`ckptstore.recover.recover_bucket`;
+        local cache is rebuilt from the bucket's objects (:func:`ckptstore.protocols.recover.recover_bucket`;
         the same report; ``force`` changes nothing there: the cache holds only copies).
 
         Raises:
@@ -403,7 +403,7 @@ class Store:
         """
         if not is_url(path):
             return recover(path, force)
-        from .bucketcache import cache_folder  # object storage: the cache holds only copies, so force changes nothing
+        from .home.bucket_cache import cache_folder  # object storage: the cache holds only copies, so force changes nothing
 
         scratch = cache_folder(path)  # rebuilt on a scratch cache, then installed in place of the cache
         probe = Store(path, create=False, cache=scratch.with_name(f"{scratch.name}.recover-{uuid.uuid4().hex[:8]}"))
@@ -413,25 +413,25 @@ class Store:
 
     def export(self, ref: str, dest: str | os.PathLike) -> Path:
         """Export commit ``ref`` to a ZIP archive (``dest`` ends in ``.zip``) or a folder
-        (:func:`ckptstore.container.export_commit`)."""
-        from .container import export_commit
+        (:func:`ckptstore.protocols.archive.export_commit`)."""
+        from .protocols.archive import export_commit
 
         return export_commit(self, ref, dest)
 
     def import_from(self, src: str | os.PathLike, tag: str | None = None) -> CommitInfo:
         """Import an export (ZIP archive or folder) as a new commit; moves ``tag``. Every entry
-        is validated before anything is written (:func:`ckptstore.container.import_commit`).
+        is validated before anything is written (:func:`ckptstore.protocols.archive.import_commit`).
         Raises ContainerError."""
-        from .container import import_commit
+        from .protocols.archive import import_commit
 
         return import_commit(self, src, tag)
 
     def import_torchrl(self, src: str | os.PathLike, tag: str | None = None):
         """Import a TorchRL ``ReplayBuffer.dumps`` folder or a ``torchrl.checkpoint`` folder or
         ZIP as one commit, never unpickling anything; returns ``(CommitInfo, ImportReport)``
-        (:mod:`ckptstore.torchrl_import`). Raises ContainerError naming the file that is
+        (:mod:`ckptstore.protocols.torchrl_import`). Raises ContainerError naming the file that is
         malformed or holds pickled state."""
-        from .torchrl_import import import_torchrl
+        from .protocols.torchrl_import import import_torchrl
 
         return import_torchrl(self, src, tag=tag)
 
@@ -447,7 +447,7 @@ class Store:
             partial: path prefixes (``"sampler"``, ``"rb/storage/data/obs"``),
                 or tuples of keys (``("td", "x/y")``); only their leaves' blobs are
                 read. A path joins keys with ``/``; a key holding ``/`` or ``%`` is
-                written escaped (``"td/x%2Fy"``, :func:`ckptstore.layout.keypath`).
+                written escaped (``"td/x%2Fy"``, :func:`ckptstore.core.layout.keypath`).
             into: an object, or a dict of objects, to load in place (a replay
                 buffer, module, optimizer, RNGState, TensorDict...). Only the
                 components under its structure are read.
@@ -471,7 +471,7 @@ class Store:
             IntegrityError: a missing or corrupt blob (names leaf, blob, commit).
             AdapterVersionError: state written by a newer adapter version.
         """
-        from .checkout import checkout_ref  # torch loads on first checkout
+        from .protocols.checkout import checkout_ref  # torch loads on first checkout
 
         with paused_gc():
             return checkout_ref(self, self.home.checkout_target(ref), partial, into, verify, map_location)
@@ -491,7 +491,7 @@ def pack_writer_at(location: str | os.PathLike, compression_level: int, pack_byt
         InvalidArgumentError: an unsupported URL scheme.
     """
     if is_url(location):
-        from .bucketio import DetachedPackWriter
+        from .home.bucket_io import DetachedPackWriter
 
         return DetachedPackWriter(location, compression_level, pack_bytes)
     return PackWriter(Path(location), compression_level, pack_bytes)
@@ -499,7 +499,7 @@ def pack_writer_at(location: str | os.PathLike, compression_level: int, pack_byt
 
 # --- fork ---------------------------------------------------------------------------------
 # A Store does not cross fork(): its catalog connection (closed or set aside in the child by
-# ckptstore.catalog), its threads (not in the child), its object storage client (whose
+# ckptstore.home.catalog), its threads (not in the child), its object storage client (whose
 # connections the parent shares) and its leases are the parent's. In a forked child every
 # Store opened by the parent refuses at once with ForkedStoreError, except close() (which
 # then releases nothing: it is the parent's) and location; the child opens its own Store.

@@ -19,12 +19,12 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from . import jsonvalue
+from .core import jsonvalue
 from .adapters.base import Captured
-from .dcp_layout import ADAPTER, FORMAT_VERSION, DCPAdapter
-from .errors import CkptStoreError, LocalTierGCWarning, IntegrityError, NotAStoreError, OlderStepError, RefConflictError, RefNotFoundError, StoreWriteError
+from .dcp.format import ADAPTER, FORMAT_VERSION, DCPAdapter
+from .core.errors import CkptStoreError, LocalTierGCWarning, IntegrityError, NotAStoreError, OlderStepError, RefConflictError, RefNotFoundError, StoreWriteError
 from .pusher import Pusher
-from .records import ESCAPED, LeafRecord
+from .objects.records import ESCAPED, LeafRecord
 from .store import CommitInfo, Store
 
 __all__ = ["Layout", "TierPusher", "bucket_newest", "compose", "node_layout", "open_bucket", "part_tag"]
@@ -61,7 +61,7 @@ def node_layout(ranks_per_node: int | None = None) -> Layout:
     """
     import torch.distributed as dist
 
-    from .errors import InvalidArgumentError
+    from .core.errors import InvalidArgumentError
 
     if not (dist.is_available() and dist.is_initialized()):
         return Layout(1, 1, 0, None)
@@ -150,7 +150,7 @@ class TierPusher:
     :attr:`durable` lists the steps this node saw reach the bucket (node 0: composed;
     other nodes: its part pushed), :attr:`not_durable` those that did not (skipped for a
     newer one, failed after ``attempts``, refused as older than the bucket, or parts
-    missing); failures are warned as :class:`~ckptstore.errors.PushFailedWarning` and kept
+    missing); failures are warned as :class:`~ckptstore.core.errors.PushFailedWarning` and kept
     in :attr:`error` / :attr:`failures` / :attr:`superseded` (the Pusher's error model).
     :attr:`rewind`: the next publish may move ``latest_tag`` to a lower step (set by an
     explicit ``Checkpointer.resume(ref)``).
@@ -338,7 +338,7 @@ def bucket_newest(url: str, tag_re: re.Pattern, tag_format: str, config: dict | 
         NotAStoreError: no bucket. BackendError: it could not be reached (after the client's
         retries).
     """
-    from .bucketformat import fetch_record, read_tag
+    from .objects.bucketformat import fetch_record, read_tag
 
     with _backend(url, config) as backend:
         steps = [int(m.group(1)) for name in backend.list_refs() if (m := tag_re.match(name))]

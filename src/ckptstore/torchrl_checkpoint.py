@@ -50,7 +50,7 @@ from torchrl.trainers import TrainerHookBase
 
 from .adapters.rng import RNGState
 from .checkpointer import Checkpointer
-from .errors import CkptStoreError, ContainerError, RefNotFoundError
+from .core.errors import CkptStoreError, ContainerError, RefNotFoundError
 from .store import Store
 
 REF_FILE = "ckptstore-ref.json"

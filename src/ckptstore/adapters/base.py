@@ -8,7 +8,7 @@ are re-exported here.
 
 An adapter handles one kind of object. Leaf adapters turn an object into a
 *component*: a state tree (nested ``dict`` with ``str`` keys whose leaves are
-tensors or JSON values, see :mod:`ckptstore.jsonvalue`) stamped with the
+tensors or JSON values, see :mod:`ckptstore.core.jsonvalue`) stamped with the
 adapter's name and state version. Container adapters (a ``dict`` of objects,
 a replay buffer) only name their children; each child becomes a component at
 ``<container path>/<child name>``.
@@ -33,7 +33,7 @@ Restoring state written by an older version first runs ``migrations[v]`` for
 each ``v`` from the stored version up: ``fn(flat, meta)`` gets the flat
 ``{relative path: value}`` dict (tensors materialised) and the component's
 meta dict (which it may update in place), and returns the new flat dict.
-State from a newer version raises :class:`~ckptstore.errors.AdapterVersionError`.
+State from a newer version raises :class:`~ckptstore.core.errors.AdapterVersionError`.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..errors import (
+from ..core.errors import (
     AdapterError,
     AdapterVersionError,
     IntegrityError,
@@ -54,7 +54,7 @@ from ..errors import (
     TargetMismatchError,
     UnsupportedTypeError,
 )
-from ..layout import escape, join, split, under, unescape  # noqa: F401 (re-exported: the adapters' path helpers)
+from ..core.layout import escape, join, split, under, unescape  # noqa: F401 (re-exported: the adapters' path helpers)
 from .tokens import RowToken, StorageIdentity, plain_token  # noqa: F401 (re-exported)
 from .tree import RAW, RAW_BYTES, Json, check_key, flatten, is_subtree, raw_leaves, unflatten  # noqa: F401 (re-exported)
 
@@ -171,7 +171,7 @@ class ComponentState:
 
     Leaves are addressed by their path relative to the component (``""`` when
     the component is a single leaf): keys escaped and joined by ``/``
-    (:func:`ckptstore.layout.escape`; :meth:`names` and :meth:`tree` give the
+    (:func:`ckptstore.core.layout.escape`; :meth:`names` and :meth:`tree` give the
     keys themselves). Tensors stay unread until asked for.
     """
 

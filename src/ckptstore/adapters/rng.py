@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import TargetMismatchError
+from ..core.errors import TargetMismatchError
 from .base import Adapter, ComponentState, register_adapter
 
 
@@ -26,7 +26,7 @@ class RNGState:
     - ``cuda/<i>``: each CUDA device's generator state, when CUDA is initialised.
 
     ``checkout(ref, into=RNGState())`` (or a dict holding one) sets them all;
-    a missing record raises :class:`~ckptstore.errors.MissingLeafError`.
+    a missing record raises :class:`~ckptstore.core.errors.MissingLeafError`.
 
     Args:
         cuda: with ``False``, CUDA generator states are neither committed nor

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
+from ..core.errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
 from .base import Adapter, ComponentState, Scope, StateDictAdapter, register_adapter, same_class
 
 

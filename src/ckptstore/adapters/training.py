@@ -1,4 +1,4 @@
-"""Training counters: :class:`Progress` and its adapter ``ckptstore.progress``.
+"""Training counters: :class:`Progress` and its adapter ``ckptstore.core.progress``.
 
 It lives with the other built-in adapters (not beside the Checkpointer that uses it), so
 that a store holding it can be imported, checked out, pulled or recovered by a process
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..errors import TargetMismatchError
+from ..core.errors import TargetMismatchError
 from .base import Adapter, ComponentState, register_adapter
 
 
@@ -30,7 +30,7 @@ class Progress:
 class ProgressAdapter(Adapter):
     """:class:`Progress`: one JSON leaf per field."""
 
-    name = "ckptstore.progress"
+    name = "ckptstore.core.progress"
     types = (Progress,)
 
     def to_state(self, obj: Progress) -> dict:

@@ -1,8 +1,8 @@
 """State trees: the nested dicts adapters' ``to_state`` returns, flattened into leaves and back.
 
 A state tree is a nested ``dict`` with ``str`` keys (each escaped into one path segment,
-:func:`ckptstore.layout.escape`) whose leaves are tensors, raw bytes or JSON values
-(:mod:`ckptstore.jsonvalue`); :class:`Json` marks a value as one JSON leaf. Raw bytes and
+:func:`ckptstore.core.layout.escape`) whose leaves are tensors, raw bytes or JSON values
+(:mod:`ckptstore.core.jsonvalue`); :class:`Json` marks a value as one JSON leaf. Raw bytes and
 nested tensors are written as plain tensors (:func:`raw_leaves`), their forms recorded in
 the component meta :data:`RAW`; :func:`ckptstore.adapters.base.migrate` turns them back.
 """
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from .. import jsonvalue
-from ..errors import InvalidNameError, UnsupportedTypeError
-from ..layout import escape, join, split
+from ..core import jsonvalue
+from ..core.errors import InvalidNameError, UnsupportedTypeError
+from ..core.layout import escape, join, split
 
 
 def check_key(key: Any, path: str) -> str:
-    """The path segment of one state-tree key (:func:`ckptstore.layout.escape`).
+    """The path segment of one state-tree key (:func:`ckptstore.core.layout.escape`).
 
     Raises:
         InvalidNameError: ``key`` is not a ``str``.
@@ -62,7 +62,7 @@ def flatten(tree: Any, path: str = "") -> dict[str, Any]:
     """Flatten a state tree into ``{path: tensor, raw bytes or JSON value}``.
 
     A non-empty ``dict`` with ``str`` keys is a subtree, each key escaped into one
-    path segment (:func:`ckptstore.layout.escape`: any ``str`` is a key, ``"x/y"``
+    path segment (:func:`ckptstore.core.layout.escape`: any ``str`` is a key, ``"x/y"``
     is stored as ``x%2Fy``); a tensor (nested ones included) is a tensor leaf;
     ``bytes``, ``bytearray`` and ``io.BytesIO`` are raw byte leaves (see
     :func:`raw_leaves`); a :class:`Json` or anything else is a JSON value (checked here).

@@ -20,7 +20,7 @@ from tensordict import (
     is_tensorclass,
 )
 
-from ..errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
+from ..core.errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
 from .base import RAW_BYTES, REGISTRY, Adapter, ComponentState, Json, escape, join, plain, register_adapter, same_class, split, under
 
 
@@ -92,7 +92,7 @@ class NumpyAdapter(Adapter):
 @register_adapter
 class JsonAdapter(Adapter):
     """A JSON value (None, bool, int, float, str, list, tuple, slice, Ellipsis, and numpy
-    scalars, restored as the same numpy type: :mod:`ckptstore.jsonvalue`)."""
+    scalars, restored as the same numpy type: :mod:`ckptstore.core.jsonvalue`)."""
 
     name = "json"
     types = (type(None), bool, int, float, str, list, tuple, slice, type(Ellipsis), np.bool_, np.number)

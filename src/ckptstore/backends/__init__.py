@@ -13,7 +13,7 @@ import os
 import re
 from typing import Any
 
-from ..errors import InvalidArgumentError
+from ..core.errors import InvalidArgumentError
 from .base import Backend, ObjectInfo, Ref, RefObject, check_key, check_ref_name, decode_ref, encode_ref, update_ref
 from .local import LocalBackend
 from .s3 import S3Backend, parse_s3_url

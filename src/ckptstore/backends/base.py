@@ -33,8 +33,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import BackendError, IntegrityError, InvalidArgumentError, InvalidNameError, RefBusyError, RefConflictError
-from ..layout import RANDOM, digest
+from ..core.errors import BackendError, IntegrityError, InvalidArgumentError, InvalidNameError, RefBusyError, RefConflictError
+from ..core.layout import RANDOM, digest
 
 #: A bytes-like object, or a sequence of them written back to back (a pack's parts).
 Data = bytes | bytearray | memoryview | Sequence[bytes | bytearray | memoryview]
@@ -72,7 +72,7 @@ class Ref:
 class Backend(ABC):
     """Where a store's objects and refs live: a local folder or an object-storage prefix.
 
-    Every method is safe to call from several threads. Errors are ``ckptstore.errors``:
+    Every method is safe to call from several threads. Errors are ``ckptstore.core.errors``:
     :class:`InvalidArgumentError` / :class:`InvalidNameError` for bad keys or names,
     :class:`ObjectNotFoundError` for absent objects, :class:`RefConflictError` for a lost
     CAS, :class:`BackendError` (remote) or :class:`StoreWriteError` (local writes) for

@@ -39,7 +39,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ..errors import (
+from ..core.errors import (
     BackendError,
     BlobCorruptError,
     IntegrityError,

@@ -25,7 +25,7 @@ import os
 import re
 from collections.abc import Sequence
 
-from ..errors import (
+from ..core.errors import (
     BackendError,
     BlobCorruptError,
     ForkedStoreError,

@@ -7,8 +7,8 @@ from typing import Annotated
 
 import typer
 
-from ..errors import MissingExtraError
-from . import terminal
+from ..core.errors import MissingExtraError
+from .common import terminal
 
 
 def demo(

@@ -10,8 +10,8 @@ import typer
 from rich.text import Text
 
 from ..store import Store
-from ..units import counted, fmt_bytes
-from . import AsJson, StdoutClosed, StorePath, bars, emit_json, err, open_store, say, store_path
+from ..core.units import counted, fmt_bytes
+from .common import AsJson, StdoutClosed, StorePath, bars, emit_json, err, open_store, say, store_path
 
 
 def gc(

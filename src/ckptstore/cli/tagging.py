@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from . import AsJson, StorePath, emit_json, fmt_time, open_store, say, table, terminal, visible
+from .common import AsJson, StorePath, emit_json, fmt_time, open_store, say, table, terminal, visible
 
 
 def natural_key(name: str) -> tuple:

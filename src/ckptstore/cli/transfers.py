@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 
 from ..store import Store
-from ..units import counted, fmt_bytes
-from . import AsJson, StorePath, bars, commit_table, emit_json, err, open_store, say, shown_path, store_path, terminal
+from ..core.units import counted, fmt_bytes
+from .common import AsJson, StorePath, bars, commit_table, emit_json, err, open_store, say, shown_path, store_path, terminal
 
 
 Force = Annotated[bool, typer.Option("--force", metavar="", help="Move the tag even when its commit is not an ancestor of REF's.")]
@@ -75,7 +75,7 @@ def import_cmd(
 ) -> None:
     """Import an exported commit; every entry is verified before anything is written."""
     from ..adapters import REGISTRY
-    from ..container import check_export
+    from ..protocols.archive import check_export
 
     with bars():
         check_export(src, REGISTRY)  # before a missing store folder is created

@@ -22,7 +22,7 @@ from torchrl.data.replay_buffers import (
     WriterEnsemble,
 )
 
-from ...errors import TargetMismatchError, UnsupportedTypeError
+from ...core.errors import TargetMismatchError, UnsupportedTypeError
 from ..base import REGISTRY, Adapter, ComponentState, join
 from .storages import ListStorageAdapter
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...errors import TargetMismatchError
+from ...core.errors import TargetMismatchError
 from ..base import ComponentState
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from tensordict import is_non_tensor, is_tensor_collection
 
-from ...errors import TargetMismatchError, UnsupportedTypeError
+from ...core.errors import TargetMismatchError, UnsupportedTypeError
 from ..base import escape, join
 
 

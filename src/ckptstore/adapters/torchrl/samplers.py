@@ -23,7 +23,7 @@ from torchrl.data.replay_buffers import (
     StreamingSliceSampler,
 )
 
-from ...errors import HyperparameterOverrideWarning, ShapeMismatchError, TargetMismatchError
+from ...core.errors import HyperparameterOverrideWarning, ShapeMismatchError, TargetMismatchError
 from ..base import Adapter, ComponentState, StateDictAdapter, same_class
 from .checks import expect_instance
 

@@ -11,7 +11,7 @@ from torchrl.checkpoint import GlobalRNGState
 from torchrl.collectors import BaseCollector
 from torchrl.objectives.utils import TargetNetUpdater
 
-from ...errors import TargetMismatchError
+from ...core.errors import TargetMismatchError
 from ..base import Adapter, ComponentState, StateDictAdapter
 from ..rng import RNGState, RNGStateAdapter
 from .checks import expect_instance

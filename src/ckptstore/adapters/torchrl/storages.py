@@ -12,8 +12,8 @@ import torch
 from tensordict import NonTensorStack, TensorDict, is_tensor_collection, is_tensorclass
 from torchrl.data.replay_buffers import CompressedListStorage, LazyMemmapStorage, ListStorage, TensorStorage
 
-from ... import jsonvalue
-from ...errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
+from ...core import jsonvalue
+from ...core.errors import ShapeMismatchError, TargetMismatchError, UnsupportedTypeError
 from ..base import Adapter, ComponentState, Json, RowToken, StorageIdentity, join, split, unflatten
 from ..values import TensorDictAdapter
 from .checks import expect_instance

@@ -14,7 +14,7 @@ import torch
 from tensordict import TensorDict
 from torchrl.trainers import Trainer
 
-from ...errors import TargetMismatchError
+from ...core.errors import TargetMismatchError
 from ..base import Adapter, ComponentState, plain, same_class
 
 

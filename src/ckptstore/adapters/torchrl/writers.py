@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torchrl.data.replay_buffers import ImmutableDatasetWriter, RoundRobinWriter, TensorDictMaxValueWriter
 
-from ...errors import TargetMismatchError
+from ...core.errors import TargetMismatchError
 from ..base import Adapter, ComponentState
 from .checks import expect_instance
 
@@ -97,7 +97,7 @@ class MaxValueWriterAdapter(Adapter):
                 raise TargetMismatchError(f"{state.where(key)}: stored {stored!r}, target {target!r}")
 
     def from_state(self, obj: TensorDictMaxValueWriter, state: ComponentState) -> TensorDictMaxValueWriter:
-        from ...shards import DTYPES
+        from ...core.shards import DTYPES
 
         heap = []
         for (rank, index), dtype in zip(state.json("heap"), state.json("rank_dtypes")):
