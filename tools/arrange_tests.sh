@@ -24,7 +24,7 @@ mkdir -p tests/unit/adapters && printf '' > tests/unit/adapters/__init__.py && g
 mkdir -p tests/unit/backends && printf '' > tests/unit/backends/__init__.py && git add tests/unit/backends/__init__.py
 mkdir -p tests/unit/core && printf '' > tests/unit/core/__init__.py && git add tests/unit/core/__init__.py
 mkdir -p tests/unit/home && printf '' > tests/unit/home/__init__.py && git add tests/unit/home/__init__.py
-mkdir -p tests/unit/integrations && printf '' > tests/unit/integrations/__init__.py && git add tests/unit/integrations/__init__.py
+mkdir -p tests/unit/dcp && printf '' > tests/unit/dcp/__init__.py && git add tests/unit/dcp/__init__.py
 mkdir -p tests/unit/objects && printf '' > tests/unit/objects/__init__.py && git add tests/unit/objects/__init__.py
 mkdir -p tests/unit/protocols && printf '' > tests/unit/protocols/__init__.py && git add tests/unit/protocols/__init__.py
 mkdir -p tests/unit/top && printf '' > tests/unit/top/__init__.py && git add tests/unit/top/__init__.py
@@ -55,10 +55,10 @@ mv_ test_fingerprints.py unit/protocols/test_fingerprints.py
 mv_ test_concurrent_writes.py unit/protocols/test_concurrent_writes.py
 mv_ test_full_disk.py unit/protocols/test_full_disk.py
 mv_ test_faults.py unit/protocols/test_faults.py
-mv_ test_dcp.py unit/integrations/test_dcp.py
-mv_ test_dcp_bucket.py unit/integrations/test_dcp_bucket.py
-mv_ test_dcp_nodes.py unit/integrations/test_dcp_nodes.py
-mv_ test_training.py unit/integrations/test_training.py
+mv_ test_dcp.py unit/dcp/test_dcp.py
+mv_ test_dcp_bucket.py unit/dcp/test_dcp_bucket.py
+mv_ test_dcp_nodes.py unit/dcp/test_dcp_nodes.py
+mv_ test_training.py unit/top/test_training.py
 mv_ test_adapters.py unit/adapters/test_adapters.py
 mv_ test_values.py unit/adapters/test_values.py
 mv_ test_rng.py unit/adapters/test_rng.py
@@ -81,6 +81,11 @@ mv_ test_layers.py unit/top/test_layers.py
 mv_ test_benchmarks_smoke.py unit/top/test_benchmarks_smoke.py
 mv_ test_conformance.py conformance/test_conformance.py
 mv_ harness_base.py harness/base.py
+mv_ test_interfaces.py unit/home/test_interfaces.py
+mv_ test_gc_marks.py unit/protocols/test_gc_marks.py
+mv_ test_entry_writer.py unit/objects/test_entry_writer.py
+mv_ test_archgraph.py unit/top/test_archgraph.py
+mv_ clock.py harness/clock.py
 mv_ stress.py harness/stress.py
 mv_ test_stress.py harness/test_stress.py
 mv_ bucket_stress.py harness/bucket_stress.py
@@ -168,18 +173,18 @@ edit '\btests/test_full_disk\.py' 's#\btests/test_full_disk\.py#tests/unit/proto
 edit 'from \.{1,2}test_faults import' 's/from \.{1,2}test_faults import/from tests.unit.protocols.test_faults import/g'
 edit '\btests\.test_faults\b' 's/\btests\.test_faults\b/tests.unit.protocols.test_faults/g'
 edit '\btests/test_faults\.py' 's#\btests/test_faults\.py#tests/unit/protocols/test_faults.py#g'
-edit 'from \.{1,2}test_dcp import' 's/from \.{1,2}test_dcp import/from tests.unit.integrations.test_dcp import/g'
-edit '\btests\.test_dcp\b' 's/\btests\.test_dcp\b/tests.unit.integrations.test_dcp/g'
-edit '\btests/test_dcp\.py' 's#\btests/test_dcp\.py#tests/unit/integrations/test_dcp.py#g'
-edit 'from \.{1,2}test_dcp_bucket import' 's/from \.{1,2}test_dcp_bucket import/from tests.unit.integrations.test_dcp_bucket import/g'
-edit '\btests\.test_dcp_bucket\b' 's/\btests\.test_dcp_bucket\b/tests.unit.integrations.test_dcp_bucket/g'
-edit '\btests/test_dcp_bucket\.py' 's#\btests/test_dcp_bucket\.py#tests/unit/integrations/test_dcp_bucket.py#g'
-edit 'from \.{1,2}test_dcp_nodes import' 's/from \.{1,2}test_dcp_nodes import/from tests.unit.integrations.test_dcp_nodes import/g'
-edit '\btests\.test_dcp_nodes\b' 's/\btests\.test_dcp_nodes\b/tests.unit.integrations.test_dcp_nodes/g'
-edit '\btests/test_dcp_nodes\.py' 's#\btests/test_dcp_nodes\.py#tests/unit/integrations/test_dcp_nodes.py#g'
-edit 'from \.{1,2}test_training import' 's/from \.{1,2}test_training import/from tests.unit.integrations.test_training import/g'
-edit '\btests\.test_training\b' 's/\btests\.test_training\b/tests.unit.integrations.test_training/g'
-edit '\btests/test_training\.py' 's#\btests/test_training\.py#tests/unit/integrations/test_training.py#g'
+edit 'from \.{1,2}test_dcp import' 's/from \.{1,2}test_dcp import/from tests.unit.dcp.test_dcp import/g'
+edit '\btests\.test_dcp\b' 's/\btests\.test_dcp\b/tests.unit.dcp.test_dcp/g'
+edit '\btests/test_dcp\.py' 's#\btests/test_dcp\.py#tests/unit/dcp/test_dcp.py#g'
+edit 'from \.{1,2}test_dcp_bucket import' 's/from \.{1,2}test_dcp_bucket import/from tests.unit.dcp.test_dcp_bucket import/g'
+edit '\btests\.test_dcp_bucket\b' 's/\btests\.test_dcp_bucket\b/tests.unit.dcp.test_dcp_bucket/g'
+edit '\btests/test_dcp_bucket\.py' 's#\btests/test_dcp_bucket\.py#tests/unit/dcp/test_dcp_bucket.py#g'
+edit 'from \.{1,2}test_dcp_nodes import' 's/from \.{1,2}test_dcp_nodes import/from tests.unit.dcp.test_dcp_nodes import/g'
+edit '\btests\.test_dcp_nodes\b' 's/\btests\.test_dcp_nodes\b/tests.unit.dcp.test_dcp_nodes/g'
+edit '\btests/test_dcp_nodes\.py' 's#\btests/test_dcp_nodes\.py#tests/unit/dcp/test_dcp_nodes.py#g'
+edit 'from \.{1,2}test_training import' 's/from \.{1,2}test_training import/from tests.unit.top.test_training import/g'
+edit '\btests\.test_training\b' 's/\btests\.test_training\b/tests.unit.top.test_training/g'
+edit '\btests/test_training\.py' 's#\btests/test_training\.py#tests/unit/top/test_training.py#g'
 edit 'from \.{1,2}test_adapters import' 's/from \.{1,2}test_adapters import/from tests.unit.adapters.test_adapters import/g'
 edit '\btests\.test_adapters\b' 's/\btests\.test_adapters\b/tests.unit.adapters.test_adapters/g'
 edit '\btests/test_adapters\.py' 's#\btests/test_adapters\.py#tests/unit/adapters/test_adapters.py#g'
@@ -270,6 +275,9 @@ edit '\btests/nemesis\.py' 's#\btests/nemesis\.py#tests/harness/nemesis.py#g'
 edit 'from \.{1,2}test_nemesis import' 's/from \.{1,2}test_nemesis import/from tests.harness.test_nemesis import/g'
 edit '\btests\.test_nemesis\b' 's/\btests\.test_nemesis\b/tests.harness.test_nemesis/g'
 edit '\btests/test_nemesis\.py' 's#\btests/test_nemesis\.py#tests/harness/test_nemesis.py#g'
+
+edit 'from \.{1,2}clock import' 's/from \.{1,2}clock import/from tests.harness.clock import/g'
+edit '\btests/clock\.py' 's#\btests/clock\.py#tests/harness/clock.py#g'
 
 # 4. what stayed in tests/, imported from a moved file: absolute too
 edit 'from \.conftest import' 's/from \.conftest import/from tests.conftest import/g'
