@@ -79,7 +79,7 @@ def s3_server(tmp_path_factory):
     conditional PUTs are atomic as on S3; the standard AWS_* environment points at it
     for the session (spawned processes inherit it). Bucket ``ckpt`` exists."""
     pytest.importorskip("moto", reason="the object-storage tests need moto[server] (the test extra)")
-    from .s3server import MotoServer
+    from tests.s3server import MotoServer
 
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ALLOW_HTTP", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "XDG_CACHE_HOME")}
     with MotoServer(buckets=["ckpt"], serialize=True) as server:

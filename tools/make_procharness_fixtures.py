@@ -1,4 +1,4 @@
-"""Build the schema-1 and schema-2 fixture stores of the process harness (tests/procharness.py).
+"""Build the schema-1 and schema-2 fixture stores of the process harness (tests/harness/procharness.py).
 
 Each holds 40 commits of a small training state (a dict of tensors and a JSON step), in one
 lineage, with a tag ``step-<n>`` on every fourth commit and ``latest`` on the last: enough

@@ -25,12 +25,22 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
 from .adapters.base import capture
 from .adapters.training import Progress  # noqa: F401 (re-exported: ckptstore.checkpointer.Progress)
-from .core.errors import BackendError, BucketNotConsultedWarning, CkptStoreError, DefaultRunResumedWarning, InvalidArgumentError, NotAStoreError, RefNotFoundError, RunBusyError, TargetMismatchError
-from .pusher import Pusher
+from .core.errors import (
+    BackendError,
+    BucketNotConsultedWarning,
+    CkptStoreError,
+    DefaultRunResumedWarning,
+    InvalidArgumentError,
+    NotAStoreError,
+    RefNotFoundError,
+    RunBusyError,
+    TargetMismatchError,
+)
 from .home.refs import fenced
+from .pusher import Pusher
+from .run import LEASE_SECONDS, Lease, acquire, check_run, describe, run_tag
 from .store import CommitInfo, Store
 
 

@@ -37,9 +37,9 @@ from .core.errors import (
     RunTakenOverError,
     StoreWriteError,
 )
+from .home.refs import Fence
 from .objects.packs import BLOB_HEADER
 from .objects.records import check_tag
-from .home.refs import Fence
 
 #: Name printed for the default run (``run=None``), whose tags have no prefix.
 DEFAULT_RUN = "(default)"

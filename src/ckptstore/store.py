@@ -24,21 +24,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .backends import as_backend, is_url
-from .home.catalog import Catalog
 from .core.collector import paused_gc
+from .core.errors import CkptStoreError, ForkedStoreError, InvalidArgumentError
+from .core.threads import fail_inherited
+from .home.base import Home
+from .home.catalog import Catalog
+from .home.local import LocalHome
+from .objects.packs import IOStats, PackWriter
+from .objects.records import check_tag  # validates a tag name: public here for integrations that take tags before they commit
 from .protocols.commit import CommitInfo, Committer
 from .protocols.diff import DiffReport, diff_commits
-from .core.errors import CkptStoreError, ForkedStoreError, InvalidArgumentError
 from .protocols.fsck import FsckReport
 from .protocols.fsck import run as run_fsck
 from .protocols.fsck import verify as verify_commit
 from .protocols.gc import SMALL_PACK_BYTES, GCReport, collect
-from .home.base import Home
-from .home.local import LocalHome
-from .objects.packs import IOStats, PackWriter
-from .objects.records import check_tag  # validates a tag name: public here for integrations that take tags before they commit
 from .protocols.recover import RecoverReport, recover, recover_bucket
-from .core.threads import fail_inherited
 
 if TYPE_CHECKING:  # the adapters (and torch) load on first commit or checkout: catalog-only use never imports torch
     from concurrent.futures import Future

@@ -19,12 +19,21 @@ import time
 import warnings
 from dataclasses import dataclass
 
-from .core import jsonvalue
 from .adapters.base import Captured
+from .core import jsonvalue
+from .core.errors import (
+    CkptStoreError,
+    IntegrityError,
+    LocalTierGCWarning,
+    NotAStoreError,
+    OlderStepError,
+    RefConflictError,
+    RefNotFoundError,
+    StoreWriteError,
+)
 from .dcp.format import ADAPTER, FORMAT_VERSION, DCPAdapter
-from .core.errors import CkptStoreError, LocalTierGCWarning, IntegrityError, NotAStoreError, OlderStepError, RefConflictError, RefNotFoundError, StoreWriteError
-from .pusher import Pusher
 from .objects.records import ESCAPED, LeafRecord
+from .pusher import Pusher
 from .store import CommitInfo, Store
 
 __all__ = ["Layout", "TierPusher", "bucket_newest", "compose", "node_layout", "open_bucket", "part_tag"]

@@ -9,7 +9,7 @@ and test/distributed/checkpoint/e2e/test_e2e_save_and_load.py (commit 01357535d7
 Every test runs twice (fixture ``storage``): with DCP's FileSystemWriter/FileSystemReader
 (the peer's storage) and with ckptstore's StoreWriter/StoreReader. The test bodies and
 assertions are upstream's; the harness is this project's (real gloo groups of 2 forked
-ranks, ``tests.test_dcp.run_ranks``) instead of torch's MultiProcessTestCase, whose
+ranks, ``tests.unit.dcp.test_dcp.run_ranks``) instead of torch's MultiProcessTestCase, whose
 module needs ``expecttest``, which is not installed. Differences from upstream:
 
 - ``test_dtype_mismatch_casting`` is not ported: it needs
@@ -74,7 +74,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from torch.testing._internal.distributed.checkpoint_utils import Rot13Example, get_test_extension_registry
 from torch.testing._internal.distributed.common_state_dict import VerifyStateDictMixin
 
-from ..test_dcp import run_ranks
+from tests.unit.dcp.test_dcp import run_ranks
 from ._backends import STORAGES, storage  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.timeout(120)

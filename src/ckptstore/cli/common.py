@@ -23,8 +23,8 @@ from rich.text import Text
 
 from ..core import layout, progress
 from ..core.errors import CkptStoreError, GCLockedError
-from ..store import CommitInfo, Store
 from ..core.units import dedup, fmt_bytes
+from ..store import CommitInfo, Store
 
 app = typer.Typer(
     add_completion=True,

@@ -9,8 +9,8 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from ..store import Store
 from ..core.units import counted, fmt_bytes
+from ..store import Store
 from .common import AsJson, StdoutClosed, StorePath, bars, emit_json, err, open_store, say, store_path
 
 

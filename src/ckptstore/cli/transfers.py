@@ -9,10 +9,9 @@ from typing import Annotated
 
 import typer
 
-from ..store import Store
 from ..core.units import counted, fmt_bytes
+from ..store import Store
 from .common import AsJson, StorePath, bars, commit_table, emit_json, err, open_store, say, shown_path, store_path, terminal
-
 
 Force = Annotated[bool, typer.Option("--force", metavar="", help="Move the tag even when its commit is not an ancestor of REF's.")]
 

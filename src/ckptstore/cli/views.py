@@ -8,9 +8,24 @@ from typing import Annotated
 
 import typer
 
-from ..store import CommitInfo
 from ..core.units import fmt_bytes, ratio
-from .common import NARROW, AsJson, StorePath, commit_table, emit_json, fitted, folded, hidden, open_store, say, shown_path, table, terminal, visible
+from ..store import CommitInfo
+from .common import (
+    NARROW,
+    AsJson,
+    StorePath,
+    commit_table,
+    emit_json,
+    fitted,
+    folded,
+    hidden,
+    open_store,
+    say,
+    shown_path,
+    table,
+    terminal,
+    visible,
+)
 
 
 def log(

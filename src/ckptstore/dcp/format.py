@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..core import jsonvalue
 from ..adapters.base import RAW_BYTES, Adapter, ComponentState, register_adapter
+from ..core import jsonvalue
 from ..core.errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -34,8 +34,8 @@ from ..core.errors import (
     UnsupportedTypeError,
 )
 from ..core.layout import escape
-from ..objects.records import LeafRecord
 from ..core.shards import DTYPES, dtype_name
+from ..objects.records import LeafRecord
 from ..store import Store
 
 __all__ = ["ADAPTER", "FORMAT_VERSION", "DCPAdapter", "item_path", "metadata_from_json", "metadata_json", "open_store", "store_location"]

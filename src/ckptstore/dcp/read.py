@@ -18,13 +18,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .format import ADAPTER, INLINE_HASH_BYTES, metadata_from_json, open_store
 from ..core.errors import IntegrityError, InvalidArgumentError
 from ..core.layout import ShardPlan, address
+from ..core.shards import DTYPES, byte_view, dense_order
 from ..objects.packs import BlobLoc
 from ..objects.records import LeafRecord
-from ..core.shards import DTYPES, byte_view, dense_order
 from ..store import Store
+from .format import ADAPTER, INLINE_HASH_BYTES, metadata_from_json, open_store
 
 __all__ = ["StoreReader"]
 

@@ -19,9 +19,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..core import jsonvalue
 from ..adapters.base import RAW, RAW_BYTES, Captured, plain_token, raw_leaves
-from .format import ADAPTER, FORMAT_VERSION, INLINE_HASH_BYTES, DCPAdapter, item_path, metadata_json, open_store, store_location
+from ..core import jsonvalue
 from ..core.errors import (
     IntegrityError,
     InvalidArgumentError,
@@ -30,11 +29,12 @@ from ..core.errors import (
     UnsupportedTypeError,
 )
 from ..core.layout import address, digest, sample_unchanged
-from ..objects.packs import BlobLoc, PackWriter
-from ..objects.records import ESCAPED, LeafRecord, check_message, check_tag
 from ..core.shards import dtype_name, physical, tensor_bytes
 from ..core.shards import plan as shard_plan
+from ..objects.packs import BlobLoc, PackWriter
+from ..objects.records import ESCAPED, LeafRecord, check_message, check_tag
 from ..store import CommitInfo, Store, pack_writer_at
+from .format import ADAPTER, FORMAT_VERSION, INLINE_HASH_BYTES, DCPAdapter, item_path, metadata_json, open_store, store_location
 
 __all__ = ["StoreWriter"]
 

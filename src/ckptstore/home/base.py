@@ -42,8 +42,6 @@ from pathlib import Path
 from typing import Any
 
 from ..core import jsonvalue
-from ..objects import records
-from .catalog import Catalog, CatalogMissing, backfill_records, damaged, keep_reserve, release_reserve, reserve_path
 from ..core.errors import (
     AmbiguousRefError,
     BlobMissingError,
@@ -55,8 +53,10 @@ from ..core.errors import (
     StoreWriteError,
 )
 from ..core.layout import DEFAULT_SHARD_BYTES, address, under
+from ..objects import records
 from ..objects.packs import BLOB_HEADER, DEFAULT_PACK_BYTES, BlobLoc, PackWriter, walk_store
 from ..objects.records import CommitInfo, LeafRecord, check_tag
+from .catalog import Catalog, CatalogMissing, backfill_records, damaged, keep_reserve, release_reserve, reserve_path
 from .index_step import index_commit
 from .refs import CatalogRefs, Refs
 

@@ -57,8 +57,15 @@ from pathlib import Path
 from typing import Any
 
 from ..backends import Backend, open_backend
-from .catalog import drop_commit_rows
-from .bucket_cache import UNLOCATED, BucketCache, cache_folder
+from ..core.errors import (
+    CkptStoreError,
+    IntegrityError,
+    NotAStoreError,
+    RefBusyError,
+    RefConflictError,
+)
+from ..core.layout import RANDOM
+from ..core.threads import Pool
 from ..objects.bucketformat import (
     MARKER,
     PACK_BYTES,
@@ -72,24 +79,17 @@ from ..objects.bucketformat import (
     read_gc_marks,
     read_marker,
 )
-from .bucket_io import BucketReader
-from .bucket_upkeep import BucketFsck, BucketGC
-from ..core.errors import (
-    CkptStoreError,
-    IntegrityError,
-    NotAStoreError,
-    RefBusyError,
-    RefConflictError,
-)
-from ..core.layout import RANDOM
 from ..objects.packindex import pack_key
 from ..objects.packs import BLOB_HEADER
+from ..objects.records import CommitInfo
+from .base import Home, weakly
+from .bucket_cache import UNLOCATED, BucketCache, cache_folder
+from .bucket_io import BucketReader
+from .bucket_upkeep import BucketFsck, BucketGC
+from .catalog import drop_commit_rows
+from .index_step import ReusedBlobsGone
 from .refs import CAS_SECONDS, BucketRefs, guarded
 from .refs import resolve_on_bucket as resolve_remote
-from .base import Home, weakly
-from .index_step import ReusedBlobsGone
-from ..objects.records import CommitInfo
-from ..core.threads import Pool
 
 #: Seconds: a cached commit the bucket's listing lacks is forgotten only once this old (its record may be in flight).
 FORGET_AFTER = 3600.0

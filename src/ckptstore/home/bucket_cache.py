@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ..core import jsonvalue
-from ..objects.bucketformat import REQUESTS, commit_key, fetch_record, pack_entries
 from ..core.errors import BlobMissingError, IntegrityError, InvalidArgumentError, InvalidNameError, RefNotFoundError, StoreWriteError
-from .index_step import ReusedBlobsGone
 from ..core.layout import address, check_shape, digest, itemsize
+from ..objects.bucketformat import REQUESTS, commit_key, fetch_record, pack_entries
 from ..objects.packindex import index_key, pack_key
 from ..objects.packs import BLOB_HEADER, BLOB_MAGIC, BlobLoc, Entry
 from ..objects.records import path_problem, recreate
+from .index_step import ReusedBlobsGone
 
 #: The pack of a cache ``blobs`` row whose blob no ``.idx`` this cache has read holds yet: a
 #: commit record copied for a listing (``log``, ``tagged``, ``info``) is cached without reading

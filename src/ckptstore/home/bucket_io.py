@@ -11,13 +11,13 @@ import threading
 from typing import Any
 
 from ..backends import open_backend
-from .bucket_cache import UNLOCATED
-from ..objects.bucketformat import UPLOADS, BucketPackWriter
-from .base import Home  # (a BucketHome: the bucket home's module imports this one)
 from ..core.errors import BlobCorruptError, BlobMissingError, ObjectNotFoundError
+from ..core.threads import Pool
+from ..objects.bucketformat import UPLOADS, BucketPackWriter
 from ..objects.packindex import pack_key
 from ..objects.packs import BLOB_HEADER, BLOB_MAGIC, BlobLoc, check_entry, decode_entry
-from ..core.threads import Pool
+from .base import Home  # (a BucketHome: the bucket home's module imports this one)
+from .bucket_cache import UNLOCATED
 
 
 class BucketReader:

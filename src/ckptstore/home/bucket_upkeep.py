@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.errors import BlobCorruptError, BlobMissingError, IntegrityError, ObjectNotFoundError
 from ..objects.bucketformat import (
     MARKER,
     GCMarks,
@@ -30,14 +31,12 @@ from ..objects.bucketformat import (
     repair_index,
     repair_marker,
 )
-from .base import Home  # (a BucketHome: the bucket home's module imports this one)
-from ..core.errors import BlobCorruptError, BlobMissingError, IntegrityError, ObjectNotFoundError
 from ..objects.packindex import INDEX_ENTRY, INDEX_HEADER, index_key, pack_key
 from ..objects.packindex import TRAILER as INDEX_TRAILER
 from ..objects.packs import BLOB_HEADER, BLOB_MAGIC, BlobLoc, check_entry
+from .base import Home  # (a BucketHome: the bucket home's module imports this one)
 from .refs import resolve_on_bucket as resolve_remote
 from .upkeep import FsckSide, GCReport, GCSide, PackStat, packed
-
 
 _CID = re.compile(r"[0-9a-f]{32}")
 

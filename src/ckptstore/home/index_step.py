@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core import jsonvalue
-from ..objects import records
 from ..core.errors import IntegrityError
 from ..core.layout import address, shard_count
+from ..objects import records
 from ..objects.packs import BLOB_HEADER, BlobLoc
 from ..objects.records import LeafRecord
 from .refs import ANY

@@ -23,9 +23,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .catalog import Catalog
 from ..objects.packs import BlobLoc, IOStats, PackReader, PackWriter
 from ..objects.records import CommitInfo, CommitRecord, LeafRecord
+from .catalog import Catalog
 
 Key = tuple[bytes, int]
 """A blob's address: (XXH3-128 digest of its raw bytes, raw length in bytes)."""

@@ -17,16 +17,28 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from ..core import progress
-from ..objects import records
 from ..backends.local import ForeignEntryError, describe_mode, lstat_beneath, open_dir, open_regular, unlink_beneath
-from ..objects.bucketformat import GCMarks
-from .catalog import drop_commit_rows, rebuild_record
+from ..core import progress
 from ..core.errors import BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, ResourceLimitError, StoreWriteError
-from .base import Home
 from ..core.layout import ShardPlan, itemsize
-from ..objects.packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, RECORD_MAGIC, BlobLoc, PackReader, PackWriter, check_entry, pack_path, scan, walk_store
+from ..objects import records
+from ..objects.bucketformat import GCMarks
+from ..objects.packs import (
+    BLOB_HEADER,
+    BLOB_MAGIC,
+    CODEC_RAW,
+    RECORD_MAGIC,
+    BlobLoc,
+    PackReader,
+    PackWriter,
+    check_entry,
+    pack_path,
+    scan,
+    walk_store,
+)
 from ..objects.records import KIND_COMMIT, KIND_REF
+from .base import Home
+from .catalog import drop_commit_rows, rebuild_record
 from .upkeep import FsckReport, FsckSide, GCReport, GCSide, PackStat, gc_lock, packed, unlocked
 
 

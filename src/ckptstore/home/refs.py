@@ -40,7 +40,6 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..objects import records
 from ..backends.base import check_ref_name, ref_segment
 from ..core.errors import (
     AmbiguousRefError,
@@ -53,6 +52,7 @@ from ..core.errors import (
     ReflogWarning,
     RefNotFoundError,
 )
+from ..objects import records
 from ..objects.bucketformat import commit_key, parse_reflog, read_tag, read_tag_hint, ref_payload, reflog_bytes
 
 if TYPE_CHECKING:

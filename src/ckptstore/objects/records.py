@@ -41,7 +41,19 @@ from typing import Any
 
 from ..core import jsonvalue
 from ..core.errors import CkptStoreError, IntegrityError, InvalidArgumentError, InvalidNameError
-from ..core.layout import ShardPlan, address, check_path, check_shape, dense_order, digest, escape, from_raw_keys, is_escaped, itemsize, unescape
+from ..core.layout import (
+    ShardPlan,
+    address,
+    check_path,
+    check_shape,
+    dense_order,
+    digest,
+    escape,
+    from_raw_keys,
+    is_escaped,
+    itemsize,
+    unescape,
+)
 from .packs import BlobLoc
 
 KIND_COMMIT = 1

@@ -42,9 +42,9 @@ import zstandard
 from ..core import jsonvalue, progress
 from ..core.errors import CkptStoreError, ContainerError, IntegrityError
 from ..core.layout import check_path
+from ..core.shards import DTYPES, ShardPlan, address, check_shape, dense_order
 from ..objects.packs import BLOB_HEADER, BLOB_MAGIC, CODEC_RAW, CODEC_ZSTD, FORMAT_VERSION, BlobLoc
 from ..objects.records import Component, LeafRecord, check_paths, check_tag, recreate
-from ..core.shards import DTYPES, ShardPlan, address, check_shape, dense_order
 
 if TYPE_CHECKING:
     from ..home.interfaces import ArchiveRepository

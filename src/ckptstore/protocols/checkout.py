@@ -16,13 +16,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.graph import increment_version
 
-from ..core import jsonvalue, progress
 from ..adapters import Adapter, ComponentState, LazyTensor, Registry, join, migrate
 from ..adapters.base import Scope, check_key, escape, under
-from ..core.errors import AdapterError, BlobCorruptError, BlobMissingError, CkptStoreError, IntegrityError, PartialPathError, TargetMismatchError
+from ..core import jsonvalue, progress
+from ..core.errors import (
+    AdapterError,
+    BlobCorruptError,
+    BlobMissingError,
+    CkptStoreError,
+    IntegrityError,
+    PartialPathError,
+    TargetMismatchError,
+)
 from ..core.layout import check_path, keypath, split
-from ..objects.packs import BLOB_HEADER, CODEC_RAW, RUN_BLOBS
 from ..core.shards import DTYPES, ShardPlan, byte_view, dense_order
+from ..objects.packs import BLOB_HEADER, CODEC_RAW, RUN_BLOBS
 
 if TYPE_CHECKING:
     from ..home.interfaces import CheckoutRepository

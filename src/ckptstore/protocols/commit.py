@@ -33,17 +33,17 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ..core import jsonvalue, progress
-from ..objects import records
 from ..core.collector import paused_gc
-from .digests import DigestCache, Entry, Same, reusable
 from ..core.errors import AdapterError, IntegrityError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
 from ..core.layout import address, check_shape, digest, itemsize, sample_unchanged, shard_count
+from ..core.threads import Pool
+from ..home.index_step import ReusedBlobsGone, given_stored, ints_json  # noqa: F401 (declared in the home layer, whose index step raises and reads them)
+from ..objects import records
 from ..objects.packs import BlobLoc, PackWriter
 from ..objects.records import CommitInfo, LeafRecord, check_message, check_tag
+from .digests import DigestCache, Entry, Same, reusable
 from .reuse import Prehashed as _Prehashed
 from .reuse import Reused, as_reused, keep_components, logical_bytes
-from ..home.index_step import ReusedBlobsGone, given_stored, ints_json  # noqa: F401 (declared in the home layer, whose index step raises and reads them)
-from ..core.threads import Pool
 
 if TYPE_CHECKING:
     import torch

@@ -53,9 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..core import jsonvalue
 from ..backends.local import describe_mode, own_dir
-from ..home.catalog import Catalog, CatalogMissing, backfill_records
+from ..core import jsonvalue
 from ..core.errors import (
     CatalogBusyError,
     CatalogCorruptError,
@@ -67,12 +66,13 @@ from ..core.errors import (
     ResourceLimitError,
     StoreWriteError,
 )
-from .gc import gc_lock
 from ..core.layout import address
+from ..home.catalog import Catalog, CatalogMissing, backfill_records
+from ..objects.bucketformat import fetch_record, parse_reflog, read_tag, repair_index
 from ..objects.packindex import index_key
 from ..objects.packs import CODEC_RAW, DEFAULT_PACK_BYTES, RECORD_MAGIC, PackReader, scan, walk_store
 from ..objects.records import KIND_COMMIT, KIND_REF, CommitRecord, commit_id, parse_commit, parse_ref
-from ..objects.bucketformat import fetch_record, parse_reflog, read_tag, repair_index
+from .gc import gc_lock
 
 if TYPE_CHECKING:
     from ..home.interfaces import RecoverRepository

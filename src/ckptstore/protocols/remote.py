@@ -42,6 +42,15 @@ from typing import TYPE_CHECKING
 
 from ..backends import Backend
 from ..backends.base import ref_segment
+from ..core.errors import (
+    BlobMissingError,
+    NotAStoreError,
+    RefBusyError,
+    RefConflictError,
+)
+from ..core.layout import address
+from ..core.threads import Pool
+from ..home.refs import resolve_on_bucket as resolve  # (the refs of a store on object storage: the home layer's)
 from ..objects.bucketformat import (
     MARKER,
     PACK_BYTES,
@@ -57,17 +66,8 @@ from ..objects.bucketformat import (
     ref_payload,
     reflog_bytes,
 )
-from ..core.errors import (
-    BlobMissingError,
-    NotAStoreError,
-    RefBusyError,
-    RefConflictError,
-)
-from ..core.layout import address
 from ..objects.packs import BLOB_HEADER
 from ..objects.records import KIND_COMMIT, CommitRecord, recreate
-from ..home.refs import resolve_on_bucket as resolve  # (the refs of a store on object storage: the home layer's)
-from ..core.threads import Pool
 from .transfer import TransferReport, missing_lineage
 
 if TYPE_CHECKING:

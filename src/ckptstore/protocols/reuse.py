@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..core import jsonvalue
-from ..objects import records
-from .digests import DigestCache
 from ..core.layout import ShardPlan, changed_parts, sample_unchanged, shard_count
-from ..objects.records import LeafRecord
 from ..home.index_step import Reused, logical_bytes, per_component  # noqa: F401 (declared in the home layer, whose index step reads them)
+from ..objects import records
+from ..objects.records import LeafRecord
+from .digests import DigestCache
 
 if TYPE_CHECKING:
     from ..adapters.base import Captured

@@ -68,12 +68,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torchrl.data.replay_buffers import PrioritizedSampler, RandomSampler, RoundRobinWriter, SamplerWithoutReplacement, TensorStorage
 
-from ..core import jsonvalue
 from ..adapters.base import Captured, check_key, flatten, join, plain, unflatten
 from ..adapters.rng import RNGState
-from .archive import refuse_store_files
+from ..core import jsonvalue
 from ..core.errors import CkptStoreError, ContainerError
 from ..core.shards import DTYPES, byte_view
+from .archive import refuse_store_files
 
 if TYPE_CHECKING:
     from ..home.interfaces import TorchRLImportRepository
