@@ -303,7 +303,8 @@ def peak_rss():
 def phases(store, counter: Counter):
     """Time the phases of ``store``'s next commit (wrapping its methods on the instance)."""
     marks: dict[str, float] = {}
-    orig_leaves, orig_writer, orig_index = store._leaves, store.pack_writer, store.home.index_commit  # the index step is the home's
+    committer = store._committer  # (hashing is the committer's, the index step the home's)
+    orig_leaves, orig_writer, orig_index = committer._leaves, store.pack_writer, store.home.index_commit
 
     def timed_leaves(*a, **k):
         marks["hash_start"] = time.perf_counter()
@@ -331,14 +332,14 @@ def phases(store, counter: Counter):
         finally:
             marks["index_end"] = time.perf_counter()
 
-    store._leaves, store.pack_writer, store.home.index_commit = timed_leaves, timed_writer, timed_index
+    committer._leaves, store.pack_writer, store.home.index_commit = timed_leaves, timed_writer, timed_index
     out: dict = {}
     marks["start"] = time.perf_counter()
     try:
         yield out
     finally:
         marks["end"] = time.perf_counter()
-        del store._leaves, store.pack_writer, store.home.index_commit
+        del committer._leaves, store.pack_writer, store.home.index_commit
         packs = [(a, b, n) for a, b, key, n in counter.puts if key.endswith(".pack") and a >= marks["start"]]
         out.update({
             "capture_s": marks.get("hash_start", marks["start"]) - marks["start"],

@@ -437,6 +437,8 @@ def _preimport(root: str) -> list[str]:
     failed = []
     pkg = importlib.import_module(root)
     for info in pkgutil.walk_packages(pkg.__path__, root + "."):
+        if info.name.endswith(".__main__"):
+            continue  # (running it is the command line, `python -m`)
         try:
             importlib.import_module(info.name)
         except Exception:  # noqa: BLE001 - listed in the output

@@ -1021,10 +1021,11 @@ class Harness(Coordinator):
             except (CkptStoreError, ValueError, AttributeError):
                 continue
             if named and not named & commits:
-                stale.append(o.key)
+                stale.append(f"{o.key} (mtime {o.mtime}, naming {sorted(named)})")
         if stale:
             raise self.failure(index, f"after gc(grace=0) with no process running, {len(stale)} reflog objects name only commits the "
-                                      f"GC collected (reflog objects are never collected): {stale[:2]}")
+                                      f"GC collected (reflog objects are never collected); the GC started at {self.gc0_at} (server "
+                                      f"clock): {stale[:2]}")
 
     # - damage -
 

@@ -392,10 +392,12 @@ def test_unchanged_storage_is_not_rehashed_and_changes_always_are(tmp_path, monk
 
 
 def test_changed_storage_looks_up_only_changed_shards(tmp_path, monkeypatch):
+    from ckptstore.home.base import Home
+
     store = ckptstore.Store(tmp_path / "store", shard_bytes=4096)
     looked_up = []
-    real = ckptstore.Store._lookup
-    monkeypatch.setattr(ckptstore.Store, "_lookup", lambda self, keys: looked_up.extend(keys) or real(self, keys))
+    real = Home.lookup  # (the commit's dedup and its index step both ask the home)
+    monkeypatch.setattr(Home, "lookup", lambda self, keys: looked_up.extend(keys) or real(self, keys))
     rb = TensorDictReplayBuffer(storage=LazyTensorStorage(1000), batch_size=4)
     rb.extend(TensorDict({"obs": torch.randn(1000, 64)}, [1000]))  # obs: 63 shards of 16 rows
     store.commit(rb, tag="a")

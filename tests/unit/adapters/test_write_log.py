@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -221,11 +222,14 @@ def test_a_commit_after_a_few_rows_changed_hashes_only_their_shards(tmp_path, mo
     assert fut.result().shards_new == 0 and len(hashed) == 3  # one sampled shard per column
     rb.extend(rows(40, 2))  # rows 20-59: obs shards 1, 2, 3
     hashed.clear()
+    gate = threading.Event()  # the background commit waits behind it: what the call hashed is counted alone
+    store._committer._async.submit(gate.wait, 60)
     fut = store.commit_async(rb, tag="c")
     # hashed at the call: a sample of obs's and of the index's reused shards; the shards holding the
     # written rows (obs 1-3, the index's 0, reward's one) are copied and hashed by the background commit
     assert len(hashed) == 2
     rb.extend(rows(50, 3))  # after the call: not in commit c
+    gate.set()
     assert fut.result().shards_new == 4 and len(hashed) == 2 + 5
     fresh = TensorDictReplayBuffer(storage=LazyTensorStorage(CAPACITY))
     store.checkout("c", into=fresh)
