@@ -246,7 +246,7 @@ class BucketHome(BucketCache, Home):
     def _check_packs(self, known: dict, written: dict) -> None:
         """After the commit's record is on the bucket and before its ref CAS (invariant 6):
         no blob it relies on, reused (``known``) or new (``written``), may sit in a pack a
-        GC marked or swept; those are raised as :class:`~ckptstore.store.ReusedBlobsGone`
+        GC marked or swept; those are raised as :class:`~ckptstore.home.index_step.ReusedBlobsGone`
         and written again. Checked after the record exists, a pack no mark names now can
         be marked only by a GC that lists the record at its sweep and so keeps the pack,
         whatever the grace period and however slow the commit was until now."""
