@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from ..core import jsonvalue
-from ..core.errors import BlobMissingError, IntegrityError, InvalidArgumentError, InvalidNameError, RefNotFoundError, StoreWriteError
-from ..core.layout import address, check_shape, digest, itemsize
+from ..core.errors import BlobMissingError, IntegrityError, RefNotFoundError, StoreWriteError
+from ..core.layout import address, digest
 from ..objects.bucketformat import REQUESTS, commit_key, fetch_record, pack_entries
 from ..objects.packindex import index_key, pack_key
 from ..objects.packs import BLOB_HEADER, BLOB_MAGIC, BlobLoc, Entry
-from ..objects.records import path_problem, recreate
+from ..objects.records import check_checkable, recreate
 from .index_step import ReusedBlobsGone
 
 #: The pack of a cache ``blobs`` row whose blob no ``.idx`` this cache has read holds yet: a
@@ -239,18 +239,7 @@ class BucketCache:
         """
         if not self.open_catalog(create=True).writable:
             raise StoreWriteError(f"{self.root} is read-only here (mount, permissions or a full disk): it can be read, not committed to")
-        bad, _ = path_problem({c.path: {"meta": c.meta} for c in components}, leaves)
-        if bad:
-            raise InvalidNameError(f"cannot commit: {bad}")
-        for r in leaves:
-            try:
-                if r.kind == "tensor":
-                    size = itemsize(r.dtype)
-                    if size is None:
-                        raise ValueError(f"unknown dtype {r.dtype!r}")
-                    check_shape(r.shape, size)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
+        check_checkable(components, leaves)
         t0, meta_json = time.perf_counter(), jsonvalue.dumps(rec.metadata, "metadata")
         locs, given_packs = given or ({}, [])
         known = self.lookup(list(dict.fromkeys(keys)))

@@ -335,6 +335,31 @@ def path_problem(comps: dict[str, dict], leaves: list) -> tuple[str | None, Any]
     return check_paths([read_as(r.path, r.component) for r in leaves]), read_as
 
 
+def check_checkable(components: list, leaves: list, paths_checked: bool = False) -> None:
+    """Refuse a manifest a store could not check out (every commit's check, on both homes):
+    component and leaf paths that are not one state tree (:func:`path_problem`; skipped with
+    ``paths_checked``), and a tensor leaf whose dtype is unknown or whose shape does not fit
+    it. Leaves already encoded (``r.encoded``) were checked by the commit that encoded them.
+
+    Raises:
+        InvalidNameError: the paths.
+        InvalidArgumentError: a tensor leaf's dtype or shape.
+    """
+    bad, _ = (None, None) if paths_checked else path_problem({c.path: {"meta": c.meta} for c in components}, leaves)
+    if bad:
+        raise InvalidNameError(f"cannot commit: {bad}")
+    for r in leaves:
+        if r.kind != "tensor" or getattr(r, "encoded", None) is not None:
+            continue
+        try:
+            size = itemsize(r.dtype)
+            if size is None:
+                raise ValueError(f"unknown dtype {r.dtype!r}")
+            check_shape(r.shape, size)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
+
+
 def ref_text(seq: int, tag: str, old: str | None, new: str | None, at: float, action: str) -> str:
     """A ref-move record (see the module docstring)."""
     return json.dumps({"action": action, "at": at, "new": new, "old": old, "seq": seq, "tag": tag}, sort_keys=True, separators=(",", ":"))

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..core import jsonvalue, progress
 from ..core.collector import paused_gc
-from ..core.errors import AdapterError, IntegrityError, InvalidArgumentError, InvalidNameError, StoreWriteError, UnsupportedTypeError
-from ..core.layout import address, check_shape, digest, itemsize, sample_unchanged, shard_count
+from ..core.errors import AdapterError, IntegrityError, StoreWriteError, UnsupportedTypeError
+from ..core.layout import address, digest, sample_unchanged, shard_count
 from ..core.threads import Pool
 from ..home.index_step import ReusedBlobsGone, given_stored, ints_json  # noqa: F401 (declared in the home layer, whose index step raises and reads them)
 from ..objects import records
@@ -499,21 +499,7 @@ class Committer:
         self._repo.home.before_commit()
         self._open_for_commit()
         meta_json = jsonvalue.dumps(metadata, "metadata")
-        # a store never accepts a commit it cannot check out
-        bad, _ = (None, None) if paths_checked else records.path_problem({c.path: {"meta": c.meta} for c in components}, leaves)
-        if bad:
-            raise InvalidNameError(f"cannot commit: {bad}")
-        for r in leaves:
-            if r.encoded is not None:  # checked by the commit that encoded it
-                continue
-            try:
-                if r.kind == "tensor":
-                    size = itemsize(r.dtype)
-                    if size is None:
-                        raise ValueError(f"unknown dtype {r.dtype!r}")
-                    check_shape(r.shape, size)
-            except ValueError as exc:
-                raise InvalidArgumentError(f"cannot commit leaf {r.path}: {exc}") from None
+        records.check_checkable(components, leaves, paths_checked)  # a store never accepts a commit it cannot check out
         known = dict(prior or {})
         unknown = [] if prior_complete else [k for k in dict.fromkeys(keys) if k not in known]
         known.update(self._repo._lookup(unknown))
